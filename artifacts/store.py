@@ -1,0 +1,277 @@
+"""A local store of immutable, content-checked stage versions.
+
+Layout: ``<root>/<stage>/<key>/`` holds one version: its files and ``manifest.json``.
+A version is built under ``<root>/<stage>/.build-<key>-<nonce>/`` and renamed into
+place only once complete and checksummed, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_KEY = re.compile(r"^[0-9a-f]{20}$")
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "pyarrow", "prefect")
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used as asked; the message names the path and the fix."""
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def version_key(stage: str, code_version: str, params: Any, inputs: dict[str, str]) -> str:
+    """The name of a stage's version: a hash of everything that decides its output —
+    the stage, its code version, its own parameters and the fingerprints of its inputs."""
+    recipe = {"stage": stage, "code": code_version, "params": params, "inputs": inputs}
+    return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()[:20]
+
+
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, algorithm).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    found = {}
+    for name in _LIBRARIES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+@dataclass(frozen=True)
+class Version:
+    stage: str
+    key: str
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.manifest.get("metrics", {})
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def describe(self) -> dict[str, Any]:
+        """The small JSON description a stage hands downstream."""
+        return {
+            "stage": self.stage,
+            "key": self.key,
+            "path": str(self.path),
+            "fingerprint": self.fingerprint,
+            "metrics": self.metrics,
+        }
+
+
+class Builder:
+    """Collects what a stage writes into its build folder."""
+
+    def __init__(self, stage: str, key: str, directory: Path):
+        self.stage, self.key, self.dir = stage, key, directory
+        self.metrics: dict[str, Any] = {}
+        self.record: dict[str, Any] = {}
+        self.fingerprint: str | None = None
+
+    def path(self, name: str) -> Path:
+        target = (self.dir / name).resolve()
+        if self.dir.resolve() not in target.parents:
+            raise StoreError(f"output name {name!r} leaves the version folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+
+class Store:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+
+    def _stage_dir(self, stage: str) -> Path:
+        if not _NAME.match(stage):
+            raise StoreError(f"invalid stage name {stage!r}: use lowercase letters, digits and _")
+        return self.root / stage
+
+    def path(self, stage: str, key: str) -> Path:
+        if not _KEY.match(key):
+            raise StoreError(f"invalid version key {key!r}: expected 20 hex digits")
+        return self._stage_dir(stage) / key
+
+    def lookup(self, stage: str, key: str) -> Version | None:
+        """The version if it exists and every file matches its manifest, else None."""
+        path = self.path(stage, key)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if manifest.get("key") != key or self.damage(path, manifest):
+            return None
+        return Version(stage, key, path, manifest)
+
+    def require(self, description: dict[str, Any]) -> Version:
+        """The upstream version a stage was handed, checked before use."""
+        version = self.lookup(description["stage"], description["key"])
+        if version is None or version.fingerprint != description["fingerprint"]:
+            raise StoreError(
+                f"the {description['stage']} version {description['key']} in {self.root} is "
+                f"missing or damaged; rerun with --refresh {description['stage']}"
+            )
+        return version
+
+    @staticmethod
+    def damage(path: Path, manifest: dict[str, Any]) -> list[str]:
+        """Names of files that are missing, resized or changed since the manifest was written."""
+        bad = []
+        for name, entry in manifest.get("files", {}).items():
+            file = path / name
+            try:
+                if file.stat().st_size != entry["bytes"] or file_digest(file) != entry["sha256"]:
+                    bad.append(name)
+            except OSError:
+                bad.append(name)
+        return bad
+
+    @contextlib.contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Serialises builders of the same version across processes."""
+        stage_dir = self._stage_dir(stage)
+        try:
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            handle = open(stage_dir / f".lock-{key}", "a+")
+        except OSError as error:
+            raise StoreError(
+                f"cannot write to the store at {self.root} ({error.strerror}); "
+                "make it writable or pick another with --store / BARDFLOW_STORE"
+            ) from None
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def produce(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        inputs: dict[str, dict[str, Any]],
+        work: Callable[[Builder], None],
+        force: bool = False,
+    ) -> tuple[Version, bool]:
+        """The version ``stage/key``: reused if a complete one exists (unless ``force``),
+        else built by ``work`` and published. Returns it and whether ``work`` ran."""
+        with self.lock(stage, key):
+            existing = self.lookup(stage, key)
+            if existing is not None and not force:
+                return existing, False
+            with self.build(stage, key, params, inputs) as builder:
+                work(builder)
+            version = self.lookup(stage, key)
+            if version is None:
+                raise StoreError(f"the {stage} version {key} did not verify after it was written")
+            return version, True
+
+    @contextlib.contextmanager
+    def build(
+        self, stage: str, key: str, params: Any, inputs: dict[str, dict[str, Any]]
+    ) -> Iterator[Builder]:
+        """Yields a builder over a private folder; on success publishes it as the version.
+
+        If the stage fails, the folder is removed and any earlier version stays as it was.
+        Callers that may race hold ``lock(stage, key)`` (``produce`` does).
+        """
+        final = self.path(stage, key)
+        scratch = final.parent / f".build-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            scratch.mkdir(parents=True)
+        except OSError as error:
+            raise StoreError(
+                f"cannot write to the store at {self.root} ({error.strerror}); "
+                "make it writable or pick another with --store / BARDFLOW_STORE"
+            ) from None
+        builder = Builder(stage, key, scratch)
+        try:
+            yield builder
+            self._seal(builder, params, inputs)
+            self._publish(scratch, final)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _seal(self, builder: Builder, params: Any, inputs: dict[str, dict[str, Any]]) -> None:
+        files = {}
+        for file in sorted(p for p in builder.dir.rglob("*") if p.is_file()):
+            name = file.relative_to(builder.dir).as_posix()
+            files[name] = {"bytes": file.stat().st_size, "sha256": file_digest(file)}
+        fingerprint = builder.fingerprint or hashlib.sha256(
+            canonical_json({n: f["sha256"] for n, f in files.items()}).encode()
+        ).hexdigest()
+        manifest = {
+            "stage": builder.stage,
+            "key": builder.key,
+            "fingerprint": fingerprint,
+            "inputs": {
+                name: {k: up[k] for k in ("stage", "key", "fingerprint")} for name, up in inputs.items()
+            },
+            "params": params,
+            "files": files,
+            "metrics": builder.metrics,
+            **builder.record,
+            "libraries": library_versions(),
+            "host": socket.gethostname(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        manifest_path = builder.dir / MANIFEST
+        with open(manifest_path, "w") as handle:
+            json.dump(manifest, handle, indent=2, sort_keys=True, default=str)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def _publish(self, scratch: Path, final: Path) -> None:
+        if final.exists():
+            previous = self.lookup(final.parent.name, final.name)
+            fresh = json.loads((scratch / MANIFEST).read_text())
+            if previous is not None and previous.fingerprint == fresh["fingerprint"]:
+                return  # same output as the version in place: keep that one untouched
+            # A refresh of the same recipe, or a damaged version being rebuilt: keep the old
+            # folder out of the way rather than deleting anything a user might still want.
+            aside = final.parent / ".replaced" / f"{final.name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            aside.parent.mkdir(exist_ok=True)
+            os.rename(final, aside)
+        os.rename(scratch, final)
+
+    def versions(self, stage: str | None = None) -> list[Version]:
+        """Every complete version in the store, newest first."""
+        found = []
+        stages = [stage] if stage else sorted(
+            p.name for p in self.root.glob("*") if p.is_dir() and _NAME.match(p.name)
+        )
+        for name in stages:
+            for path in self._stage_dir(name).glob("*"):
+                if not _KEY.match(path.name):
+                    continue
+                try:
+                    manifest = json.loads((path / MANIFEST).read_text())
+                except (OSError, ValueError):
+                    continue
+                found.append(Version(name, path.name, path, manifest))
+        return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)

@@ -1,0 +1,108 @@
+"""Publishing stage outputs to the Prefect UI, and progress for long steps.
+
+Every artifact of a stage uses the stable key ``bardflow-<stage>[-<what>]`` so the
+UI's artifact page shows one history per stage. Outside a Prefect run these
+helpers do nothing, so stages can also run as plain functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.context import TaskRunContext
+
+
+def artifact_key(stage: str, what: str = "") -> str:
+    return "-".join(part for part in ("bardflow", stage.replace("_", "-"), what) if part)
+
+
+def _in_run() -> bool:
+    return TaskRunContext.get() is not None
+
+
+def log(message: str, *args: Any) -> None:
+    """To the run's log in the UI when inside a run, else to the ``bardflow`` logger."""
+    import logging
+
+    from prefect.logging import get_run_logger
+
+    logger = get_run_logger() if _in_run() else logging.getLogger("bardflow")
+    logger.info(message, *args)
+
+
+def table(stage: str, rows: list[dict[str, Any]], description: str, what: str = "") -> None:
+    if _in_run():
+        create_table_artifact(table=rows, key=artifact_key(stage, what), description=description)
+
+
+def markdown(stage: str, text: str, description: str, what: str = "") -> None:
+    if _in_run():
+        create_markdown_artifact(markdown=text, key=artifact_key(stage, what), description=description)
+
+
+def png_markdown(title: str, png: Path) -> str:
+    """Embeds a PNG in markdown as a data URI: it renders in the UI with no network."""
+    data = base64.b64encode(png.read_bytes()).decode()
+    return f"### {title}\n\n![{title}](data:image/png;base64,{data})\n"
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+class Progress:
+    """A terminal bar plus a throttled progress artifact in the UI (each update is an
+    HTTP call of tens of milliseconds, so at most one every ``every_s`` seconds).
+    Without a terminal (a worker's log, CI) it logs every 10 % instead of drawing."""
+
+    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0):
+        self.total, self.every_s, self.label = total, every_s, label
+        self._last = 0.0
+        self._artifact = None
+        if _in_run():
+            self._artifact = create_progress_artifact(
+                progress=0.0, key=artifact_key(stage, "progress"), description=label
+            )
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            transient=False,
+            disable=not sys.stderr.isatty(),
+        )
+        self._task = self._bar.add_task(label, total=total)
+        self._bar.start()
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        self._bar.update(self._task, completed=done)
+        if self._bar.disable and done * 10 // self.total > (done - 1) * 10 // self.total:
+            log("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
+        now = time.monotonic()
+        if self._artifact is not None and (now - self._last >= self.every_s or done == self.total):
+            self._last = now
+            update_progress_artifact(self._artifact, progress=100.0 * done / self.total)
+
+    def close(self) -> None:
+        self._bar.stop()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

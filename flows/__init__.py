@@ -1,0 +1,1 @@
+"""Orchestration: the pipeline flow and the ``bardflow`` command line."""

@@ -1,0 +1,172 @@
+"""``bardflow``: the command line. A thin layer that builds typed parameters and
+calls the flow; heavy imports (Prefect, JAX) wait until the environment is set."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from flows.settings import prepare_environment, store_root
+
+STAGES = ("fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate")
+PRESETS = ("auto", "codelab", "cpu", "tiny")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bardflow",
+        description="Train a byte-level transformer on TinyShakespeare as a Prefect flow of cached, versioned stages.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the pipeline (stages already in the store come back cached)",
+                              description="Run the whole pipeline on Prefect's embedded server "
+                                          "(or the server PREFECT_API_URL points at).")
+    run.add_argument("--preset", choices=PRESETS, default="auto",
+                     help="codelab (the codelab exactly), cpu (minutes on a laptop), tiny (seconds); "
+                          "auto picks codelab on a GPU, else cpu")
+    run.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
+                                      "or the public TinyShakespeare URL)")
+    run.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
+    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
+                     help=f"rerun this stage even if cached; repeatable; one of {', '.join(STAGES)}")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                     help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
+    run.add_argument("--cpu-devices", type=int, metavar="N",
+                     help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
+    run.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
+
+    presets = commands.add_parser("presets", help="show each preset's full configuration",
+                                  description="Print the configuration of each preset (or one) as JSON.")
+    presets.add_argument("name", nargs="?", choices=PRESETS[1:])
+
+    listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
+                                  description="List the stage versions in the store, newest first.")
+    listing.add_argument("stage", nargs="?", choices=STAGES)
+    listing.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+class UsageError(ValueError):
+    pass
+
+
+# The figures worth a glance in a summary row; the manifest has them all.
+HEADLINE = {
+    "fetch": ("bytes", "md5"),
+    "encode": ("train_sequences", "val_sequences", "seq_len"),
+    "train_single": ("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    "train_parallel": ("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    "compare": ("speedup", "devices"),
+    "checkpoint": ("parameters", "bytes"),
+    "verify": ("passed", "max_abs_diff"),
+    "generate": ("samples", "bytes_per_s"),
+}
+
+
+def headline(stage: str, metrics: dict[str, Any]) -> str:
+    names = HEADLINE.get(stage) or tuple(metrics)[:4]
+    return ", ".join(f"{name}={metrics[name]}" for name in names if name in metrics)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    unknown = [s for s in args.refresh if s not in STAGES]
+    if unknown:
+        raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(STAGES)}")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UsageError("--cpu-devices must be at least 1")
+    root = store_root(args.store)
+    prepare_environment(root, args.cpu_devices)
+
+    from model.config import build_config, parse_assignment
+
+    overrides = dict(parse_assignment(text) for text in args.settings)
+    from flows.pipeline import pick_preset, pipeline
+
+    config = build_config(pick_preset(args.preset), overrides)
+    return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=str(root), refresh=args.refresh)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    root = summary["store"]
+    table = Table(title=f"bardflow run: preset {summary['preset']}, store {root}")
+    for column in ("stage", "state", "version (path under the store)", "key metrics"):
+        table.add_column(column, overflow="fold")
+    for name, stage in summary["stages"].items():
+        metrics = headline(name, stage["metrics"])
+        style = "green" if stage["state"] == "ran" else "cyan"
+        path = os.path.relpath(stage["path"], root)
+        table.add_row(name, f"[{style}]{stage['state']}", path, metrics)
+    Console().print(table)
+
+
+def _artifacts(args: argparse.Namespace) -> None:
+    from artifacts.store import Store
+
+    versions = Store(store_root(args.store)).versions(args.stage)
+    rows = []
+    for v in versions:
+        size = sum(f["bytes"] for f in v.manifest.get("files", {}).values())
+        rows.append({"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
+                     "bytes": size, "metrics": v.metrics, "path": str(v.path)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"versions in {store_root(args.store)}")
+    for column in ("stage", "key", "created", "size", "key metrics"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        metrics = headline(row["stage"], row["metrics"])
+        table.add_row(row["stage"], row["key"], row["created"], f"{row['bytes'] / 1e6:.2f} MB", metrics)
+    Console().print(table)
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """Errors that explain themselves: shown as one line, without a traceback."""
+    from artifacts.store import StoreError
+    from model.checkpoint import CheckpointError
+    from model.config import ConfigError
+    from model.data import DataError
+    from model.sampling import PromptError
+    from model.train import TrainingError
+    from tasks.fetch import FetchError
+    from tasks.verify import VerificationError
+
+    return (UsageError, ConfigError, DataError, PromptError, TrainingError, CheckpointError,
+            StoreError, FetchError, VerificationError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "presets":
+            from model.config import PRESETS as CONFIGS, build_config
+
+            names = [args.name] if args.name else list(CONFIGS)
+            print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
+        elif args.command == "artifacts":
+            _artifacts(args)
+        elif args.command == "run":
+            summary = _run(args)
+            if args.json:
+                print(json.dumps(summary, indent=1))
+            else:
+                _print_summary(summary)
+        return 0
+    except _errors() as error:
+        print(f"bardflow: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

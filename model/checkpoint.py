@@ -1,0 +1,100 @@
+"""Orbax checkpoints that carry their own model config, so restoring needs nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from model.config import ModelConfig
+from model.transformer import Transformer, build_model
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read; the message names it and how to rebuild it."""
+
+
+def save_model(path: Path, model: Transformer, cfg: ModelConfig) -> None:
+    """Saves the parameters (not the optimizer) and the config at ``path``, which must not exist."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(
+            Path(path).absolute(),
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                config=ocp.args.JsonSave(cfg.model_dump()),
+            ),
+        )
+
+
+def load_config(path: Path) -> ModelConfig:
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                Path(path).absolute(), args=ocp.args.Composite(config=ocp.args.JsonRestore())
+            )
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"cannot read the model config of checkpoint {path}: {error}") from None
+    return ModelConfig.model_validate(restored["config"])
+
+
+def load_model(path: Path, init_seed: int = 99) -> Transformer:
+    """A fresh model built from the checkpoint's own config (initialised with ``init_seed``,
+    then overwritten) holding the saved parameters."""
+    cfg = load_config(path)
+    model = build_model(cfg, init_seed)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                Path(path).absolute(),
+                args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)),
+            )
+    except Exception as error:  # Orbax raises many types for damaged files
+        raise CheckpointError(f"cannot restore checkpoint {path}: {error}") from None
+    params = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(params, restored["params"])
+    nnx.update(model, params)
+    return model
+
+
+def save_train_state(path: Path, state: nnx.State) -> None:
+    """The whole training state (model and optimizer) as one Orbax pytree."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(Path(path).absolute(), nnx.to_pure_dict(state))
+
+
+def load_train_state(path: Path, template: nnx.State) -> nnx.State:
+    """Restores onto ``template`` (a state of the right structure, e.g. from ``init_state``)."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(template)
+    )
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(Path(path).absolute(), abstract)
+    except Exception as error:  # Orbax raises many types for damaged files
+        raise CheckpointError(f"cannot restore training state {path}: {error}") from None
+    nnx.replace_by_pure_dict(template, jax.tree.map(jax.numpy.asarray, restored))
+    return template
+
+
+def params_digest(model: Transformer) -> str:
+    """A hash of every parameter's bytes: equal iff the parameters are bitwise equal."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+def max_logit_diff(a: Transformer, b: Transformer, probe: np.ndarray) -> float:
+    """Largest absolute difference between two models' logits on ``probe`` tokens."""
+    tokens = jax.numpy.asarray(probe, dtype=jax.numpy.int32)
+    return float(jax.numpy.max(jax.numpy.abs(a(tokens) - b(tokens))))

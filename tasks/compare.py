@@ -1,0 +1,112 @@
+"""Stage 5: compare single-device and data-parallel throughput; table and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from artifacts import ui
+from artifacts.store import Builder, Version
+from tasks.stage import Stage, inputs
+from tasks.train import HISTORY
+
+STAGE = Stage("compare", "1")
+TABLE, THROUGHPUT_PNG, CURVES_PNG = "comparison.json", "throughput.png", "curves.png"
+
+
+def comparison(single: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
+    devices = parallel["devices"]
+    speedup = parallel["tokens_per_s"] / single["tokens_per_s"]
+    rows = [
+        ["Global batch", single["global_batch"], parallel["global_batch"], f"{parallel['global_batch'] / single['global_batch']:.2f}x"],
+        ["Per-device batch", single["per_device_batch"], parallel["per_device_batch"], "same"],
+        ["Timed steps", single["steps"], parallel["steps"], "same" if single["steps"] == parallel["steps"] else "differs"],
+        ["ms/step", f"{single['ms_per_step']:.2f}", f"{parallel['ms_per_step']:.2f}", f"{single['ms_per_step'] / parallel['ms_per_step']:.2f}x"],
+        ["Tokens/s", f"{single['tokens_per_s']:,.0f}", f"{parallel['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
+    ]
+    note = None
+    if speedup > 1.25 * devices:
+        note = (
+            f"The measured speedup {speedup:.2f}x exceeds 1.25 x {devices} devices. On a benchmark "
+            "this small, treat that as a measurement artifact (compilation, layout, kernel "
+            "choice), not as a scaling claim."
+        )
+    elif devices == 1:
+        note = "Only one device was visible, so the data-parallel run used the same single device."
+    return {"header": ["", "1 device", f"{devices} devices", "Ratio"], "rows": rows,
+            "speedup": round(speedup, 3), "devices": devices, "note": note}
+
+
+def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Path, curves_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, works on a headless worker
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    labels = [label for label, _, _ in runs]
+    values = [tps for _, _, tps in runs]
+    bars = ax.barh(labels, values, color=["#0969da", "#1a7f37"])
+    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=4)
+    ax.set_xlabel("tokens/s (higher is better)")
+    ax.set_title("Training throughput")
+    ax.set_xlim(0, max(values) * 1.25)
+    fig.tight_layout()
+    fig.savefig(throughput_png, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+    fig, (loss_ax, ppl_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for label, history, _ in runs:
+        millions = [h["tokens"] / 1e6 for h in history]
+        loss_ax.plot(millions, [h["loss"] for h in history], "o-", markersize=3, label=label)
+        ppl_ax.plot(millions, [h["perplexity"] for h in history], "o-", markersize=3, label=label)
+    for ax, name in ((loss_ax, "Loss"), (ppl_ax, "Perplexity")):
+        ax.set_xlabel("Tokens processed (millions)")
+        ax.set_ylabel(name)
+        ax.set_title(f"Training {name.lower()}")
+        ax.grid(True, alpha=0.25)
+        ax.legend()
+    fig.suptitle("Training curves vs tokens processed")
+    fig.tight_layout()
+    fig.savefig(curves_png, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _history(version: Version) -> list[dict[str, Any]]:
+    return json.loads(version.file(HISTORY).read_text())
+
+
+@STAGE.task
+def compare(params: dict, upstream: dict, store: str, force: bool = False) -> dict:
+    runs = inputs(store, upstream)
+    single, parallel = runs["train_single"], runs["train_parallel"]
+
+    def work(out: Builder) -> None:
+        result = comparison(single.metrics, parallel.metrics)
+        out.path(TABLE).write_text(json.dumps(result, indent=1))
+        devices = result["devices"]
+        plot(
+            [("1 device", _history(single), single.metrics["tokens_per_s"]),
+             (f"{devices} devices", _history(parallel), parallel.metrics["tokens_per_s"])],
+            out.path(THROUGHPUT_PNG),
+            out.path(CURVES_PNG),
+        )
+        out.metrics.update({"speedup": result["speedup"], "devices": devices})
+        ui.table(
+            STAGE.name,
+            [dict(zip(result["header"], row)) for row in result["rows"]],
+            description=f"Throughput comparison: {result['speedup']:.2f}x tokens/s on {devices} device(s)"
+            + (f". {result['note']}" if result["note"] else ""),
+        )
+        ui.markdown(
+            STAGE.name,
+            ui.markdown_table(result["header"], result["rows"])
+            + (f"\n> {result['note']}\n" if result["note"] else "")
+            + "\n" + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
+            + "\n" + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
+            description="Throughput and training curves",
+            what="plots",
+        )
+
+    return STAGE.produce(params, upstream, store, force, work)

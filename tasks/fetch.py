@@ -1,0 +1,100 @@
+"""Stage 1: fetch the corpus from an https URL, a file:// URL or a local path, and
+check its md5. The version is keyed on the checksum alone: the same bytes from a
+mirror are the same corpus."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from artifacts import ui
+from artifacts.store import Builder, file_digest
+from model.config import DataConfig
+from tasks.stage import Stage
+
+STAGE = Stage("fetch", "1", key_params=lambda p: {"md5": p.md5})
+CORPUS = "corpus.txt"
+ATTEMPTS = 4
+TIMEOUT_S = 30.0
+
+
+class FetchError(RuntimeError):
+    """The corpus could not be fetched or is not the expected file."""
+
+
+def _copy_local(path: Path, target: Path) -> None:
+    try:
+        shutil.copyfile(path, target)
+    except FileNotFoundError:
+        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS") from None
+    except IsADirectoryError:
+        raise FetchError(f"corpus path {path} is a folder; point --corpus at the text file") from None
+    except PermissionError:
+        raise FetchError(f"corpus file {path} is not readable; fix its permissions") from None
+
+
+def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float = TIMEOUT_S) -> None:
+    """Downloads with a per-request timeout and exponential backoff on transient errors."""
+    last: Exception | None = None
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(2 ** (attempt - 1))
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response, open(target, "wb") as out:
+                shutil.copyfileobj(response, out, 1 << 20)
+            return
+        except urllib.error.HTTPError as error:
+            last = error
+            if error.code < 500 and error.code != 429:
+                break  # the server said no; asking again will not change that
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            last = error
+    reason = getattr(last, "reason", last)
+    raise FetchError(
+        f"could not download {url} ({reason}) after {attempt + 1} attempt(s); check the network, "
+        "or pass a local copy with --corpus PATH or a mirror with --corpus file:///PATH"
+    )
+
+
+def fetch_to(source: str, target: Path) -> None:
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme in ("http", "https"):
+        _download(source, target)
+    elif parsed.scheme == "file":
+        _copy_local(Path(urllib.request.url2pathname(parsed.path)), target)
+    elif parsed.scheme == "" or len(parsed.scheme) == 1:  # a path (or a Windows drive letter)
+        _copy_local(Path(source).expanduser(), target)
+    else:
+        raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL or a path")
+
+
+@STAGE.task
+def fetch(params: DataConfig, store: str, force: bool = False, upstream: dict | None = None) -> dict:
+    def work(out: Builder) -> None:
+        target = out.path(CORPUS)
+        fetch_to(params.corpus, target)
+        actual = file_digest(target, "md5")
+        if actual != params.md5:
+            raise FetchError(
+                f"md5 mismatch for {params.corpus}: expected {params.md5}, got {actual}; "
+                "check the source, or if this is the corpus you want, set data.md5 to "
+                f"{actual} (--set data.md5={actual})"
+            )
+        size = target.stat().st_size
+        if size == 0:
+            raise FetchError(f"the corpus at {params.corpus} is empty; point --corpus at a text file")
+        out.metrics.update({"bytes": size, "md5": actual})
+        out.record["source"] = params.corpus
+        ui.table(
+            STAGE.name,
+            [{"source": params.corpus, "bytes": size, "md5": actual}],
+            description=f"Corpus fetched: {size:,} bytes, md5 verified",
+        )
+
+    description = STAGE.produce(params, {}, store, force, work)
+    ui.log("corpus %s: %s bytes", description["key"], description["metrics"]["bytes"])
+    return description

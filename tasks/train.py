@@ -1,0 +1,124 @@
+"""Stages 3 and 4: train on the first device, then data-parallel on every device.
+
+Both run the same compiled step and loop (``model.train``); only the placement
+differs. The version holds the final training state (Orbax), the loss history and
+the throughput figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+from pydantic import BaseModel, ConfigDict
+
+from artifacts import ui
+from artifacts.store import Builder, canonical_json
+from model.checkpoint import params_digest, save_train_state
+from model.config import ModelConfig, TrainConfig
+from model.data import Batches, read_sequences
+from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
+from tasks.encode import TRAIN, VAL
+from tasks.stage import Stage, inputs
+
+SINGLE = Stage("train_single", "1")
+PARALLEL = Stage("train_parallel", "1")
+STATE, HISTORY = "state", "history.json"
+
+
+class TrainingRequest(BaseModel):
+    """What a training stage needs; ``devices`` and ``platform`` are part of the
+    version key, since the same recipe on other hardware is another measurement."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: ModelConfig
+    train: TrainConfig
+    devices: int
+    platform: str
+
+
+def hardware() -> tuple[int, str]:
+    return len(jax.devices()), jax.default_backend()
+
+
+def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, force: bool) -> dict:
+    data = inputs(store, upstream)["encode"]
+
+    def work(out: Builder) -> None:
+        visible, platform = hardware()
+        if stage is PARALLEL and (visible, platform) != (request.devices, request.platform):
+            raise TrainingError(
+                f"this process sees {visible} {platform} device(s) but the run asked for "
+                f"{request.devices} {request.platform}; start the run where those devices are visible"
+            )
+        devices = jax.devices() if stage is PARALLEL else jax.devices()[:1]
+        placement = Placement.data_parallel(devices) if stage is PARALLEL else Placement.single(devices[0])
+        if stage is PARALLEL and len(devices) == 1:
+            ui.log("train_parallel: only one device is visible, so this run is not data-parallel")
+        global_batch = request.train.per_device_batch * len(devices)
+        train_rows, _ = read_sequences(data.file(TRAIN))
+        val_rows, _ = read_sequences(data.file(VAL))
+        graphdef, state = init_state(request.model, request.train)
+        label = f"{stage.name} ({len(devices)} {platform} device{'s' if len(devices) > 1 else ''}, batch {global_batch})"
+        with ui.Progress(stage.name, request.train.steps, label) as progress:
+            result = train(
+                graphdef,
+                state,
+                Batches(train_rows, global_batch),
+                val_batches(val_rows, global_batch, multiple=len(devices)),
+                placement,
+                request.train,
+                on_step=progress,
+            )
+        model = model_from_state(graphdef, result.state)
+        save_train_state(out.path(STATE), jax.device_get(result.state))
+        out.path(HISTORY).write_text(json.dumps(result.history, indent=1))
+        metrics = {**result.metrics(), "per_device_batch": request.train.per_device_batch,
+                   "seq_len": result.seq_len, "platform": platform}
+        out.metrics.update(metrics)
+        out.record["devices"] = [str(d) for d in devices]
+        out.fingerprint = hashlib.sha256(
+            (params_digest(model) + canonical_json(result.history) + canonical_json(metrics)).encode()
+        ).hexdigest()
+        _publish(stage, result.history, metrics)
+
+    return stage.produce(request, upstream, store, force, work)
+
+
+def _publish(stage: Stage, history: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+    rows = [
+        {"step": h["step"], "loss": round(h["loss"], 4), "perplexity": round(h["perplexity"], 2),
+         "tokens": h["tokens"]}
+        for h in history
+    ]
+    ui.table(
+        stage.name,
+        rows,
+        description=(
+            f"{stage.name}: {metrics['tokens_per_s']:,.0f} tokens/s, {metrics['ms_per_step']:.1f} ms/step, "
+            f"{metrics['devices']} device(s), global batch {metrics['global_batch']}, "
+            f"val loss {metrics['val_loss']:.4f}, compile {metrics['compile_s']:.1f} s"
+        ),
+    )
+
+
+@SINGLE.task
+def train_single(params: TrainingRequest, upstream: dict, store: str, force: bool = False) -> dict:
+    return _run(SINGLE, params, upstream, store, force)
+
+
+@PARALLEL.task
+def train_parallel(params: TrainingRequest, upstream: dict, store: str, force: bool = False) -> dict:
+    return _run(PARALLEL, params, upstream, store, force)
+
+
+def trained_model(version):
+    """The model at the end of a training version, rebuilt from its own recorded request."""
+    from model.checkpoint import load_train_state
+
+    request = TrainingRequest.model_validate(version.manifest["params"])
+    graphdef, template = init_state(request.model, request.train)
+    state = load_train_state(version.file(STATE), template)
+    return model_from_state(graphdef, state), request

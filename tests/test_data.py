@@ -1,0 +1,66 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from model.data import Batches, DataError, encode, read_sequences, write_sequences
+
+
+def test_encoding_is_the_bytes_cut_into_windows(small_corpus):
+    path, _ = small_corpus
+    raw = path.read_bytes()
+    split = encode(raw, seq_len=64, train_fraction=0.9, seed=0)
+    windows = np.frombuffer(raw, np.uint8)[: (len(raw) // 64) * 64].reshape(-1, 64)
+    # validation keeps corpus order; training holds exactly the other windows, reordered
+    np.testing.assert_array_equal(split.val, windows[len(split.train):])
+    assert sorted(map(bytes, split.train)) == sorted(map(bytes, windows[: len(split.train)]))
+    assert bytes(split.val[0]).decode() in raw.decode()
+
+
+def test_split_sizes_are_ninety_ten():
+    split = encode(b"x" * (256 * 1000 + 17), seq_len=256, train_fraction=0.9, seed=0)
+    assert (len(split.train), len(split.val)) == (900, 100)
+    codelab = encode(b"y" * 1_115_394, seq_len=256, train_fraction=0.9, seed=0)
+    assert (len(codelab.train), len(codelab.val)) == (3921, 436)
+
+
+def test_shuffle_is_deterministic_per_seed(small_corpus):
+    raw = small_corpus[0].read_bytes()
+    a, b, c = (encode(raw, 32, 0.9, seed).train for seed in (0, 0, 1))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_too_short_a_corpus_is_refused_with_the_fix():
+    with pytest.raises(DataError, match="too few .* smaller data.seq_len"):
+        encode(b"short text", seq_len=256, train_fraction=0.9, seed=0)
+
+
+def test_arrow_files_keep_shape_schema_and_metadata(tmp_path, small_corpus):
+    split = encode(small_corpus[0].read_bytes(), 32, 0.9, 0)
+    path = tmp_path / "train.arrow"
+    write_sequences(path, split.train, {"seq_len": "32", "shuffle_seed": "0", "split": "train"})
+    schema = pa.ipc.open_file(pa.memory_map(str(path))).schema
+    assert schema.field("tokens").type == pa.list_(pa.uint8(), 32)
+    rows, metadata = read_sequences(path)
+    np.testing.assert_array_equal(rows, split.train)
+    assert metadata == {"seq_len": "32", "shuffle_seed": "0", "split": "train"}
+    assert not rows.flags.writeable  # a view of the mapped file, not a copy
+
+
+def test_a_truncated_arrow_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "train.arrow"
+    write_sequences(path, np.zeros((10, 8), np.uint8), {})
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(DataError, match="rerun the encode stage"):
+        read_sequences(path)
+
+
+def test_batches_cycle_by_step():
+    rows = np.arange(10 * 4, dtype=np.uint8).reshape(10, 4)
+    batches = Batches(rows, batch_size=3)
+    assert batches.num_batches == 3
+    np.testing.assert_array_equal(batches(0), rows[0:3])
+    np.testing.assert_array_equal(batches(4), rows[3:6])  # step 4 -> batch 1
+    assert batches(0).dtype == np.int32
+    with pytest.raises(DataError, match="fewer than one batch"):
+        Batches(rows, batch_size=11)

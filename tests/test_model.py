@@ -1,0 +1,37 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import ModelConfig, build_config
+from model.transformer import build_model, count_params
+
+
+def test_codelab_config_has_the_codelab_parameter_count():
+    assert count_params(build_model(build_config("codelab").model, seed=0)) == 3_356_160
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+def test_logits_have_one_distribution_per_position(preset):
+    cfg = build_config(preset).model
+    logits = build_model(cfg, seed=0)(jnp.zeros((3, 16), jnp.int32))
+    assert logits.shape == (3, 16, cfg.vocab_size)
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_changing_a_later_token_never_changes_earlier_logits():
+    cfg = ModelConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2, max_seq_len=24)
+    model = build_model(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
+    base = np.asarray(model(tokens))
+    for position in (5, 17, 23):
+        changed = tokens.at[:, position].set((tokens[:, position] + 1) % 256)
+        out = np.asarray(model(changed))
+        np.testing.assert_array_equal(out[:, :position], base[:, :position])
+        assert np.abs(out[:, position:] - base[:, position:]).max() > 0  # the change is seen later
+
+
+def test_different_seeds_give_different_models():
+    cfg = build_config("tiny").model
+    tokens = jnp.arange(8)[None]
+    assert not np.allclose(build_model(cfg, 0)(tokens), build_model(cfg, 1)(tokens))

@@ -1,0 +1,106 @@
+import json
+
+import pytest
+
+from artifacts.store import MANIFEST, Store, StoreError, version_key
+
+
+def write(text):
+    def work(out):
+        out.path("a.txt").write_text(text)
+        out.path("sub/b.bin").write_bytes(b"\x00\x01")
+        out.metrics["n"] = len(text)
+
+    return work
+
+
+def test_version_key_changes_with_every_ingredient():
+    base = version_key("encode", "1", {"seq_len": 256}, {"fetch": "abc"})
+    assert base == version_key("encode", "1", {"seq_len": 256}, {"fetch": "abc"})
+    assert len({
+        base,
+        version_key("encode", "2", {"seq_len": 256}, {"fetch": "abc"}),
+        version_key("encode", "1", {"seq_len": 128}, {"fetch": "abc"}),
+        version_key("encode", "1", {"seq_len": 256}, {"fetch": "abd"}),
+        version_key("fetch", "1", {"seq_len": 256}, {"fetch": "abc"}),
+    }) == 5
+
+
+def test_produce_publishes_a_checksummed_version_then_reuses_it(tmp_path):
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    version, ran = store.produce("demo", key, {"p": 1}, {}, write("hello"))
+    assert ran and version.path == tmp_path / "demo" / key
+    manifest = json.loads((version.path / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"a.txt", "sub/b.bin"}
+    assert manifest["params"] == {"p": 1} and manifest["metrics"] == {"n": 5}
+    assert {"jax", "prefect", "pyarrow"} <= set(manifest["libraries"])
+    again, ran = store.produce("demo", key, {"p": 1}, {}, write("other"))
+    assert not ran and again.fingerprint == version.fingerprint
+    assert (again.path / "a.txt").read_text() == "hello"
+
+
+def test_a_failing_stage_leaves_nothing_and_keeps_the_earlier_version(tmp_path):
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    store.produce("demo", key, {}, {}, write("first"))
+
+    def crash(out):
+        out.path("a.txt").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        store.produce("demo", key, {}, {}, crash, force=True)
+    other = version_key("demo", "1", {"x": 1}, {})
+    with pytest.raises(RuntimeError):
+        store.produce("demo", other, {}, {}, crash)
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir() if not p.name.startswith(".lock")) == [key]
+    assert (store.lookup("demo", key).path / "a.txt").read_text() == "first"
+
+
+def test_damaged_or_missing_files_make_a_version_invisible(tmp_path):
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    version, _ = store.produce("demo", key, {}, {}, write("hello"))
+    (version.path / "sub" / "b.bin").write_bytes(b"\x00\x02")  # same size, flipped bit
+    assert store.lookup("demo", key) is None
+    with pytest.raises(StoreError, match="--refresh demo"):
+        store.require(version.describe())
+    rebuilt, ran = store.produce("demo", key, {}, {}, write("hello"))
+    assert ran and store.lookup("demo", key) is not None
+    (rebuilt.path / "a.txt").unlink()
+    assert store.lookup("demo", key) is None
+
+
+def test_refresh_with_the_same_output_keeps_the_version_and_new_output_replaces_it(tmp_path):
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    first, _ = store.produce("demo", key, {}, {}, write("same"))
+    created = first.manifest["created"]
+    kept, ran = store.produce("demo", key, {}, {}, write("same"), force=True)
+    assert ran and kept.manifest["created"] == created and not (tmp_path / "demo" / ".replaced").exists()
+    changed, _ = store.produce("demo", key, {}, {}, write("new"), force=True)
+    assert changed.fingerprint != first.fingerprint
+    assert len(list((tmp_path / "demo" / ".replaced").iterdir())) == 1  # the old one is set aside
+
+
+@pytest.mark.parametrize("stage, key", [("../etc", "0" * 20), ("demo", "../../x"), ("Demo", "0" * 20)])
+def test_names_cannot_leave_the_store(tmp_path, stage, key):
+    with pytest.raises(StoreError):
+        Store(tmp_path).path(stage, key)
+
+
+def test_an_unwritable_store_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # a file where the store's folder would go: writes fail, even as root
+    with pytest.raises(StoreError, match="cannot write to the store .* --store"):
+        Store(blocker / "store").produce("demo", "0" * 20, {}, {}, write("x"))
+
+
+def test_versions_lists_newest_first(tmp_path):
+    store = Store(tmp_path)
+    for text in ("a", "bb"):
+        store.produce("demo", version_key("demo", "1", {"t": text}, {}), {}, {}, write(text))
+    listed = store.versions()
+    assert [v.metrics["n"] for v in listed] in ([2, 1], [1, 2])  # same second: any order
+    assert all(v.stage == "demo" for v in listed) and len(listed) == 2

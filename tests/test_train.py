@@ -1,0 +1,65 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from model.config import build_config
+from model.data import Batches, encode
+from model.train import Placement, TrainingError, init_state, make_train_step, train, val_batches
+
+TINY = build_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def split():
+    from tests.conftest import play_text
+
+    return encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
+
+
+def test_loss_falls_on_tiny(split):
+    cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10})
+    graphdef, state = init_state(TINY.model, cfg)
+    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8),
+                   Placement.single(jax.devices()[0]), cfg)
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    assert first > 5.0  # about ln(256) at initialisation
+    assert last < first - 1.5
+    assert np.isfinite(result.val_loss) and result.val_loss < first
+    assert [h["step"] for h in result.history] == [0, 10, 20, 30, 40, 50, 59]
+    assert result.tokens_per_s > 0 and result.compile_s > 0
+
+
+def test_data_parallel_step_really_shards_and_matches_one_device(split):
+    devices = jax.devices()
+    assert len(devices) == 2, "conftest asks for 2 emulated CPU devices"
+    batch = split.train[:8].astype(np.int32)
+
+    graphdef, state = init_state(TINY.model, TINY.train)
+    one = Placement.single(devices[0])
+    _, loss_one = make_train_step(graphdef)(one.put_state(state), one.put_batch(batch))
+
+    graphdef, state = init_state(TINY.model, TINY.train)
+    dp = Placement.data_parallel(devices)
+    tokens = dp.put_batch(batch)
+    assert isinstance(tokens.sharding, NamedSharding) and tuple(tokens.sharding.spec) == ("data",)
+    assert {shard.data.shape for shard in tokens.addressable_shards} == {(4, batch.shape[1])}
+    step = make_train_step(graphdef, dp.state_sharding, dp.batch_sharding)
+    new_state, loss_dp = step(dp.put_state(state), tokens)
+    for leaf in jax.tree.leaves(new_state):
+        assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 2
+    np.testing.assert_allclose(float(loss_dp), float(loss_one), rtol=1e-6)
+
+
+def test_a_diverging_loss_stops_with_the_step(split):
+    cfg = TINY.train.model_copy(update={"steps": 5, "log_every": 1, "learning_rate": 1e30})
+    graphdef, state = init_state(TINY.model, cfg)
+    with pytest.raises(TrainingError, match=r"at step \d+; lower train.learning_rate"):
+        train(graphdef, state, Batches(split.train, 4), [], Placement.single(jax.devices()[0]), cfg)
+
+
+def test_val_batches_shard_evenly():
+    val = np.zeros((7, 4), np.uint8)
+    assert [b.shape for b in val_batches(val, 4, multiple=2)] == [(4, 4)]
+    assert [b.shape for b in val_batches(val[:3], 4, multiple=2)] == [(2, 4)]
+    assert val_batches(val[:1], 4, multiple=2) == []
