@@ -34,7 +34,8 @@ def comparison(single: dict[str, Any], parallel: dict[str, Any]) -> dict[str, An
         )
     elif devices == 1:
         note = "Only one device was visible, so the data-parallel run used the same single device."
-    return {"header": ["", "1 device", f"{devices} devices", "Ratio"], "rows": rows,
+    return {"header": ["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
+            "rows": rows,
             "speedup": round(speedup, 3), "devices": devices, "note": note}
 
 
@@ -61,6 +62,7 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Pa
         millions = [h["tokens"] / 1e6 for h in history]
         loss_ax.plot(millions, [h["loss"] for h in history], "o-", markersize=3, label=label)
         ppl_ax.plot(millions, [h["perplexity"] for h in history], "o-", markersize=3, label=label)
+    ppl_ax.set_yscale("log")  # from ~256 at initialisation down to single digits
     for ax, name in ((loss_ax, "Loss"), (ppl_ax, "Perplexity")):
         ax.set_xlabel("Tokens processed (millions)")
         ax.set_ylabel(name)
@@ -87,8 +89,8 @@ def compare(params: dict, upstream: dict, store: str, force: bool = False) -> di
         out.path(TABLE).write_text(json.dumps(result, indent=1))
         devices = result["devices"]
         plot(
-            [("1 device", _history(single), single.metrics["tokens_per_s"]),
-             (f"{devices} devices", _history(parallel), parallel.metrics["tokens_per_s"])],
+            [("single device", _history(single), single.metrics["tokens_per_s"]),
+             (result["header"][2], _history(parallel), parallel.metrics["tokens_per_s"])],
             out.path(THROUGHPUT_PNG),
             out.path(CURVES_PNG),
         )
