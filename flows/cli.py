@@ -48,7 +48,21 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("stage", nargs="?", choices=STAGES)
     listing.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
+                             description="Start `prefect server start` with bardflow's settings "
+                                         "(bound to 127.0.0.1, no telemetry) in the foreground.")
+    ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ui.add_argument("--port", type=int, default=4200)
     return parser
+
+
+def _ui(args: argparse.Namespace) -> None:
+    prepare_environment()
+    url = f"http://{args.host}:{args.port}"
+    print(f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\n"
+          f"Runs use it with: export PREFECT_API_URL={url}/api", flush=True)
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
+    os.execv(sys.executable, command)
 
 
 class UsageError(ValueError):
@@ -80,7 +94,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError("--cpu-devices must be at least 1")
     root = store_root(args.store)
-    prepare_environment(root, args.cpu_devices)
+    prepare_environment(args.cpu_devices)
 
     from model.config import build_config, parse_assignment
 
@@ -156,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
         elif args.command == "artifacts":
             _artifacts(args)
+        elif args.command == "ui":
+            _ui(args)
         elif args.command == "run":
             summary = _run(args)
             if args.json:

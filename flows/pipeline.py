@@ -19,7 +19,9 @@ from prefect.logging import get_run_logger
 
 from artifacts.store import Store
 from flows.settings import store_root
-from model.config import PipelineConfig, build_config
+from pydantic import ValidationError
+
+from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
 from tasks.checkpoint import checkpoint
 from tasks.compare import compare
 from tasks.encode import encode
@@ -51,9 +53,12 @@ class StageRunner:
         stage = stage_task.stage
         forced = stage.name in self.refresh
         intact = self.store.lookup(stage.name, stage.key(params, upstream)) is not None
-        state = stage_task.with_options(refresh_cache=forced or not intact)(
-            params=params, upstream=upstream, store=str(self.store.root), force=forced, return_state=True
-        )
+        state = stage_task.with_options(
+            refresh_cache=forced or not intact,
+            # Cache records live beside the versions they describe: whoever points at the
+            # same store (a local run, a worker) shares the cache, and nothing else does.
+            result_storage=self.store.root / ".prefect-results",
+        )(params=params, upstream=upstream, store=str(self.store.root), force=forced, return_state=True)
         description = state.result()  # raises the stage's own error if it failed
         cached = state.name == "Cached" or not description.get("ran", True)
         self.summary[stage.name] = {
@@ -65,18 +70,9 @@ class StageRunner:
         return description
 
 
-@flow(name="bardflow", log_prints=True, persist_result=False)
-def pipeline(
-    preset: Preset = "auto",
-    config: PipelineConfig | None = None,
-    corpus: str | None = None,
-    store: str | None = None,
-    refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
-) -> dict[str, Any]:
-    """Fetch, encode, train on one device and on all, compare, checkpoint, verify, generate.
-
-    ``config`` overrides the preset entirely when given; ``corpus`` overrides its source.
-    """
+def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
+               refresh: list[str]) -> dict[str, Any]:
+    """The pipeline's story; both flows below tell it."""
     logger = get_run_logger()
     chosen = pick_preset(preset)
     config = config or build_config(chosen)
@@ -97,3 +93,51 @@ def pipeline(
     run(generate, config.generate, checkpoint=saved)
 
     return {"preset": chosen, "store": str(run.store.root), "stages": run.summary}
+
+
+@flow(name="bardflow", log_prints=True, persist_result=False)
+def pipeline(
+    preset: Preset = "auto",
+    config: PipelineConfig | None = None,
+    corpus: str | None = None,
+    store: str | None = None,
+    refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
+) -> dict[str, Any]:
+    """Fetch, encode, train on one device and on all, compare, checkpoint, verify, generate.
+
+    ``config`` overrides the preset entirely when given; ``corpus`` overrides its source.
+    """
+    return run_stages(preset, config, corpus, store, list(refresh))
+
+
+@flow(name="bardflow", log_prints=True, persist_result=False)
+def samples(
+    prompts: list[str] | None = None,
+    temperature: float | None = None,
+    max_new_bytes: int | None = None,
+    seed: int | None = None,
+    preset: Preset = "auto",
+    corpus: str | None = None,
+    store: str | None = None,
+) -> dict[str, Any]:
+    """New samples from the trained model. Every stage before ``generate`` comes from the
+    cache when it is there (training runs only if nothing is cached); a setting left empty
+    keeps the preset's value."""
+    base = build_config(pick_preset(preset))
+    changes: dict[str, Any] = {}
+    if prompts is not None:
+        default_temperature = base.generate.prompts[0].temperature
+        changes["prompts"] = tuple(Prompt(text=t, temperature=default_temperature) for t in prompts)
+    if temperature is not None:
+        chosen = changes.get("prompts", base.generate.prompts)
+        changes["prompts"] = tuple(p.model_copy(update={"temperature": temperature}) for p in chosen)
+    if max_new_bytes is not None:
+        changes["max_new_bytes"] = max_new_bytes
+    if seed is not None:
+        changes["seed"] = seed
+    try:
+        generate_config = GenerateConfig.model_validate({**base.generate.model_dump(), **changes})
+    except ValidationError as error:
+        raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from None
+    config = base.model_copy(update={"generate": generate_config})
+    return run_stages(preset, config, corpus, store, [])

@@ -13,13 +13,10 @@ def store_root(store: str | None = None) -> Path:
     return Path(store or os.environ.get("BARDFLOW_STORE") or DEFAULT_STORE).expanduser().resolve()
 
 
-def prepare_environment(store: Path, cpu_devices: int | None = None) -> None:
+def prepare_environment(cpu_devices: int | None = None) -> None:
     """Defaults that make a local run work offline on a small machine; anything the
     user already set wins."""
     defaults = {
-        # The cache records live beside the versions they describe, so a store moved
-        # or shared (a GPU worker, a CI cache) carries its cache with it.
-        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(store / ".prefect-results"),
         # A fresh embedded server migrates its database first: 20 s is too short on 2 cores.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
