@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 def _ui(args: argparse.Namespace) -> None:
     prepare_environment()
     url = f"http://{args.host}:{args.port}"
+    # The UI's browser code asks the server where its API is; tell it this port, not 4200.
+    os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
+    os.environ.setdefault("PREFECT_SERVER_API_HOST", args.host)
+    os.environ.setdefault("PREFECT_SERVER_API_PORT", str(args.port))
     print(f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\n"
           f"Runs use it with: export PREFECT_API_URL={url}/api", flush=True)
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]

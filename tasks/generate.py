@@ -44,7 +44,7 @@ def generate(params: GenerateConfig, upstream: dict, store: str, force: bool = F
                 f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n"
                 for s in samples
             ),
-            description=f"{len(samples)} samples of {params.max_new_bytes} new bytes",
+            description=f"{len(samples)} sample{'s' if len(samples) > 1 else ''} of {params.max_new_bytes} new bytes",
         )
 
     return STAGE.produce(params, upstream, store, force, work)
