@@ -116,6 +116,11 @@ class Store:
             raise StoreError(f"invalid version key {key!r}: expected 20 hex digits")
         return self._stage_dir(stage) / key
 
+    def resume_dir(self, stage: str, key: str) -> Path:
+        """Where an interrupted build of ``stage/key`` keeps what it needs to pick up again.
+        Stable across processes (unlike build folders); removed once the version is published."""
+        return self.path(stage, key).parent / f".resume-{key}"
+
     def lookup(self, stage: str, key: str) -> Version | None:
         """The version if it exists and every file matches its manifest, else None."""
         path = self.path(stage, key)
@@ -184,11 +189,14 @@ class Store:
             existing = self.lookup(stage, key)
             if existing is not None and not force:
                 return existing, False
+            for stale in self.path(stage, key).parent.glob(f".build-{key}-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # left by a process that died: we hold the lock
             with self.build(stage, key, params, inputs) as builder:
                 work(builder)
             version = self.lookup(stage, key)
             if version is None:
                 raise StoreError(f"the {stage} version {key} did not verify after it was written")
+            shutil.rmtree(self.resume_dir(stage, key), ignore_errors=True)
             return version, True
 
     @contextlib.contextmanager

@@ -10,6 +10,7 @@ or when its version folder is missing or damaged.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Literal
 
@@ -35,6 +36,27 @@ StageName = Literal["fetch", "encode", "train_single", "train_parallel", "compar
 Preset = Literal["auto", "codelab", "cpu", "tiny"]
 
 
+OWN_PACKAGES = {"model", "tasks", "artifacts", "flows"}
+
+
+class ExplainedErrorFilter(logging.Filter):
+    """Our own errors (bad input, damaged files) name the problem and the fix in their
+    message; a traceback in the log would only bury that line. Other errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and type(error).__module__.split(".")[0] in OWN_PACKAGES:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_explained_errors() -> None:
+    loggers = [logging.getLogger(name) for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs")]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if not any(isinstance(f, ExplainedErrorFilter) for f in handler.filters):
+            handler.addFilter(ExplainedErrorFilter())
+
+
 def pick_preset(preset: str) -> str:
     if preset != "auto":
         return preset
@@ -52,7 +74,10 @@ class StageRunner:
     def __call__(self, stage_task, params: Any, **upstream: dict[str, Any]) -> dict[str, Any]:
         stage = stage_task.stage
         forced = stage.name in self.refresh
-        intact = self.store.lookup(stage.name, stage.key(params, upstream)) is not None
+        key = stage.key(params, upstream)
+        intact = self.store.lookup(stage.name, key) is not None
+        if not intact and self.store.path(stage.name, key).exists():
+            get_run_logger().warning("%s version %s is damaged or incomplete: rebuilding it", stage.name, key)
         state = stage_task.with_options(
             refresh_cache=forced or not intact,
             # Cache records live beside the versions they describe: whoever points at the
@@ -73,6 +98,7 @@ class StageRunner:
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
                refresh: list[str]) -> dict[str, Any]:
     """The pipeline's story; both flows below tell it."""
+    quiet_explained_errors()
     logger = get_run_logger()
     chosen = pick_preset(preset)
     config = config or build_config(chosen)

@@ -98,3 +98,54 @@ def max_logit_diff(a: Transformer, b: Transformer, probe: np.ndarray) -> float:
     """Largest absolute difference between two models' logits on ``probe`` tokens."""
     tokens = jax.numpy.asarray(probe, dtype=jax.numpy.int32)
     return float(jax.numpy.max(jax.numpy.abs(a(tokens) - b(tokens))))
+
+
+class TrainingCheckpoints:
+    """Periodic, resumable training checkpoints: the whole state plus the loop's own
+    record (step, data position, loss history, time spent), the last ``keep`` of them.
+
+    Saves are asynchronous: ``save`` returns once the arrays are copied off the
+    devices, and Orbax writes into a temporary folder that it renames only when
+    complete, so ``latest`` never sees half a checkpoint, whenever the process dies.
+    """
+
+    def __init__(self, directory: Path, keep: int):
+        self.manager = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+                enable_async_checkpointing=True,
+                create=True,
+            ),
+        )
+
+    def save(self, step: int, state: nnx.State, record: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(nnx.to_pure_dict(state)), record=ocp.args.JsonSave(record)
+            ),
+        )
+
+    def latest(self, template: nnx.State) -> tuple[nnx.State, dict] | None:
+        """The newest complete checkpoint restored onto ``template``, or None."""
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(template))
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
+            )
+        except Exception as error:  # Orbax raises many types for damaged files
+            raise CheckpointError(
+                f"cannot restore the training checkpoint at step {step} in {self.manager.directory}: "
+                f"{error}; delete that folder to train from the start"
+            ) from None
+        nnx.replace_by_pure_dict(template, jax.tree.map(jax.numpy.asarray, restored["state"]))
+        return template, restored["record"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

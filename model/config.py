@@ -55,6 +55,8 @@ class TrainConfig(_Section):
     weight_decay: float = Field(1e-4, ge=0.0)
     log_every: int = Field(100, gt=0, description="record loss every N steps")
     init_seed: int = 1
+    checkpoint_every: int = Field(100, gt=0, description="save a resumable checkpoint every N steps")
+    keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
 
 
 class Prompt(_Section):
@@ -98,14 +100,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "data": {"seq_len": 128},
         "model": {"d_model": 128, "num_heads": 4, "ffn_dim": 512, "num_layers": 2, "max_seq_len": 128},
-        "train": {"steps": 800, "per_device_batch": 16, "learning_rate": 3e-3, "log_every": 50},
+        "train": {"steps": 800, "per_device_batch": 16, "learning_rate": 3e-3, "log_every": 50, "checkpoint_every": 200},
         "generate": {"max_new_bytes": 100},
     },
     # Seconds, for tests.
     "tiny": {
         "data": {"seq_len": 32},
         "model": {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "max_seq_len": 32},
-        "train": {"steps": 20, "per_device_batch": 4, "learning_rate": 3e-3, "log_every": 5},
+        "train": {"steps": 20, "per_device_batch": 4, "learning_rate": 3e-3, "log_every": 5, "checkpoint_every": 10},
         "generate": {"max_new_bytes": 40},
     },
 }

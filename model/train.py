@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -106,12 +106,14 @@ class TrainResult:
     state: Any
     history: list[dict[str, float]]
     compile_s: float
-    elapsed_s: float
+    elapsed_s: float  # timed steps only, summed over every session of a resumed run
     steps: int
     global_batch: int
     seq_len: int
     val_loss: float = math.nan
-    extra: dict[str, Any] = field(default_factory=dict)
+    devices: int = 1
+    resumed_from: int | None = None  # the step a checkpoint brought this run back to
+    resume_s: float = 0.0  # time to find and restore that checkpoint
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,7 +123,7 @@ class TrainResult:
     def ms_per_step(self) -> float:
         return 1e3 * self.elapsed_s / self.steps
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, Any]:
         last = self.history[-1]
         return {
             "tokens_per_s": round(self.tokens_per_s, 1),
@@ -130,10 +132,26 @@ class TrainResult:
             "val_loss": round(self.val_loss, 4),
             "steps": self.steps,
             "global_batch": self.global_batch,
-            "devices": self.extra.get("devices", 1),
+            "devices": self.devices,
             "compile_s": round(self.compile_s, 3),
             "elapsed_s": round(self.elapsed_s, 3),
+            "resumed_from_step": self.resumed_from,
+            "resume_s": round(self.resume_s, 3),
         }
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves))
+
+
+def _check_loss(step: int, loss: jax.Array, last_saved: int | None) -> float:
+    value = float(loss)
+    if not math.isfinite(value):
+        kept = f"; the checkpoint of step {last_saved} is kept" if last_saved else ""
+        raise TrainingError(f"loss became {value} at step {step}{kept}; lower train.learning_rate")
+    return value
 
 
 def train(
@@ -144,40 +162,63 @@ def train(
     placement: Placement,
     cfg: TrainConfig,
     on_step: Callable[[int, int], None] | None = None,
+    checkpoints=None,
 ) -> TrainResult:
-    """Runs ``cfg.steps`` steps. Compilation happens ahead of time and is timed apart,
-    so it never counts against throughput and never consumes a training step."""
+    """Runs steps until ``cfg.steps``, first resuming from the newest checkpoint in
+    ``checkpoints`` if there is one, and saving one every ``cfg.checkpoint_every`` steps.
+
+    The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
+    so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
+    of time and is timed apart: it never counts against throughput or consumes a step.
+    """
+    start, history, prior_elapsed, resumed_from, resume_s = 0, [], 0.0, None, 0.0
+    if checkpoints is not None:
+        started = time.perf_counter()
+        found = checkpoints.latest(state)
+        if found is not None:
+            state, record = found
+            start, history, prior_elapsed = record["step"], record["history"], record["elapsed_s"]
+            resumed_from, resume_s = start, time.perf_counter() - started
     state = placement.put_state(state)
     step_fn = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding)
-    first = placement.put_batch(batch_at(0))
+    first = placement.put_batch(batch_at(start))
     started = time.perf_counter()
     compiled = step_fn.lower(state, first).compile()
     compile_s = time.perf_counter() - started
 
-    history: list[dict[str, float]] = []
     global_batch, seq_len = first.shape
+    last_saved = start or None
+    pending = None  # the previous step's loss, checked once the next step is queued
     started = time.perf_counter()
-    for step in range(cfg.steps):
-        tokens = first if step == 0 else placement.put_batch(batch_at(step))
+    for step in range(start, cfg.steps):
+        tokens = first if step == start else placement.put_batch(batch_at(step))
         state, loss = compiled(state, tokens)
+        if pending is not None:
+            _check_loss(*pending, last_saved)
+        pending = (step, loss)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            value = float(loss)  # blocks: only on logging steps
-            if not math.isfinite(value):
+            value = _check_loss(step, loss, last_saved)
+            history.append({"step": step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
+                            "tokens": (step + 1) * global_batch * (seq_len - 1)})
+        done = step + 1
+        if checkpoints is not None and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            _check_loss(step, loss, last_saved)
+            if not bool(_all_finite(state)):
                 raise TrainingError(
-                    f"loss became {value} at step {step}; lower train.learning_rate"
+                    f"parameters became non-finite at step {step}; the checkpoint of step "
+                    f"{last_saved} is kept; lower train.learning_rate"
                 )
-            history.append(
-                {
-                    "step": step,
-                    "loss": value,
-                    "perplexity": math.exp(min(value, 50.0)),
-                    "tokens": (step + 1) * global_batch * (seq_len - 1),
-                }
-            )
+            elapsed = prior_elapsed + time.perf_counter() - started
+            # A copy: the save is asynchronous and the loop keeps appending to history.
+            checkpoints.save(done, state, {"step": done, "history": list(history), "elapsed_s": elapsed,
+                                           "data_position": done})
+            last_saved = done
         if on_step is not None:
-            on_step(step + 1, cfg.steps)
+            on_step(done, cfg.steps)
+    if pending is not None:
+        _check_loss(*pending, last_saved)
     jax.block_until_ready(state)
-    elapsed_s = time.perf_counter() - started
+    elapsed_s = prior_elapsed + time.perf_counter() - started
 
     eval_loss = make_eval_loss(graphdef)
     losses = [float(eval_loss(state, placement.put_batch(b))) for b in val_batches]
@@ -190,7 +231,9 @@ def train(
         global_batch=global_batch,
         seq_len=seq_len,
         val_loss=float(np.mean(losses)) if losses else math.nan,
-        extra={"devices": len(placement.devices)},
+        devices=len(placement.devices),
+        resumed_from=resumed_from,
+        resume_s=resume_s,
     )
 
 

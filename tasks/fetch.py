@@ -13,11 +13,12 @@ from pathlib import Path
 
 from artifacts import ui
 from artifacts.store import Builder, file_digest
-from model.config import DataConfig
+from model.config import TINYSHAKESPEARE_MD5, DataConfig
 from tasks.stage import Stage
 
 STAGE = Stage("fetch", "1", key_params=lambda p: {"md5": p.md5})
 CORPUS = "corpus.txt"
+KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
 ATTEMPTS = 4
 TIMEOUT_S = 30.0
 
@@ -77,16 +78,21 @@ def fetch(params: DataConfig, store: str, force: bool = False, upstream: dict | 
     def work(out: Builder) -> None:
         target = out.path(CORPUS)
         fetch_to(params.corpus, target)
-        actual = file_digest(target, "md5")
-        if actual != params.md5:
-            raise FetchError(
-                f"md5 mismatch for {params.corpus}: expected {params.md5}, got {actual}; "
-                "check the source, or if this is the corpus you want, set data.md5 to "
-                f"{actual} (--set data.md5={actual})"
-            )
         size = target.stat().st_size
         if size == 0:
-            raise FetchError(f"the corpus at {params.corpus} is empty; point --corpus at a text file")
+            raise FetchError(f"the corpus at {params.corpus} is empty (0 bytes); point --corpus at the text file")
+        actual = file_digest(target, "md5")
+        if actual != params.md5:
+            expected_size = KNOWN_SIZES.get(params.md5)
+            truncated = (
+                f" ({size:,} bytes where {expected_size:,} were expected: truncated or another file)"
+                if expected_size and size != expected_size else ""
+            )
+            raise FetchError(
+                f"md5 mismatch for {params.corpus}: expected {params.md5}, got {actual}{truncated}; "
+                "fetch it again or fix the source, or if this is the corpus you want, "
+                f"pass its checksum: --set data.md5={actual}"
+            )
         out.metrics.update({"bytes": size, "md5": actual})
         out.record["source"] = params.corpus
         ui.table(

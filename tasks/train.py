@@ -15,16 +15,21 @@ import jax
 from pydantic import BaseModel, ConfigDict
 
 from artifacts import ui
-from artifacts.store import Builder, canonical_json
-from model.checkpoint import params_digest, save_train_state
+from artifacts.store import Builder, Store, canonical_json
+from model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from model.config import ModelConfig, TrainConfig
 from model.data import Batches, read_sequences
 from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
 from tasks.encode import TRAIN, VAL
 from tasks.stage import Stage, inputs
 
-SINGLE = Stage("train_single", "1")
-PARALLEL = Stage("train_parallel", "1")
+def _recipe(request: "TrainingRequest") -> dict[str, Any]:
+    """How often to checkpoint does not change what training produces."""
+    return request.model_dump(mode="json", exclude={"train": {"checkpoint_every", "keep_checkpoints"}})
+
+
+SINGLE = Stage("train_single", "1", key_params=_recipe)
+PARALLEL = Stage("train_parallel", "1", key_params=_recipe)
 STATE, HISTORY = "state", "history.json"
 
 
@@ -45,6 +50,7 @@ def hardware() -> tuple[int, str]:
 
 def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, force: bool) -> dict:
     data = inputs(store, upstream)["encode"]
+    resume_dir = Store(store).resume_dir(stage.name, stage.key(request, upstream))
 
     def work(out: Builder) -> None:
         visible, platform = hardware()
@@ -62,16 +68,24 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
         val_rows, _ = read_sequences(data.file(VAL))
         graphdef, state = init_state(request.model, request.train)
         label = f"{stage.name} ({len(devices)} {platform} device{'s' if len(devices) > 1 else ''}, batch {global_batch})"
-        with ui.Progress(stage.name, request.train.steps, label) as progress:
-            result = train(
-                graphdef,
-                state,
-                Batches(train_rows, global_batch),
-                val_batches(val_rows, global_batch, multiple=len(devices)),
-                placement,
-                request.train,
-                on_step=progress,
-            )
+        checkpoints = TrainingCheckpoints(resume_dir, request.train.keep_checkpoints)
+        try:
+            with ui.Progress(stage.name, request.train.steps, label) as progress:
+                result = train(
+                    graphdef,
+                    state,
+                    Batches(train_rows, global_batch),
+                    val_batches(val_rows, global_batch, multiple=len(devices)),
+                    placement,
+                    request.train,
+                    on_step=progress,
+                    checkpoints=checkpoints,
+                )
+        finally:
+            checkpoints.close()
+        if result.resumed_from is not None:
+            ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
+                   stage.name, result.resumed_from, result.resume_s)
         model = model_from_state(graphdef, result.state)
         save_train_state(out.path(STATE), jax.device_get(result.state))
         out.path(HISTORY).write_text(json.dumps(result.history, indent=1))
@@ -79,6 +93,7 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
                    "seq_len": result.seq_len, "platform": platform}
         out.metrics.update(metrics)
         out.record["devices"] = [str(d) for d in devices]
+        out.record["resumed_from_step"] = result.resumed_from
         out.fingerprint = hashlib.sha256(
             (params_digest(model) + canonical_json(result.history) + canonical_json(metrics)).encode()
         ).hexdigest()

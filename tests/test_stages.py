@@ -1,6 +1,7 @@
 """Stages called as plain functions (``task.fn``) over a real store: no Prefect server."""
 
 import socket
+from pathlib import Path
 import time
 
 import jax
@@ -87,3 +88,45 @@ def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_p
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
         verify.fn(VerifyParams(), upstream={**upstream, "checkpoint": bad.describe()}, store=store)
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
+
+
+def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
+    from artifacts.store import StoreError
+    from tasks.train import train_single
+
+    path, md5 = small_corpus
+    store = str(tmp_path / "store")
+    cfg = build_config("tiny")
+    corpus = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
+    data = encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)
+    arrow = Store(store).require(data).file("train.arrow")
+    raw = bytearray(arrow.read_bytes())
+    raw[-100] ^= 0x01  # one flipped bit, same size
+    arrow.write_bytes(bytes(raw))
+    request = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
+    with pytest.raises(StoreError, match="missing or damaged; rerun with --refresh encode"):
+        train_single.fn(request, upstream={"encode": data}, store=store)
+    assert not Store(store).versions("train_single")
+
+
+def test_a_write_that_fails_midway_publishes_nothing(tmp_path, small_corpus, monkeypatch):
+    import errno
+
+    import tasks.encode
+
+    path, md5 = small_corpus
+    store = str(tmp_path / "store")
+    cfg = build_config("tiny")
+    corpus = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
+    real_write = tasks.encode.write_sequences
+
+    def disk_full(target, rows, metadata):
+        real_write(target, rows[: len(rows) // 2], metadata)  # half a file is on disk...
+        raise OSError(errno.ENOSPC, "No space left on device")  # ...when the disk fills up
+
+    monkeypatch.setattr(tasks.encode, "write_sequences", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)
+    assert entries(Path(store) / "encode") == []  # no version, no half-built folder
+    monkeypatch.setattr(tasks.encode, "write_sequences", real_write)
+    assert encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)["ran"]

@@ -1,0 +1,166 @@
+"""Faults a user meets, through the real CLI: a killed run resumes, two runs share a
+store, and bad input gets one clear error, a non-zero exit and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from artifacts.store import Store
+from model.config import DataConfig
+from tasks.fetch import fetch
+from tests.conftest import REPO, md5_bytes, play_text
+
+pytestmark = pytest.mark.flow
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cli(*args), cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"exit {process.returncode}: {Path(process.args[-1]).name}"
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(play_text(64_000))
+    return path
+
+
+def base_args(corpus: Path, store: Path, *extra: str) -> list[str]:
+    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store),
+            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", "2", "--json", *extra]
+
+
+def checkpoint_steps(store: Path, stage: str) -> list[int]:
+    return sorted(int(p.name) for p in store.glob(f"{stage}/.resume-*/*") if p.name.isdigit())
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
+    long = ("--set", "train.steps=2500", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
+    reference = finish(start(base_args(corpus, tmp_path / "reference", *long), tmp_path / "reference.log"))
+
+    store = tmp_path / "store"
+    victim = start(base_args(corpus, store, *long), tmp_path / "victim.log")
+    deadline = time.monotonic() + 300
+    while not any(step >= 500 for step in checkpoint_steps(store, "train_single")):
+        assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # a preempted machine: no cleanup runs
+    victim.wait()
+    saved = max(checkpoint_steps(store, "train_single"))
+
+    started = time.monotonic()
+    resumed = finish(start(base_args(corpus, store, *long), tmp_path / "resumed.log"))
+    rerun_s = time.monotonic() - started
+    single = resumed["stages"]["train_single"]
+    assert single["state"] == "ran"
+    assert single["metrics"]["resumed_from_step"] == saved >= 500
+    assert reference["stages"]["train_single"]["metrics"]["resumed_from_step"] is None
+    manifest = json.loads((Path(single["path"]) / "manifest.json").read_text())
+    assert manifest["resumed_from_step"] == saved
+
+    # Same loss history and bitwise the same parameters as the run never interrupted.
+    from model.checkpoint import params_digest
+    from tasks.train import trained_model
+
+    versions = [Store(s["store"]).lookup("train_single", s["stages"]["train_single"]["key"]) for s in (resumed, reference)]
+    assert [json.loads(v.file("history.json").read_text()) for v in versions][0] == \
+        json.loads(versions[1].file("history.json").read_text())
+    assert params_digest(trained_model(versions[0])[0]) == params_digest(trained_model(versions[1])[0])
+    assert not list(store.glob("train_single/.resume-*")), "the resume folder is removed once published"
+    assert not list(store.glob("*/.build-*")), "no half-built version is left behind"
+    (REPO / "test-output").mkdir(exist_ok=True)
+    (REPO / "test-output" / "resume.json").write_text(json.dumps({
+        "checkpoint_every": 100, "resumed_from_step": saved,
+        "resume_restore_s": single["metrics"]["resume_s"], "rerun_wall_s": round(rerun_s, 1)}, indent=1))
+
+
+def test_two_runs_on_one_store_both_finish(tmp_path, corpus):
+    store = tmp_path / "store"
+    first = start(base_args(corpus, store), tmp_path / "a.log")
+    second = start(base_args(corpus, store), tmp_path / "b.log")
+    a, b = finish(first), finish(second)
+    assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
+    for stage in a["stages"]:
+        versions = [p for p in (store / stage).iterdir() if not p.name.startswith(".")]
+        assert len(versions) == 1, f"{stage}: {versions}"
+        assert Store(store).lookup(stage, versions[0].name) is not None
+
+
+BAD_INPUTS = {
+    "md5 mismatch": (["--set", "data.md5=" + "0" * 32], ["md5 mismatch", "expected 000", "--set data.md5="]),
+    "truncated corpus": (["--corpus", "{truncated}", "--set", "data.md5=6fb458f1232090904fb40fe944165e91"],
+                         ["md5 mismatch", "truncated or another file"]),
+    "empty corpus": (["--corpus", "{empty}", "--set", "data.md5=d41d8cd98f00b204e9800998ecf8427e"], ["is empty"]),
+    "corpus shorter than a sequence": (["--corpus", "{short}", "--set", "data.md5={short_md5}"],
+                                       ["too few", "smaller data.seq_len"]),
+    # These ask for the real corpus' checksum, which the store does not hold yet: a
+    # corpus already in the store would be reused whatever its source (by design).
+    "missing corpus": (["--corpus", "{missing}", "--set", "data.md5={real_md5}"], ["does not exist", "--corpus"]),
+    "unreachable URL": (["--corpus", "http://127.0.0.1:9/input.txt", "--set", "data.md5={real_md5}"],
+                        ["could not download", "--corpus PATH"]),
+    "seq_len > max_seq_len": (["--set", "data.seq_len=64"], ["max_seq_len", "lower data.seq_len"]),
+    "d_model not divisible": (["--set", "model.d_model=33"], ["not divisible", "num_heads"]),
+    "zero steps": (["--set", "train.steps=0"], ["train.steps", "greater than 0"]),
+    "negative batch": (["--set", "train.per_device_batch=-4"], ["train.per_device_batch", "greater than 0"]),
+    "zero log interval": (["--set", "train.log_every=0"], ["train.log_every", "greater than 0"]),
+    "zero checkpoint interval": (["--set", "train.checkpoint_every=0"], ["train.checkpoint_every"]),
+    "negative temperature": (["--set", 'generate.prompts=[{"text": "ROMEO:", "temperature": -1}]'],
+                             ["temperature", "greater than or equal to 0"]),
+    "empty prompt": (["--set", 'generate.prompts=[{"text": ""}]'], ["text", "at least 1 character"]),
+    "unknown refresh stage": (["--refresh", "trian"], ["unknown stage 'trian'", "train_single"]),
+    "unknown setting": (["--set", "train.stepz=3"], ["unknown setting 'train.stepz'", "bardflow presets"]),
+    "wrong type": (["--set", "train.steps=many"], ["train.steps", "integer"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus):
+    store = tmp_path / "store"
+    md5 = md5_bytes(corpus.read_bytes())
+    earlier = fetch.fn(DataConfig(corpus=str(corpus), md5=md5), store=str(store))  # an earlier version
+    manifest_before = (Path(earlier["path"]) / "manifest.json").read_text()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "short.txt").write_bytes(b"To be, or not to be")
+    (tmp_path / "truncated.txt").write_bytes(corpus.read_bytes()[:1000])
+    values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "missing": tmp_path / "gone.txt", "truncated": tmp_path / "truncated.txt",
+              "short_md5": md5_bytes(b"To be, or not to be"), "real_md5": "6fb458f1232090904fb40fe944165e91"}
+    extra, words = BAD_INPUTS[case]
+    def fill(arg: str) -> str:
+        for name, value in values.items():
+            arg = arg.replace("{" + name + "}", str(value))
+        return arg
+
+    args = base_args(corpus, store, *map(fill, extra))
+    done = subprocess.run(cli(*args), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("bardflow: error: ")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+    assert "Traceback" not in done.stderr, "an explained error is shown without a traceback"
+    assert not list(store.glob("*/.build-*")), "a half-written version is visible"
+    assert (Path(earlier["path"]) / "manifest.json").read_text() == manifest_before
+    assert Store(store).lookup("fetch", earlier["key"]) is not None
+    published = {p for p in store.glob("*/*") if not p.name.startswith(".") and not p.parent.name.startswith(".")}
+    # Only a stage that succeeded before the failing one (a fetched corpus) may publish.
+    assert {p.parent.name for p in published - {Path(earlier["path"])}} <= {"fetch"}
+    assert all(Store(store).lookup(p.parent.name, p.name) is not None for p in published)

@@ -1,0 +1,75 @@
+"""Resumable training: an interrupted run picks up from its last checkpoint and ends
+bitwise where an uninterrupted one does; a diverging loss stops at once."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.checkpoint import TrainingCheckpoints
+from model.config import build_config
+from model.data import Batches, encode
+from model.train import Placement, TrainingError, init_state, train
+
+TINY = build_config("tiny")
+CFG = TINY.train.model_copy(update={"steps": 30, "log_every": 4, "checkpoint_every": 5})
+
+
+class Preempted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def batches():
+    from tests.conftest import play_text
+
+    return Batches(encode(play_text(64_000), TINY.data.seq_len, 0.9, 0).train, 8)
+
+
+def leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state))]
+
+
+def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
+    def on_step(done, total):
+        if done == stop_at:
+            raise Preempted(done)
+
+    graphdef, state = init_state(TINY.model, cfg)
+    return train(graphdef, state, batches, [], Placement.single(jax.devices()[0]), cfg,
+                 on_step=on_step, checkpoints=checkpoints)
+
+
+def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches):
+    reference = run(batches)
+
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    with pytest.raises(Preempted):
+        run(batches, checkpoints, stop_at=13)
+    checkpoints.close()
+    kept = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert kept == [5, 10]  # the last two, every 5 steps
+
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    resumed = run(batches, checkpoints)
+    checkpoints.close()
+    assert resumed.resumed_from == 10 and reference.resumed_from is None
+    assert resumed.history == reference.history
+    for a, b in zip(leaves(resumed.state), leaves(reference.state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_diverging_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, batches):
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    run(batches, checkpoints, cfg=CFG.model_copy(update={"steps": 10, "checkpoint_every": 5}))
+    checkpoints.close()  # steps 5 is kept; a finished run saves no final checkpoint here
+
+    exploding = CFG.model_copy(update={"learning_rate": 1e30})
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    with pytest.raises(TrainingError, match=r"(loss became nan|non-finite) at step \d+; the checkpoint of step 5 is kept"):
+        run(batches, checkpoints, cfg=exploding)
+    checkpoints.close()
+    graphdef, template = init_state(TINY.model, CFG)
+    restored, record = TrainingCheckpoints(tmp_path / "ckpt", keep=2).latest(template)
+    assert record["step"] == 5
+    assert all(np.isfinite(x).all() for x in leaves(restored) if x.dtype.kind == "f")
