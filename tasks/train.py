@@ -115,6 +115,7 @@ def _publish(stage: Stage, history: list[dict[str, Any]], metrics: dict[str, Any
             f"{stage.name}: {metrics['tokens_per_s']:,.0f} tokens/s, {metrics['ms_per_step']:.1f} ms/step, "
             f"{metrics['devices']} device(s), global batch {metrics['global_batch']}, "
             f"val loss {metrics['val_loss']:.4f}, compile {metrics['compile_s']:.1f} s"
+            + (f", resumed from step {metrics['resumed_from_step']}" if metrics["resumed_from_step"] else "")
         ),
     )
 

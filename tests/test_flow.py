@@ -16,7 +16,7 @@ STAGES = ["fetch", "encode", "train_single", "train_parallel", "compare", "check
 
 
 def bardflow(*args, check=True):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
@@ -65,6 +65,12 @@ def test_pipeline_runs_caches_refreshes_and_heals(workspace):
         content = json.loads(record.read_text())
         assert content["metadata"]["serializer"]["type"] == "json"
         assert json.loads(content["result"])["stage"] in STAGES
+
+    listing = json.loads(bardflow("artifacts", "--store", str(store), "--json").stdout)
+    assert {row["stage"] for row in listing} == set(STAGES)
+    assert all(row["bytes"] > 0 and row["created"] for row in listing)
+    table = bardflow("artifacts", "train_parallel", "--store", str(store)).stdout
+    assert stages["train_parallel"]["key"] in table and "tokens_per_s" in table
 
     assert run(common)[1] == only()  # identical rerun: everything cached
     assert run(common, "--refresh", "generate")[1] == only("generate")
@@ -121,7 +127,13 @@ def test_cli_refuses_bad_input_before_any_work(workspace, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["presets"], ["artifacts"]])
+def test_servers_bind_to_this_machine_by_default():
+    from flows.cli import _parser
+
+    assert _parser().parse_args(["ui"]).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["presets"], ["artifacts"], ["ui"]])
 def test_every_command_has_help(command):
     done = bardflow(*command, "--help")
     assert done.stdout.startswith("usage: bardflow")

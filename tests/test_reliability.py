@@ -125,6 +125,7 @@ BAD_INPUTS = {
     "negative temperature": (["--set", 'generate.prompts=[{"text": "ROMEO:", "temperature": -1}]'],
                              ["temperature", "greater than or equal to 0"]),
     "empty prompt": (["--set", 'generate.prompts=[{"text": ""}]'], ["text", "at least 1 character"]),
+    "unwritable store": (["--store", "{blocked}/store"], ["cannot write to the store", "--store / BARDFLOW_STORE"]),
     "unknown refresh stage": (["--refresh", "trian"], ["unknown stage 'trian'", "train_single"]),
     "unknown setting": (["--set", "train.stepz=3"], ["unknown setting 'train.stepz'", "bardflow presets"]),
     "wrong type": (["--set", "train.steps=many"], ["train.steps", "integer"]),
@@ -140,7 +141,9 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_bytes(b"To be, or not to be")
     (tmp_path / "truncated.txt").write_bytes(corpus.read_bytes()[:1000])
+    (tmp_path / "blocked").write_text("a file where a folder would go: no writes, even as root")
     values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "missing": tmp_path / "gone.txt", "truncated": tmp_path / "truncated.txt",
+              "blocked": tmp_path / "blocked",
               "short_md5": md5_bytes(b"To be, or not to be"), "real_md5": "6fb458f1232090904fb40fe944165e91"}
     extra, words = BAD_INPUTS[case]
     def fill(arg: str) -> str:
