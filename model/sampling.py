@@ -43,6 +43,45 @@ def _sample_loop(graphdef, params, context, length, temperature, key, max_new):
     return jax.lax.fori_loop(0, max_new, one_byte, carry)[3]
 
 
+@partial(jax.jit, static_argnames=("graphdef", "count"))
+def _cached_loop(graphdef, params, context, length, temperature, key, count):
+    """Feeds the context one byte at a time through the blocks, keeping every layer's keys
+    and values, then samples ``count`` bytes at one position each: the work per byte is one
+    token's, not the whole window's. Requires ``length + count <= window``."""
+    model = nnx.merge(graphdef, params)
+    window = context.shape[0]
+    blocks = list(model.blocks)
+    heads = blocks[0].attn.num_heads
+    head_dim = blocks[0].attn.head_dim
+    cache = jnp.zeros((len(blocks), 2, window, heads, head_dim), jnp.float32)
+    visible_from = jnp.arange(window)
+
+    def position(pos, carry):
+        context, cache, key, out = carry
+        x = model.token_embed(context[pos][None, None]) + model.pos_embed(pos[None])[None]
+        for layer, block in enumerate(blocks):
+            h = block.ln1(x)
+            q, k, v = block.attn.query(h), block.attn.key(h), block.attn.value(h)
+            cache = cache.at[layer, 0, pos].set(k[0, 0]).at[layer, 1, pos].set(v[0, 0])
+            mask = (visible_from <= pos)[None, None, None, :]
+            att = jax.nn.dot_product_attention(q, cache[layer, 0][None], cache[layer, 1][None], mask=mask)
+            x = x + block.attn.out(att)
+            x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
+        logits = model.lm_head(model.final_norm(x))[0, 0]
+        sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled
+        next_key, sub = jax.random.split(key)
+        sampled = jax.random.categorical(sub, logits / jnp.maximum(temperature, 1e-6))
+        token = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(context.dtype)
+        key = jnp.where(sampling, next_key, key)  # the same key sequence as the plain loop
+        context = jnp.where(sampling, context.at[jnp.minimum(pos + 1, window - 1)].set(token), context)
+        out = jnp.where(sampling, out.at[pos - (length - 1)].set(token), out)
+        return context, cache, key, out
+
+    out = jnp.zeros((count,), context.dtype)
+    carry = jax.lax.fori_loop(0, length - 1 + count, position, (context, cache, key, out))
+    return carry[0], carry[2], carry[3]
+
+
 def generate(
     model: Transformer,
     prompt: str,
@@ -61,16 +100,19 @@ def generate(
     context = np.zeros((max_seq_len,), np.int32)
     context[: len(kept)] = np.frombuffer(kept, np.uint8)
     graphdef, params = nnx.split(model)
-    new = _sample_loop(
-        graphdef,
-        params,
-        jnp.asarray(context),
-        jnp.int32(len(kept)),
-        jnp.float32(temperature),
-        jax.random.key(seed),
-        max_new_bytes,
-    )
-    return encoded + bytes(np.asarray(new, dtype=np.uint8))
+    length, key, temperature = jnp.int32(len(kept)), jax.random.key(seed), jnp.float32(temperature)
+    # While the context has room, each new byte costs one position (a KV cache); once it
+    # is full it slides, every position shifts, and each byte needs a whole forward pass.
+    cached = min(max_new_bytes, max_seq_len - len(kept))
+    pieces = []
+    window = jnp.asarray(context)
+    if cached > 0:
+        window, key, new = _cached_loop(graphdef, params, window, length, temperature, key, cached)
+        pieces.append(new)
+        length = jnp.int32(len(kept) + cached)
+    if max_new_bytes > cached:
+        pieces.append(_sample_loop(graphdef, params, window, length, temperature, key, max_new_bytes - cached))
+    return encoded + b"".join(bytes(np.asarray(p, dtype=np.uint8)) for p in pieces)
 
 
 def as_text(data: bytes) -> str:

@@ -1,0 +1,1 @@
+"""Benchmarks: bardflow's training step and sampler against the codelab-style baselines."""
