@@ -9,10 +9,7 @@ import os
 import sys
 from typing import Any
 
-from flows.settings import prepare_environment, store_root
-
-STAGES = ("fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate")
-PRESETS = ("auto", "codelab", "cpu", "tiny")
+from flows.settings import PRESETS, STAGES, prepare_environment, store_root
 
 
 def _parser() -> argparse.ArgumentParser:

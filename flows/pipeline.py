@@ -18,10 +18,10 @@ import jax
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from artifacts.store import Store
-from flows.settings import store_root
 from pydantic import ValidationError
 
+from artifacts.store import Store
+from flows.settings import PRESETS, STAGES, store_root
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
 from tasks.checkpoint import checkpoint
 from tasks.compare import compare
@@ -31,11 +31,8 @@ from tasks.generate import generate
 from tasks.train import TrainingRequest, hardware, train_parallel, train_single
 from tasks.verify import VerifyParams, verify
 
-STAGES = ("fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate")
-StageName = Literal["fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate"]
-Preset = Literal["auto", "codelab", "cpu", "tiny"]
-
-
+StageName = Literal[STAGES]  # typed parameters: the UI's form offers exactly these
+Preset = Literal[PRESETS]
 OWN_PACKAGES = {"model", "tasks", "artifacts", "flows"}
 
 

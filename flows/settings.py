@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
+STAGES = ("fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate")
+PRESETS = ("auto", "codelab", "cpu", "tiny")
 
 
 def store_root(store: str | None = None) -> Path:
