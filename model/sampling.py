@@ -22,7 +22,7 @@ class PromptError(ValueError):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new"))
-def _sample_loop(graphdef, params, context, length, temperature, key, max_new):
+def _sample_loop(graphdef, params, context, length, temperature, key, count, max_new):
     model = nnx.merge(graphdef, params)
     window = context.shape[0]
 
@@ -38,16 +38,17 @@ def _sample_loop(graphdef, params, context, length, temperature, key, max_new):
         context = jnp.where(full, slid, grown)
         return context, jnp.minimum(length + 1, window), key, out.at[i].set(token)
 
-    out = jnp.zeros((max_new,), context.dtype)
+    out = jnp.zeros((max_new,), context.dtype)  # static size; ``count`` of it is filled
     carry = (context, length, key, out)
-    return jax.lax.fori_loop(0, max_new, one_byte, carry)[3]
+    return jax.lax.fori_loop(0, count, one_byte, carry)[3]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "count"))
+@partial(jax.jit, static_argnames=("graphdef",))
 def _cached_loop(graphdef, params, context, length, temperature, key, count):
     """Feeds the context one byte at a time through the blocks, keeping every layer's keys
     and values, then samples ``count`` bytes at one position each: the work per byte is one
-    token's, not the whole window's. Requires ``length + count <= window``."""
+    token's, not the whole window's. Requires ``length + count <= window``. ``length`` and
+    ``count`` are traced, so one compilation serves every prompt."""
     model = nnx.merge(graphdef, params)
     window = context.shape[0]
     blocks = list(model.blocks)
@@ -77,7 +78,7 @@ def _cached_loop(graphdef, params, context, length, temperature, key, count):
         out = jnp.where(sampling, out.at[pos - (length - 1)].set(token), out)
         return context, cache, key, out
 
-    out = jnp.zeros((count,), context.dtype)
+    out = jnp.zeros((window,), context.dtype)  # the first ``count`` entries get filled
     carry = jax.lax.fori_loop(0, length - 1 + count, position, (context, cache, key, out))
     return carry[0], carry[2], carry[3]
 
@@ -107,11 +108,13 @@ def generate(
     pieces = []
     window = jnp.asarray(context)
     if cached > 0:
-        window, key, new = _cached_loop(graphdef, params, window, length, temperature, key, cached)
-        pieces.append(new)
+        window, key, new = _cached_loop(graphdef, params, window, length, temperature, key, jnp.int32(cached))
+        pieces.append(np.asarray(new)[:cached])
         length = jnp.int32(len(kept) + cached)
     if max_new_bytes > cached:
-        pieces.append(_sample_loop(graphdef, params, window, length, temperature, key, max_new_bytes - cached))
+        rest = max_new_bytes - cached
+        new = _sample_loop(graphdef, params, window, length, temperature, key, jnp.int32(rest), max_new_bytes)
+        pieces.append(np.asarray(new)[:rest])
     return encoded + b"".join(bytes(np.asarray(p, dtype=np.uint8)) for p in pieces)
 
 
