@@ -44,10 +44,6 @@ def model_from_state(graphdef, state) -> Transformer:
     return model
 
 
-def params_of(graphdef, state) -> nnx.State:
-    return nnx.state(model_from_state(graphdef, state), nnx.Param)
-
-
 def make_train_step(graphdef, state_sharding=None, batch_sharding=None):
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)

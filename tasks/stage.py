@@ -30,7 +30,7 @@ class Stage:
         prefect_task = task(
             fn,
             name=self.name,
-            cache_key_fn=cache_key_fn(self.name, lambda p, up: self.key(p, up)),
+            cache_key_fn=cache_key_fn(self.name, self.key),
             persist_result=True,
             result_serializer="json",
         )
