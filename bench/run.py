@@ -56,7 +56,7 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     from flax import nnx
 
     from bench.codelab import codelab_train_step
-    from model.train import init_state, make_train_step
+    from model.train import compiler_options, compute_dtype, init_state, make_train_step
     from model.transformer import build_model
 
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
@@ -71,7 +71,10 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
 
     graphdef, state = init_state(cfg.model, cfg.train)
     started = time.perf_counter()
-    compiled = make_train_step(graphdef).lower(state, stream[0]).compile()
+    backend = jax.default_backend()
+    dtype = compute_dtype(cfg.train.precision, backend)  # the production step, as the stages build it
+    compiled = make_train_step(graphdef, dtype=dtype).lower(state, stream[0]).compile(
+        compiler_options=compiler_options(backend))
     bardflow_compile = time.perf_counter() - started
     box = {"state": state}
 
@@ -98,9 +101,60 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
             "codelab_ms_step": 1e3 * batch * (seq_len - 1) / result["a_median"],
             "bardflow_ms_step": 1e3 * batch * (seq_len - 1) / result["b_median"],
             "codelab_compile_s": codelab_compile, "bardflow_compile_s": bardflow_compile,
-            "torch_tok_s": bench_torch(cfg, steps),
+            "torch_tok_s": bench_torch(cfg, steps), "bardflow_precision": dtype.name,
+            "flops_per_token": flops_per_token(cfg), **utilisation(cfg, result["b_median"], backend),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "batch": [batch, seq_len], "steps_per_run": steps, "pairs": pairs, "raw": result}
+
+
+def flops_per_token(cfg) -> int:
+    """Training FLOPs per token, counted as PaLM's appendix does: 6 per weight of every
+    matrix product (2 forward, 4 backward), plus attention's 6 * 2 * layers * context * width
+    (scores and weighted sum; the causal half is not discounted). Embedding lookups are free."""
+    m, t = cfg.model, cfg.data.seq_len
+    per_layer = 4 * m.d_model * m.d_model + 2 * m.d_model * m.ffn_dim
+    matmul_weights = m.num_layers * per_layer + m.d_model * m.vocab_size
+    return 6 * matmul_weights + 12 * m.num_layers * t * m.d_model
+
+
+# Dense peak FLOP/s of the accelerators the benchmark knows, by device kind.
+PEAK_FLOPS = {"NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
+              "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "float32": 67e12}}
+
+
+def utilisation(cfg, tokens_per_s: float, backend: str) -> dict:
+    import jax
+
+    from model.train import compute_dtype
+
+    kind = jax.devices()[0].device_kind
+    peak = PEAK_FLOPS.get(kind, {}).get(compute_dtype(cfg.train.precision, backend).name)
+    achieved = tokens_per_s * flops_per_token(cfg)
+    return {"achieved_tflops": achieved / 1e12, "device_kind": kind,
+            "mfu": achieved / peak if peak else None}
+
+
+def bench_precision(steps: int) -> dict:
+    """The loss of float32 and bfloat16 compute after the same steps of the ``cpu`` preset."""
+    import jax
+
+    from model.config import build_config
+    from model.data import Batches, encode
+    from model.train import Placement, init_state, train
+
+    if not SHARED_CORPUS.exists():
+        return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
+    cfg = build_config("cpu")
+    split = encode(SHARED_CORPUS.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed)
+    result = {"preset": "cpu", "steps": steps}
+    for precision in ("float32", "bfloat16"):
+        train_cfg = cfg.train.model_copy(update={"steps": steps, "log_every": steps, "precision": precision})
+        graphdef, state = init_state(cfg.model, train_cfg)
+        run = train(graphdef, state, Batches(split.train, train_cfg.per_device_batch), [],
+                    Placement.single(jax.devices()[0]), train_cfg)
+        result[precision] = {"final_loss": run.history[-1]["loss"], "tokens_per_s": run.tokens_per_s}
+    result["loss_difference"] = result["bfloat16"]["final_loss"] - result["float32"]["final_loss"]
+    return result
 
 
 def bench_torch(cfg, steps: int) -> float | None:
@@ -113,8 +167,8 @@ def bench_torch(cfg, steps: int) -> float | None:
 
 
 def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
-    from bench.codelab import codelab_generate
-    from model.sampling import generate
+    from bench.codelab import codelab_generate, codelab_generate_batch
+    from model.sampling import generate, generate_batch
     from model.transformer import build_model
 
     model = build_model(cfg.model, 1)
@@ -122,20 +176,37 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
     greedy_codelab = codelab_generate(model, b"ROMEO:", new_bytes, 0.0, 42, window)
     greedy_bardflow = generate(model, "ROMEO:", new_bytes, 0.0, 42, window)
 
-    def timed(fn):
-        def run() -> float:
-            started = time.perf_counter()
-            fn()
-            return new_bytes / (time.perf_counter() - started)
-        return run
-
-    a, b = paired(timed(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window)),
-                  timed(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window)), pairs)
+    a, b = paired(timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+                  timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes), pairs)
     result = summary(a, b)
     seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == generate(model, "ROMEO:", new_bytes, 0.8, 7, window)
+    seeds = list(range(8))
+    codelab_generate_batch(model, b"ROMEO:", 1, 0.8, seeds, window)  # compile both for batch 8 first
+    generate_batch(model, "ROMEO:", 1, 0.8, seeds, window)
+    a8, b8 = paired(timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
+                    timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes), pairs)
+    batch8 = summary(a8, b8)
+    within = window - len(b"ROMEO:")  # the longest sample that never slides
+    a_in, b_in = paired(timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
+                        timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within), pairs)
+    inside = summary(a_in, b_in)
     return {"codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,
-            "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result}
+            "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result,
+            "batch8": {"codelab_bytes_s": batch8["a_median"], "bardflow_bytes_s": batch8["b_median"],
+                       "bardflow_over_codelab": batch8["ratio_median"], "raw": batch8},
+            "within_context": {"new_bytes": within, "codelab_bytes_s": inside["a_median"],
+                               "bardflow_bytes_s": inside["b_median"], "bardflow_over_codelab": inside["ratio_median"]}}
+
+
+def timed_n(fn, count: int):
+    """A runner of ``fn`` that returns ``count`` (bytes made) per second."""
+
+    def run() -> float:
+        started = time.perf_counter()
+        fn()
+        return count / (time.perf_counter() - started)
+    return run
 
 
 def bench_pipeline(preset: str) -> dict:
@@ -172,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs, steps = args.pairs or pairs, args.steps or steps
     report = {"machine": machine(), "mode": "quick" if args.quick else "full",
               "train": bench_train(cfg, pairs, steps), "generate": bench_generate(cfg, pairs, new_bytes),
-              "pipeline": bench_pipeline(preset)}
+              "precision": bench_precision(30 if args.quick else 300), "pipeline": bench_pipeline(preset)}
     flat = {
         "train.codelab_tok_s": report["train"]["codelab_tok_s"],
         "train.bardflow_tok_s": report["train"]["bardflow_tok_s"],
@@ -180,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         "generate.codelab_bytes_s": report["generate"]["codelab_bytes_s"],
         "generate.bardflow_bytes_s": report["generate"]["bardflow_bytes_s"],
         "generate.greedy_identical": report["generate"]["greedy_identical"],
+        "generate.batch8_codelab_bytes_s": report["generate"]["batch8"]["codelab_bytes_s"],
+        "generate.batch8_bardflow_bytes_s": report["generate"]["batch8"]["bardflow_bytes_s"],
+        "generate.within_context_over_codelab": report["generate"]["within_context"]["bardflow_over_codelab"],
+        "train.mfu": report["train"]["mfu"],
+        "precision.bf16_minus_f32_loss": report["precision"].get("loss_difference"),
         "pipeline.cpu_preset_s": report["pipeline"].get("fresh_s") if preset == "cpu" else None,
         f"pipeline.{preset}_preset_s": report["pipeline"].get("fresh_s"),
         "pipeline.cached_rerun_s": report["pipeline"].get("cached_rerun_s"),

@@ -65,6 +65,12 @@ def load_model(path: Path, init_seed: int = 99) -> Transformer:
     return model
 
 
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    """What to restore ``x`` as: its shape, dtype and, for a placed array, its sharding,
+    whatever devices the checkpoint was written from."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
 def save_train_state(path: Path, state: nnx.State) -> None:
     """The whole training state (model and optimizer) as one Orbax pytree."""
     with ocp.StandardCheckpointer() as checkpointer:
@@ -73,9 +79,7 @@ def save_train_state(path: Path, state: nnx.State) -> None:
 
 def load_train_state(path: Path, template: nnx.State) -> nnx.State:
     """Restores onto ``template`` (a state of the right structure, e.g. from ``init_state``)."""
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(template)
-    )
+    abstract = jax.tree.map(_abstract, nnx.to_pure_dict(template))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(Path(path).absolute(), abstract)
@@ -119,6 +123,12 @@ class TrainingCheckpoints:
             ),
         )
 
+    @staticmethod
+    def steps(directory: Path) -> list[int]:
+        """The steps of the complete checkpoints in ``directory``, oldest first."""
+        found = Path(directory).iterdir() if Path(directory).is_dir() else []
+        return sorted(int(p.name) for p in found if p.name.isdigit() and p.is_dir())
+
     def save(self, step: int, state: nnx.State, record: dict) -> None:
         self.manager.save(
             step,
@@ -132,7 +142,7 @@ class TrainingCheckpoints:
         step = self.manager.latest_step()
         if step is None:
             return None
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(template))
+        abstract = jax.tree.map(_abstract, nnx.to_pure_dict(template))
         try:
             restored = self.manager.restore(
                 step,

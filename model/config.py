@@ -4,7 +4,7 @@ CLI overrides them with ``--set section.field=value``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -57,6 +57,9 @@ class TrainConfig(_Section):
     init_seed: int = 1
     checkpoint_every: int = Field(100, gt=0, description="save a resumable checkpoint every N steps")
     keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype; parameters and optimizer state stay float32. "
+        "auto: bfloat16 on GPU/TPU, float32 on CPU (which has no fast bfloat16 arithmetic)")
 
 
 class Prompt(_Section):

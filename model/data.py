@@ -68,7 +68,8 @@ class Batches:
     """Step ``s`` reads batch ``s mod num_batches``: the data position is the step itself,
     so a run is reproducible and can restart from any step."""
 
-    def __init__(self, sequences: np.ndarray, batch_size: int):
+    def __init__(self, sequences: np.ndarray, batch_size: int, rows: tuple[int, int] | None = None):
+        self.rows = rows or (0, batch_size)  # the part of each batch this process reads
         self.num_batches = len(sequences) // batch_size
         if self.num_batches < 1:
             raise DataError(
@@ -80,4 +81,4 @@ class Batches:
 
     def __call__(self, step: int) -> np.ndarray:
         start = (step % self.num_batches) * self.batch_size
-        return self.sequences[start : start + self.batch_size].astype(np.int32)
+        return self.sequences[start + self.rows[0] : start + self.rows[1]].astype(np.int32)

@@ -21,8 +21,24 @@ class PromptError(ValueError):
     """A prompt or sampling setting cannot be used."""
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new"))
-def _sample_loop(graphdef, params, context, length, temperature, key, count, max_new):
+def _one_per_key(loop):
+    """``loop`` over a batch of keys: row ``i`` of the result is what ``loop`` makes from
+    ``keys[i]`` alone, so a batch is as reproducible as its single samples."""
+
+    def batched(graphdef, params, context, length, temperature, keys, *rest):
+        row = partial(loop, graphdef, params)
+        if keys.shape[0] == 1:
+            # No vmap for a single sample: vmapped, XLA copies every KV cache on every byte.
+            one = row(context[0] if context.ndim == 2 else context, length, temperature, keys[0], *rest)
+            return jax.tree.map(lambda x: x[None], one)
+        per_row_context = 0 if context.ndim == 2 else None  # rows part ways after the first loop
+        in_axes = (per_row_context, None, None, 0) + (None,) * len(rest)
+        return jax.vmap(row, in_axes=in_axes)(context, length, temperature, keys, *rest)
+
+    return batched
+
+
+def _sample_one(graphdef, params, context, length, temperature, key, count, max_new):
     model = nnx.merge(graphdef, params)
     window = context.shape[0]
 
@@ -43,8 +59,7 @@ def _sample_loop(graphdef, params, context, length, temperature, key, count, max
     return jax.lax.fori_loop(0, count, one_byte, carry)[3]
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def _cached_loop(graphdef, params, context, length, temperature, key, count):
+def _cached_one(graphdef, params, context, length, temperature, key, count):
     """Feeds the context one byte at a time through the blocks, keeping every layer's keys
     and values, then samples ``count`` bytes at one position each: the work per byte is one
     token's, not the whole window's. Requires ``length + count <= window``. ``length`` and
@@ -54,19 +69,29 @@ def _cached_loop(graphdef, params, context, length, temperature, key, count):
     blocks = list(model.blocks)
     heads = blocks[0].attn.num_heads
     head_dim = blocks[0].attn.head_dim
-    cache = jnp.zeros((len(blocks), 2, window, heads, head_dim), jnp.float32)
+    # One (keys, values) pair per layer, each its own loop variable updated in place, in
+    # the heads-first layout the attention products read (no per-byte transposes).
+    empty = jnp.zeros((heads, window, head_dim), jnp.float32)
+    caches = tuple((empty, empty) for _ in blocks)
     visible_from = jnp.arange(window)
 
+    def attend(q, keys, values, pos):
+        # jax.nn.dot_product_attention's own arithmetic, for one query over the cache.
+        scores = jnp.einsum("hd,hsd->hs", q, keys) * jnp.float32(1 / np.sqrt(head_dim))
+        scores = jnp.where(visible_from <= pos, scores, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("hs,hsd->hd", jax.nn.softmax(scores), values)
+
     def position(pos, carry):
-        context, cache, key, out = carry
+        context, caches, key, out = carry
         x = model.token_embed(context[pos][None, None]) + model.pos_embed(pos[None])[None]
-        for layer, block in enumerate(blocks):
+        updated = []
+        for block, (keys, values) in zip(blocks, caches):
             h = block.ln1(x)
-            q, k, v = block.attn.query(h), block.attn.key(h), block.attn.value(h)
-            cache = cache.at[layer, 0, pos].set(k[0, 0]).at[layer, 1, pos].set(v[0, 0])
-            mask = (visible_from <= pos)[None, None, None, :]
-            att = jax.nn.dot_product_attention(q, cache[layer, 0][None], cache[layer, 1][None], mask=mask)
-            x = x + block.attn.out(att)
+            q, k, v = (part(h)[0, 0] for part in (block.attn.query, block.attn.key, block.attn.value))
+            keys = jax.lax.dynamic_update_slice(keys, k[:, None], (0, pos, 0))
+            values = jax.lax.dynamic_update_slice(values, v[:, None], (0, pos, 0))
+            updated.append((keys, values))
+            x = x + block.attn.out(attend(q, keys, values, pos)[None, None])
             x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
         logits = model.lm_head(model.final_norm(x))[0, 0]
         sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled
@@ -74,13 +99,19 @@ def _cached_loop(graphdef, params, context, length, temperature, key, count):
         sampled = jax.random.categorical(sub, logits / jnp.maximum(temperature, 1e-6))
         token = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(context.dtype)
         key = jnp.where(sampling, next_key, key)  # the same key sequence as the plain loop
-        context = jnp.where(sampling, context.at[jnp.minimum(pos + 1, window - 1)].set(token), context)
-        out = jnp.where(sampling, out.at[pos - (length - 1)].set(token), out)
-        return context, cache, key, out
+        at = jnp.minimum(pos + 1, window - 1)
+        context = context.at[at].set(jnp.where(sampling, token, context[at]))
+        slot = jnp.maximum(pos - (length - 1), 0)
+        out = out.at[slot].set(jnp.where(sampling, token, out[slot]))
+        return context, tuple(updated), key, out
 
     out = jnp.zeros((window,), context.dtype)  # the first ``count`` entries get filled
-    carry = jax.lax.fori_loop(0, length - 1 + count, position, (context, cache, key, out))
+    carry = jax.lax.fori_loop(0, length - 1 + count, position, (context, caches, key, out))
     return carry[0], carry[2], carry[3]
+
+
+_sample_loop = jax.jit(_one_per_key(_sample_one), static_argnums=(0, 7))  # graphdef, max_new
+_cached_loop = jax.jit(_one_per_key(_cached_one), static_argnums=0)  # graphdef
 
 
 def generate(
@@ -92,6 +123,18 @@ def generate(
     max_seq_len: int,
 ) -> bytes:
     """The prompt's bytes followed by ``max_new_bytes`` sampled ones; temperature 0 is greedy."""
+    return generate_batch(model, prompt, max_new_bytes, temperature, [seed], max_seq_len)[0]
+
+
+def generate_batch(
+    model: Transformer,
+    prompt: str,
+    max_new_bytes: int,
+    temperature: float,
+    seeds: list[int],
+    max_seq_len: int,
+) -> list[bytes]:
+    """One sample per seed, all in one batch; sample ``i`` is exactly ``generate(..., seeds[i])``."""
     encoded = prompt.encode("utf-8")
     if not encoded:
         raise PromptError("the prompt is empty; give at least one character of text")
@@ -101,7 +144,10 @@ def generate(
     context = np.zeros((max_seq_len,), np.int32)
     context[: len(kept)] = np.frombuffer(kept, np.uint8)
     graphdef, params = nnx.split(model)
-    length, key, temperature = jnp.int32(len(kept)), jax.random.key(seed), jnp.float32(temperature)
+    if not seeds:
+        raise PromptError("no seeds given; pass one seed per sample")
+    key = jnp.stack([jax.random.key(seed) for seed in seeds])
+    length, temperature = jnp.int32(len(kept)), jnp.float32(temperature)
     # While the context has room, each new byte costs one position (a KV cache); once it
     # is full it slides, every position shifts, and each byte needs a whole forward pass.
     cached = min(max_new_bytes, max_seq_len - len(kept))
@@ -109,13 +155,14 @@ def generate(
     window = jnp.asarray(context)
     if cached > 0:
         window, key, new = _cached_loop(graphdef, params, window, length, temperature, key, jnp.int32(cached))
-        pieces.append(np.asarray(new)[:cached])
+        pieces.append(np.asarray(new)[:, :cached])
         length = jnp.int32(len(kept) + cached)
     if max_new_bytes > cached:
         rest = max_new_bytes - cached
         new = _sample_loop(graphdef, params, window, length, temperature, key, jnp.int32(rest), max_new_bytes)
-        pieces.append(np.asarray(new)[:rest])
-    return encoded + b"".join(bytes(np.asarray(p, dtype=np.uint8)) for p in pieces)
+        pieces.append(np.asarray(new)[:, :rest])
+    rows = np.concatenate(pieces, axis=1).astype(np.uint8)
+    return [encoded + row.tobytes() for row in rows]
 
 
 def as_text(data: bytes) -> str:

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import jax
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts import ui
 from artifacts.store import Builder, Store, canonical_json
@@ -20,7 +20,9 @@ from model.checkpoint import TrainingCheckpoints, params_digest, save_train_stat
 from model.config import ModelConfig, TrainConfig
 from model.data import Batches, read_sequences
 from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
+from model.distributed import ProcessGroup
 from tasks.encode import TRAIN, VAL
+from tasks.train_process import RESULT, ProcessFailure, launch_leader, launch_local
 from tasks.stage import Stage, inputs
 
 def _recipe(request: "TrainingRequest") -> dict[str, Any]:
@@ -34,14 +36,16 @@ STATE, HISTORY = "state", "history.json"
 
 
 class TrainingRequest(BaseModel):
-    """What a training stage needs; ``devices`` and ``platform`` are part of the
-    version key, since the same recipe on other hardware is another measurement."""
+    """What a training stage needs; ``devices``, ``processes`` and ``platform`` are part
+    of the version key, since the same recipe on other hardware is another measurement.
+    ``devices`` counts the devices of all processes together."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: ModelConfig
     train: TrainConfig
     devices: int
     platform: str
+    processes: int = Field(1, gt=0)
 
 
 def hardware() -> tuple[int, str]:
@@ -53,6 +57,8 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
     resume_dir = Store(store).resume_dir(stage.name, stage.key(request, upstream))
 
     def work(out: Builder) -> None:
+        if stage is PARALLEL and (request.processes > 1 or ProcessGroup.from_env() is not None):
+            return _work_in_processes(request, data, resume_dir, out)
         visible, platform = hardware()
         if stage is PARALLEL and (visible, platform) != (request.devices, request.platform):
             raise TrainingError(
@@ -89,8 +95,7 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
         model = model_from_state(graphdef, result.state)
         save_train_state(out.path(STATE), jax.device_get(result.state))
         out.path(HISTORY).write_text(json.dumps(result.history, indent=1))
-        metrics = {**result.metrics(), "per_device_batch": request.train.per_device_batch,
-                   "seq_len": result.seq_len, "platform": platform}
+        metrics = run_metrics(result, request)
         out.metrics.update(metrics)
         out.record["devices"] = [str(d) for d in devices]
         out.record["resumed_from_step"] = result.resumed_from
@@ -100,6 +105,49 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
         _publish(stage, result.history, metrics)
 
     return stage.produce(request, upstream, store, force, work)
+
+
+def run_metrics(result, request: TrainingRequest) -> dict[str, Any]:
+    return {**result.metrics(), "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
+            "platform": request.platform, "processes": request.processes}
+
+
+def _work_in_processes(request: TrainingRequest, data, resume_dir, out: Builder) -> None:
+    """``train_parallel`` as cooperating processes: this host's are started here and
+    waited for; the run's own files come from them, the manifest from here."""
+    group = ProcessGroup.from_env()
+    launch = resume_dir / "launch"
+    launch.mkdir(parents=True, exist_ok=True)
+    spec = {"request": request.model_dump(mode="json"), "train_file": str(data.file(TRAIN)),
+            "val_file": str(data.file(VAL)), "out_dir": str(out.dir), "resume_dir": str(resume_dir),
+            "result_file": str(launch / RESULT)}
+    (launch / RESULT).unlink(missing_ok=True)
+    (launch / "spec.json").write_text(json.dumps(spec, indent=1))
+    label = f"train_parallel ({request.processes if group is None else group.num_processes} processes, " \
+            f"{request.devices} {request.platform} devices, batch {request.train.per_device_batch * request.devices})"
+    try:
+        with ui.Progress(PARALLEL.name, request.train.steps, label) as progress:
+            if group is None:
+                launch_local(launch / "spec.json", request.processes, request.devices // request.processes,
+                             request.platform, on_step=progress)
+            else:
+                launch_leader(launch / "spec.json", on_step=progress)
+    except ProcessFailure as failure:
+        kept = TrainingCheckpoints.steps(resume_dir)
+        resume = (f"rerun to resume from the checkpoint of step {kept[-1]}" if kept
+                  else "no checkpoint was written yet, so a rerun starts from step 0")
+        raise TrainingError(f"train_parallel failed: {failure}\n{resume}") from None
+    result = json.loads((launch / RESULT).read_text())
+    metrics = result["metrics"]
+    out.metrics.update(metrics)
+    out.record["devices"] = result["devices"]
+    out.record["resumed_from_step"] = result["resumed_from_step"]
+    out.fingerprint = hashlib.sha256(
+        (result["params_digest"] + canonical_json(result["history"]) + canonical_json(metrics)).encode()
+    ).hexdigest()
+    if result["resumed_from_step"] is not None:
+        ui.log("train_parallel resumed from its checkpoint at step %d", result["resumed_from_step"])
+    _publish(PARALLEL, result["history"], metrics)
 
 
 def _publish(stage: Stage, history: list[dict[str, Any]], metrics: dict[str, Any]) -> None:

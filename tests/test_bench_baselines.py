@@ -8,7 +8,7 @@ from flax import nnx
 from bench.codelab import codelab_generate, codelab_train_step
 from model.config import build_config
 from model.sampling import generate
-from model.train import init_state, make_train_step
+from model.train import compiler_options, init_state, make_train_step
 from model.transformer import build_model
 
 TINY = build_config("tiny")
@@ -24,7 +24,8 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps():
     optimizer = nnx.Optimizer(model, optax.adamw(TINY.train.learning_rate, weight_decay=TINY.train.weight_decay),
                               wrt=nnx.Param)
     graphdef, state = init_state(TINY.model, TINY.train)
-    step = make_train_step(graphdef)
+    # Compiled exactly as the training stages compile it.
+    step = make_train_step(graphdef).lower(state, stream[0]).compile(compiler_options=compiler_options("cpu"))
     for tokens in stream:
         baseline = codelab_train_step(model, optimizer, tokens)
         state, fast = step(state, tokens)
@@ -39,3 +40,15 @@ def test_generator_matches_the_codelab_loop_greedy_and_sampled():
         ours = generate(model, "KING:", 45, temperature, 42, window)  # 5 + 45 > 32: slides too
         theirs = codelab_generate(model, b"KING:", 45, temperature, 42, window)
         assert ours == theirs
+
+
+def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch():
+    from bench.codelab import codelab_generate_batch
+    from model.sampling import generate_batch
+
+    model = build_model(TINY.model, seed=5)
+    window, seeds = TINY.model.max_seq_len, [3, 4, 5]
+    batch = generate_batch(model, "KING:", 45, 0.8, seeds, window)
+    assert batch == [generate(model, "KING:", 45, 0.8, seed, window) for seed in seeds]
+    assert batch == codelab_generate_batch(model, b"KING:", 45, 0.8, seeds, window)
+    assert len(set(batch)) == 3  # the seeds really differ

@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -63,3 +64,27 @@ def test_val_batches_shard_evenly():
     assert [b.shape for b in val_batches(val, 4, multiple=2)] == [(4, 4)]
     assert [b.shape for b in val_batches(val[:3], 4, multiple=2)] == [(2, 4)]
     assert val_batches(val[:1], 4, multiple=2) == []
+
+
+def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss(split):
+    cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 59})
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        graphdef, state = init_state(TINY.model, cfg)
+        runs[precision] = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]),
+                                cfg.model_copy(update={"precision": precision}))
+    half, full = runs["bfloat16"], runs["float32"]
+    assert half.precision == "bfloat16" and full.precision == "float32"
+    assert {leaf.dtype for leaf in jax.tree.leaves(half.state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {jnp.dtype("float32")}
+    # Another rounding, the same learning: the final losses differ, but only a little.
+    first, last_half, last_full = full.history[0]["loss"], half.history[-1]["loss"], full.history[-1]["loss"]
+    assert last_half != last_full
+    assert abs(last_half - last_full) < 0.05 * (first - last_full)
+
+
+def test_auto_precision_is_float32_only_on_cpu():
+    from model.train import compute_dtype
+
+    assert compute_dtype("auto", "cpu") == jnp.float32
+    assert compute_dtype("auto", "gpu") == jnp.bfloat16
+    assert compute_dtype("float32", "gpu") == jnp.float32

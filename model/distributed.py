@@ -1,0 +1,118 @@
+"""One training run across several processes (hosts), on JAX's multi-controller runtime.
+
+Every process runs the same program. ``jax.distributed.initialize`` joins them into
+one runtime whose ``jax.devices()`` lists every device of every process, so the
+``data`` mesh of ``Placement.data_parallel`` spans them all. Each process feeds
+only the rows of a global batch that its own devices hold.
+
+Who is who comes from ``BARDFLOW_COORDINATOR`` (host:port of process 0),
+``BARDFLOW_NUM_PROCESSES`` and ``BARDFLOW_PROCESS_ID``; without them, a SLURM job
+step (``srun``) is recognised and JAX's own cluster detection fills them in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
+# A process that stops answering is declared dead after this long, and the others stop.
+HEARTBEAT_TIMEOUT_S = 30
+
+
+class DistributedError(RuntimeError):
+    """The processes cannot form one run; the message says which setting to fix."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    num_processes: int
+    process_id: int
+    coordinator: str | None = None  # None: JAX's cluster detection finds it (SLURM)
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    def env(self) -> dict[str, str]:
+        return {COORDINATOR: self.coordinator or "", NUM_PROCESSES: str(self.num_processes),
+                PROCESS_ID: str(self.process_id)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ProcessGroup | None:
+        """The group this process belongs to, or None for a run on its own."""
+        if env.get(NUM_PROCESSES):
+            try:
+                count, index = int(env[NUM_PROCESSES]), int(env.get(PROCESS_ID, ""))
+            except ValueError:
+                raise DistributedError(
+                    f"{NUM_PROCESSES} and {PROCESS_ID} must be integers (got {env.get(NUM_PROCESSES)!r}, "
+                    f"{env.get(PROCESS_ID)!r}); set both, e.g. {NUM_PROCESSES}=2 {PROCESS_ID}=0"
+                ) from None
+            if not 0 <= index < count:
+                raise DistributedError(f"{PROCESS_ID}={index} is outside 0..{count - 1}; number processes from 0")
+            if count > 1 and not env.get(COORDINATOR):
+                raise DistributedError(f"{COORDINATOR} is not set; give every process host:port of process 0")
+            return cls(count, index, env.get(COORDINATOR) or None) if count > 1 else None
+        if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
+            return cls(int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
+        return None
+
+
+def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
+    """Joins this process to the group; must run before anything else touches JAX."""
+    import jax
+
+    # CPU devices of different processes exchange gradients over TCP with gloo (GPUs use NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator,
+            num_processes=group.num_processes if group.coordinator else None,
+            process_id=group.process_id if group.coordinator else None,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        )
+    except Exception as error:  # noqa: BLE001 - JAX raises XlaRuntimeError and plain RuntimeError
+        raise DistributedError(
+            f"process {group.process_id} of {group.num_processes} could not join the run at "
+            f"{group.coordinator or 'the cluster-detected coordinator'} within {timeout_s} s: "
+            f"{str(error).splitlines()[0]}; check that process 0 runs and that the address is reachable"
+        ) from None
+
+
+def broadcast_json(value: dict | None, capacity: int = 1 << 16) -> dict:
+    """Process 0's ``value`` on every process (the others pass None)."""
+    from jax.experimental import multihost_utils
+
+    buffer = np.zeros(capacity, np.uint8)
+    if value is not None:
+        data = json.dumps(value).encode()
+        if len(data) + 4 > capacity:
+            raise DistributedError(f"the run description is {len(data)} bytes, more than {capacity - 4}")
+        buffer[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+        buffer[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    size = int(np.frombuffer(shared[:4].tobytes(), np.uint32)[0])
+    return json.loads(shared[4 : 4 + size].tobytes())
+
+
+def local_rows(sharding, global_rows: int) -> tuple[int, int]:
+    """The contiguous rows ``[start, stop)`` of a batch sharded by ``sharding`` that live on
+    this process's devices: the only rows this process reads."""
+    import jax
+
+    starts, stops = [], []
+    for device, index in sharding.devices_indices_map((global_rows,)).items():
+        if device.process_index == jax.process_index():
+            rows = index[0]
+            starts.append(rows.start or 0)
+            stops.append(global_rows if rows.stop is None else rows.stop)
+    start, stop = min(starts), max(stops)
+    if stop - start != sum(b - a for a, b in set(zip(starts, stops))):
+        raise DistributedError("this process's devices hold rows that are not contiguous")
+    return start, stop
