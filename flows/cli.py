@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
     run.add_argument("--cpu-devices", type=int, metavar="N",
                      help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
+    run.add_argument("--processes", type=int, default=1, metavar="N",
+                     help="run train_parallel as N processes of this host sharing its devices (default 1). "
+                          "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
+                          "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
+                          "runs the pipeline, the others join its train_parallel")
+    run.add_argument("--join-timeout", type=int, default=3600, metavar="S",
+                     help="cluster processes other than 0: seconds to wait for process 0 to reach "
+                          "train_parallel (default 3600)")
     run.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
 
     presets = commands.add_parser("presets", help="show each preset's full configuration",
@@ -94,6 +102,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(STAGES)}")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError("--cpu-devices must be at least 1")
+    if args.processes < 1:
+        raise UsageError("--processes must be at least 1")
     root = store_root(args.store)
     prepare_environment(args.cpu_devices)
 
@@ -103,7 +113,34 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from flows.pipeline import pick_preset, pipeline
 
     config = build_config(pick_preset(args.preset), overrides)
-    return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=str(root), refresh=args.refresh)
+    return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=str(root), refresh=args.refresh,
+                    processes=args.processes)
+
+
+def _follow(group, join_timeout: int) -> None:
+    """A cluster process other than 0: no flow of its own; it joins process 0's
+    train_parallel, which tells it what to train, and ends with it."""
+    import subprocess
+
+    print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
+          f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
+    code = subprocess.call([sys.executable, "-m", "tasks.train_process", "--follow", "--join-timeout",
+                            str(join_timeout)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if code:
+        raise FollowerError(f"process {group.process_id} of {group.num_processes} failed (exit status {code}); "
+                            "see its output above")
+
+
+class FollowerError(RuntimeError):
+    pass
+
+
+def _cluster_follower():
+    """This process's group when it is a cluster process other than process 0."""
+    from model.distributed import ProcessGroup
+
+    group = ProcessGroup.from_env()
+    return group if group is not None and not group.leader else None
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -157,7 +194,9 @@ def _errors() -> tuple[type[BaseException], ...]:
     from tasks.fetch import FetchError
     from tasks.verify import VerificationError
 
-    return (UsageError, ConfigError, DataError, PromptError, TrainingError, CheckpointError,
+    from model.distributed import DistributedError
+
+    return (UsageError, FollowerError, DistributedError, ConfigError, DataError, PromptError, TrainingError, CheckpointError,
             StoreError, FetchError, VerificationError)
 
 
@@ -173,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             _artifacts(args)
         elif args.command == "ui":
             _ui(args)
+        elif args.command == "run" and (follower := _cluster_follower()) is not None:
+            _follow(follower, args.join_timeout)  # process 0 reports the run
         elif args.command == "run":
             summary = _run(args)
             if args.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Literal
 
 import jax
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from artifacts.store import Store
 from flows.settings import PRESETS, STAGES, store_root
+from model.distributed import ProcessGroup
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
 from tasks.checkpoint import checkpoint
 from tasks.compare import compare
@@ -75,6 +77,7 @@ class StageRunner:
         intact = self.store.lookup(stage.name, key) is not None
         if not intact and self.store.path(stage.name, key).exists():
             get_run_logger().warning("%s version %s is damaged or incomplete: rebuilding it", stage.name, key)
+        started = time.perf_counter()
         state = stage_task.with_options(
             refresh_cache=forced or not intact,
             # Cache records live beside the versions they describe: whoever points at the
@@ -88,12 +91,32 @@ class StageRunner:
             "key": description["key"],
             "path": description["path"],
             "metrics": description["metrics"],
+            "seconds": round(time.perf_counter() - started, 3),
         }
         return description
 
 
+def parallel_request(config: PipelineConfig, processes: int) -> TrainingRequest:
+    """``train_parallel``'s request: every device of this host, shared out among
+    ``processes`` local processes, or, under a cluster scheduler, every device of every host."""
+    devices, platform = hardware()
+    group = ProcessGroup.from_env()
+    if group is not None:
+        if processes > 1:
+            raise ConfigError(f"processes={processes} starts processes on this host, but this is process "
+                              f"{group.process_id} of {group.num_processes} of a cluster job already; leave processes at 1")
+        return TrainingRequest(model=config.model, train=config.train, devices=devices * group.num_processes,
+                               platform=platform, processes=group.num_processes)
+    if processes < 1 or devices % processes:
+        hint = " (on a CPU, emulate devices with --cpu-devices)" if platform == "cpu" else ""
+        raise ConfigError(f"processes={processes} cannot share out the {devices} {platform} device(s) of this host "
+                          f"evenly; use a divisor of {devices}{hint}")
+    return TrainingRequest(model=config.model, train=config.train, devices=devices, platform=platform,
+                           processes=processes)
+
+
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
-               refresh: list[str]) -> dict[str, Any]:
+               refresh: list[str], processes: int = 1) -> dict[str, Any]:
     """The pipeline's story; both flows below tell it."""
     quiet_explained_errors()
     logger = get_run_logger()
@@ -109,7 +132,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     corpus_version = run(fetch, config.data)
     data = run(encode, config.data, fetch=corpus_version)
     single = run(train_single, TrainingRequest(model=config.model, train=config.train, devices=1, platform=platform), encode=data)
-    parallel = run(train_parallel, TrainingRequest(model=config.model, train=config.train, devices=devices, platform=platform), encode=data)
+    parallel = run(train_parallel, parallel_request(config, processes), encode=data)
     run(compare, {}, train_single=single, train_parallel=parallel)
     saved = run(checkpoint, {}, train_parallel=parallel)
     run(verify, VerifyParams(), checkpoint=saved, train_parallel=parallel, encode=data)
@@ -125,12 +148,15 @@ def pipeline(
     corpus: str | None = None,
     store: str | None = None,
     refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Fetch, encode, train on one device and on all, compare, checkpoint, verify, generate.
 
     ``config`` overrides the preset entirely when given; ``corpus`` overrides its source.
+    ``processes`` > 1 runs train_parallel as that many processes of this host, which
+    share its devices out (one per GPU, say) and train as one data-parallel run.
     """
-    return run_stages(preset, config, corpus, store, list(refresh))
+    return run_stages(preset, config, corpus, store, list(refresh), processes)
 
 
 @flow(name="bardflow", log_prints=True, persist_result=False)
@@ -142,6 +168,7 @@ def samples(
     preset: Preset = "auto",
     corpus: str | None = None,
     store: str | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """New samples from the trained model. Every stage before ``generate`` comes from the
     cache when it is there (training runs only if nothing is cached); a setting left empty
@@ -163,4 +190,4 @@ def samples(
     except ValidationError as error:
         raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from None
     config = base.model_copy(update={"generate": generate_config})
-    return run_stages(preset, config, corpus, store, [])
+    return run_stages(preset, config, corpus, store, [], processes)

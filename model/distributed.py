@@ -22,6 +22,7 @@ import numpy as np
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
 # A process that stops answering is declared dead after this long, and the others stop.
 HEARTBEAT_TIMEOUT_S = 30
+LOOPBACK = {"127.0.0.1", "localhost", "[::1]"}
 
 
 class DistributedError(RuntimeError):
@@ -69,6 +70,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
 
     # CPU devices of different processes exchange gradients over TCP with gloo (GPUs use NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    host = (group.coordinator or "").rpartition(":")[0]
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator,
@@ -76,6 +78,9 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
             process_id=group.process_id if group.coordinator else None,
             initialization_timeout=timeout_s,
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            # Process 0's service listens on every interface unless told otherwise: when
+            # the group lives on this machine, keep it on loopback.
+            coordinator_bind_address=group.coordinator if host in LOOPBACK else None,
         )
     except Exception as error:  # noqa: BLE001 - JAX raises XlaRuntimeError and plain RuntimeError
         raise DistributedError(

@@ -19,8 +19,8 @@ from artifacts.store import Builder, Store, canonical_json
 from model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from model.config import ModelConfig, TrainConfig
 from model.data import Batches, read_sequences
-from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
 from model.distributed import ProcessGroup
+from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
 from tasks.encode import TRAIN, VAL
 from tasks.train_process import RESULT, ProcessFailure, launch_leader, launch_local
 from tasks.stage import Stage, inputs
@@ -92,19 +92,22 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
         if result.resumed_from is not None:
             ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
                    stage.name, result.resumed_from, result.resume_s)
-        model = model_from_state(graphdef, result.state)
         save_train_state(out.path(STATE), jax.device_get(result.state))
-        out.path(HISTORY).write_text(json.dumps(result.history, indent=1))
-        metrics = run_metrics(result, request)
-        out.metrics.update(metrics)
-        out.record["devices"] = [str(d) for d in devices]
-        out.record["resumed_from_step"] = result.resumed_from
-        out.fingerprint = hashlib.sha256(
-            (params_digest(model) + canonical_json(result.history) + canonical_json(metrics)).encode()
-        ).hexdigest()
-        _publish(stage, result.history, metrics)
+        _finish(stage, out, run_metrics(result, request), result.history,
+                params_digest(model_from_state(graphdef, result.state)), [str(d) for d in devices])
 
     return stage.produce(request, upstream, store, force, work)
+
+
+def _finish(stage: Stage, out: Builder, metrics: dict[str, Any], history: list[dict[str, Any]],
+            digest: str, devices: list[str]) -> None:
+    """Everything of a training version but its state: history, metrics, fingerprint, UI."""
+    out.path(HISTORY).write_text(json.dumps(history, indent=1))
+    out.metrics.update(metrics)
+    out.record["devices"] = devices
+    out.record["resumed_from_step"] = metrics["resumed_from_step"]
+    out.fingerprint = hashlib.sha256((digest + canonical_json(history) + canonical_json(metrics)).encode()).hexdigest()
+    _publish(stage, history, metrics)
 
 
 def run_metrics(result, request: TrainingRequest) -> dict[str, Any]:
@@ -138,16 +141,9 @@ def _work_in_processes(request: TrainingRequest, data, resume_dir, out: Builder)
                   else "no checkpoint was written yet, so a rerun starts from step 0")
         raise TrainingError(f"train_parallel failed: {failure}\n{resume}") from None
     result = json.loads((launch / RESULT).read_text())
-    metrics = result["metrics"]
-    out.metrics.update(metrics)
-    out.record["devices"] = result["devices"]
-    out.record["resumed_from_step"] = result["resumed_from_step"]
-    out.fingerprint = hashlib.sha256(
-        (result["params_digest"] + canonical_json(result["history"]) + canonical_json(metrics)).encode()
-    ).hexdigest()
-    if result["resumed_from_step"] is not None:
-        ui.log("train_parallel resumed from its checkpoint at step %d", result["resumed_from_step"])
-    _publish(PARALLEL, result["history"], metrics)
+    if result["metrics"]["resumed_from_step"] is not None:
+        ui.log("train_parallel resumed from its checkpoint at step %d", result["metrics"]["resumed_from_step"])
+    _finish(PARALLEL, out, result["metrics"], result["history"], result["params_digest"], result["devices"])
 
 
 def _publish(stage: Stage, history: list[dict[str, Any]], metrics: dict[str, Any]) -> None:

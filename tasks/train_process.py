@@ -7,7 +7,7 @@ local launcher that starts them on one host (several GPUs, or the tests).
 Who is who comes from the environment (``model.distributed``). Every process trains
 the same replicated model on its own rows of each global batch; Orbax saves and
 restores checkpoints collectively (every process calls it, each writes what it holds);
-only process 0 writes files of its own (history, result). The launcher stops all
+only process 0 writes a file of its own (the result summary). The launcher stops all
 processes as soon as one fails, and reports that one's log.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
-STATE, HISTORY, RESULT = "state", "history.json", "result.json"
+RESULT = "result.json"
 
 
 def run_process(spec_path: Path | None, join_timeout_s: int) -> None:
@@ -51,7 +51,7 @@ def _train(spec: dict[str, Any], leader: bool) -> None:
     from model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
     from model.data import Batches, read_sequences
     from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
-    from tasks.train import TrainingRequest, run_metrics
+    from tasks.train import STATE, TrainingRequest, run_metrics
 
     request = TrainingRequest.model_validate(spec["request"])
     devices = jax.devices()
@@ -72,21 +72,21 @@ def _train(spec: dict[str, Any], leader: bool) -> None:
         if leader:
             print(f"{PROGRESS} {done} {total}", flush=True)
 
+    rows = placement.rows(global_batch)
+    print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
+          f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
     graphdef, state = init_state(request.model, request.train)
     checkpoints = TrainingCheckpoints(Path(spec["resume_dir"]), request.train.keep_checkpoints)
     try:
-        result = train(graphdef, state, Batches(train_rows, global_batch, placement.rows(global_batch)), local_val,
+        result = train(graphdef, state, Batches(train_rows, global_batch, rows), local_val,
                        placement, request.train, on_step=report, checkpoints=checkpoints)
     finally:
         checkpoints.close()
-    out = Path(spec["out_dir"])
-    save_train_state(out / STATE, result.state)  # collective: every process calls it
-    if leader:
-        model = model_from_state(graphdef, result.state)
-        (out / HISTORY).write_text(json.dumps(result.history, indent=1))
-        summary = {"metrics": run_metrics(result, request),
-                   "params_digest": params_digest(model), "history": result.history,
-                   "devices": [str(d) for d in devices], "resumed_from_step": result.resumed_from}
+    save_train_state(Path(spec["out_dir"]) / STATE, result.state)  # collective: every process calls it
+    if leader:  # the flow process makes the version's other files and its manifest from this
+        summary = {"metrics": run_metrics(result, request), "history": result.history,
+                   "params_digest": params_digest(model_from_state(graphdef, result.state)),
+                   "devices": [str(d) for d in devices]}
         Path(spec["result_file"]).write_text(json.dumps(summary))
 
 

@@ -1,6 +1,5 @@
 """The fast paths against the codelab-style baselines kept in bench/: same numbers."""
 
-import jax
 import numpy as np
 import optax
 from flax import nnx

@@ -1,8 +1,6 @@
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from model.checkpoint import CheckpointError, load_config, load_model, max_logit_diff, params_digest, save_model
 from model.config import build_config

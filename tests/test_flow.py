@@ -96,14 +96,17 @@ READ_ARTIFACTS = """
 import json, sys
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
 with get_client(sync_client=True) as client:
-    found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sys.argv[1:])))
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sys.argv[1:])),
+                                  sort=ArtifactSort.CREATED_DESC)
 print(json.dumps([{"key": a.key, "type": a.type, "data": a.data} for a in found]))
 """
 
 
 def test_every_stage_left_artifacts_for_the_ui(workspace):
-    """Read back through the Prefect API (an embedded server on the runs' database)."""
+    """Read back through the Prefect API (an embedded server on the runs' database), newest
+    first: the session's database also holds other tests' runs, some stopped on purpose."""
     expected = {f"bardflow-{s.replace('_', '-')}" for s in STAGES} | {
         "bardflow-compare-plots", "bardflow-train-single-progress", "bardflow-train-parallel-progress"}
     done = subprocess.run([sys.executable, "-c", READ_ARTIFACTS, *sorted(expected)], capture_output=True,

@@ -1,0 +1,198 @@
+"""train_parallel across processes: real JAX processes on 127.0.0.1 joined by
+``jax.distributed`` with gloo CPU collectives, one emulated device each."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from model.checkpoint import load_train_state
+from model.config import build_config
+from model.data import Batches, encode, write_sequences
+from model.distributed import DistributedError, ProcessGroup
+from model.train import Placement, init_state, train, val_batches
+from tasks.train import TrainingRequest
+from tasks.train_process import launch_local
+from tests.conftest import REPO, play_text
+from tests.test_reliability import base_args, checkpoint_steps, finish, start
+
+TINY = build_config("tiny")
+
+
+def test_the_group_comes_from_bardflow_variables_or_slurm():
+    env = {"BARDFLOW_COORDINATOR": "10.0.0.1:1234", "BARDFLOW_NUM_PROCESSES": "4", "BARDFLOW_PROCESS_ID": "3"}
+    assert ProcessGroup.from_env(env) == ProcessGroup(4, 3, "10.0.0.1:1234")
+    assert ProcessGroup.from_env({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}) == ProcessGroup(2, 1, None)
+    assert ProcessGroup.from_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert ProcessGroup.from_env({}) is None
+    for bad, message in [({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"}, "BARDFLOW_COORDINATOR is not set"),
+                         ({**env, "BARDFLOW_PROCESS_ID": "4"}, "outside 0..3"),
+                         ({**env, "BARDFLOW_PROCESS_ID": "one"}, "must be integers")]:
+        with pytest.raises(DistributedError, match=message):
+            ProcessGroup.from_env(bad)
+
+
+def test_processes_must_share_the_devices_out_evenly():
+    from flows.pipeline import parallel_request
+    from model.config import ConfigError
+
+    assert parallel_request(TINY, 2).model_dump(include={"devices", "processes"}) == {"devices": 2, "processes": 2}
+    with pytest.raises(ConfigError, match="processes=3 cannot share out the 2 cpu device"):
+        parallel_request(TINY, 3)
+
+
+@pytest.mark.processes
+def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path):
+    split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
+    write_sequences(tmp_path / "train.arrow", split.train, {})
+    write_sequences(tmp_path / "val.arrow", split.val, {})
+    cfg = TINY.train.model_copy(update={"steps": 40})
+    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
+    (tmp_path / "out").mkdir()
+    spec = {"request": request.model_dump(mode="json"), "train_file": str(tmp_path / "train.arrow"),
+            "val_file": str(tmp_path / "val.arrow"), "out_dir": str(tmp_path / "out"),
+            "resume_dir": str(tmp_path / "resume"), "result_file": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    seen = []
+    launch_local(tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
+                 on_step=lambda done, total: seen.append(done))
+    assert seen[-1] == 40  # process 0 reported its progress
+
+    graphdef, state = init_state(TINY.model, cfg)
+    one = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8, multiple=2),
+                Placement.data_parallel(jax.devices()), cfg)
+
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["metrics"]["processes"] == 2 and result["metrics"]["devices"] == 2
+    assert len(result["devices"]) == 2
+    two_losses = [h["loss"] for h in result["history"]]
+    # Measured: identical to the last bit (the same reduction over the same two shards);
+    # the tolerance allows only float32 reassociation.
+    np.testing.assert_allclose(two_losses, [h["loss"] for h in one.history], rtol=1e-6)
+    np.testing.assert_allclose(result["metrics"]["val_loss"], one.val_loss, rtol=1e-4)  # rounded to 4 places
+    _, template = init_state(TINY.model, cfg)
+    saved = jax.tree.leaves(load_train_state(tmp_path / "out" / "state", template))
+    for theirs, ours in zip(saved, jax.tree.leaves(jax.device_get(one.state))):
+        if np.issubdtype(np.asarray(ours).dtype, np.floating):
+            np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-6, atol=1e-7)
+    # Each process read only its own half of every batch.
+    for index, rows in enumerate(("[0, 4)", "[4, 8)")):
+        assert f"process {index} of 2: rows {rows} of every global batch of 8" in (tmp_path / f"process-{index}.log").read_text()
+
+
+@pytest.mark.processes
+def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(play_text(64_000))
+    store = tmp_path / "store"
+    long = ("--processes", "2", "--set", "train.steps=600", "--set", "train.checkpoint_every=20")
+    run = start(base_args(corpus, store, *long), tmp_path / "killed.log")
+    deadline = time.monotonic() + 300
+    while not [s for s in checkpoint_steps(store, "train_parallel") if s >= 40]:
+        assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.5)
+    follower = subprocess.run(["pgrep", "-f", "tasks.train_process --follow"], capture_output=True, text=True)
+    pids = [int(p) for p in follower.stdout.split()]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    run.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 60
+    assert run.returncode == 1
+    error = (tmp_path / "killed.log").read_text().strip().splitlines()
+    last = next(line for line in reversed(error) if line.startswith("bardflow: error:"))
+    assert "train_parallel failed: process 1 of 2 was killed by signal 9 (SIGKILL)" in last
+    saved = max(checkpoint_steps(store, "train_parallel"))
+    assert f"rerun to resume from the checkpoint of step {saved}" in "\n".join(error)
+    assert not list(store.glob("train_parallel/[0-9a-f]*"))  # nothing published
+
+    summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log"))
+    metrics = summary["stages"]["train_parallel"]["metrics"]
+    assert summary["stages"]["train_parallel"]["state"] == "ran"
+    assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 600
+    assert summary["stages"]["verify"]["metrics"]["passed"] is True
+    assert not list(store.glob("train_parallel/.resume-*"))  # resume state is removed once published
+
+
+@pytest.mark.processes
+def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_timeout(tmp_path):
+    """What a cluster relies on: JAX's coordination service notices the missing heartbeats."""
+    split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
+    write_sequences(tmp_path / "train.arrow", split.train, {})
+    write_sequences(tmp_path / "val.arrow", split.val, {})
+    cfg = TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000})
+    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
+    (tmp_path / "out").mkdir()
+    spec = {"request": request.model_dump(mode="json"), "train_file": str(tmp_path / "train.arrow"),
+            "val_file": str(tmp_path / "val.arrow"), "out_dir": str(tmp_path / "out"),
+            "resume_dir": str(tmp_path / "resume"), "result_file": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    from tasks.train_process import _free_port, _process_env
+
+    port = _free_port()
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "tasks.train_process", *([str(tmp_path / "spec.json")] if i == 0 else ["--follow"])],
+                         cwd=REPO, env=_process_env(i, 2, port, 1, "cpu"), stdout=open(logs[i], "w"),
+                         stderr=subprocess.STDOUT)
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"bardflow-progress [1-9]\d\d ", logs[0].read_text()):
+            assert processes[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.5)
+        processes[1].kill()
+        killed_at = time.monotonic()
+        processes[0].wait(timeout=90)
+        from model.distributed import HEARTBEAT_TIMEOUT_S
+
+        assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 30
+        assert processes[0].returncode != 0
+        assert "stopped sending heartbeats" in logs[0].read_text()
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def test_cluster_examples_run_the_same_command_on_every_host():
+    import yaml
+
+    service, job = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "train-job.yaml").read_text())
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    (container,) = pod["containers"]
+    assert container["command"][:2] == ["bardflow", "run"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["BARDFLOW_NUM_PROCESSES"]["value"] == str(spec["completions"])
+    assert env["BARDFLOW_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    host, port = env["BARDFLOW_COORDINATOR"]["value"].rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
+    mounts = {m["name"] for m in container["volumeMounts"]}
+    assert mounts == {v["name"] for v in pod["volumes"]}
+    assert any(m["mountPath"] == env["BARDFLOW_STORE"]["value"] for m in container["volumeMounts"])
+
+    sbatch = REPO / "deploy" / "slurm" / "train.sbatch"
+    subprocess.run(["bash", "-n", str(sbatch)], check=True)  # the shell syntax
+    text = sbatch.read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+    assert int(directives["nodes"]) >= 2 and directives["ntasks-per-node"] == "1"
+    assert re.search(r"^srun .*bardflow run", text, re.M)
+    # What each srun task sees is a group of its own.
+    assert ProcessGroup.from_env({"SLURM_NTASKS": directives["nodes"], "SLURM_PROCID": "1"}).process_id == 1
