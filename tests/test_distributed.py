@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -50,18 +51,24 @@ def test_processes_must_share_the_devices_out_evenly():
         parallel_request(TINY, 3)
 
 
+def describe_run(folder: Path, cfg) -> object:
+    """Arrow files of a generated corpus and the description process 0 gets: ``spec.json``."""
+    split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
+    write_sequences(folder / "train.arrow", split.train, {})
+    write_sequences(folder / "val.arrow", split.val, {})
+    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
+    (folder / "out").mkdir()
+    spec = {"request": request.model_dump(mode="json"), "train_file": str(folder / "train.arrow"),
+            "val_file": str(folder / "val.arrow"), "out_dir": str(folder / "out"),
+            "resume_dir": str(folder / "resume"), "result_file": str(folder / "result.json")}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    return split
+
+
 @pytest.mark.processes
 def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path):
-    split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
-    write_sequences(tmp_path / "train.arrow", split.train, {})
-    write_sequences(tmp_path / "val.arrow", split.val, {})
     cfg = TINY.train.model_copy(update={"steps": 40})
-    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
-    (tmp_path / "out").mkdir()
-    spec = {"request": request.model_dump(mode="json"), "train_file": str(tmp_path / "train.arrow"),
-            "val_file": str(tmp_path / "val.arrow"), "out_dir": str(tmp_path / "out"),
-            "resume_dir": str(tmp_path / "resume"), "result_file": str(tmp_path / "result.json")}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    split = describe_run(tmp_path, cfg)
     seen = []
     launch_local(tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
                  on_step=lambda done, total: seen.append(done))
@@ -126,16 +133,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path):
 @pytest.mark.processes
 def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_timeout(tmp_path):
     """What a cluster relies on: JAX's coordination service notices the missing heartbeats."""
-    split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
-    write_sequences(tmp_path / "train.arrow", split.train, {})
-    write_sequences(tmp_path / "val.arrow", split.val, {})
-    cfg = TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000})
-    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
-    (tmp_path / "out").mkdir()
-    spec = {"request": request.model_dump(mode="json"), "train_file": str(tmp_path / "train.arrow"),
-            "val_file": str(tmp_path / "val.arrow"), "out_dir": str(tmp_path / "out"),
-            "resume_dir": str(tmp_path / "resume"), "result_file": str(tmp_path / "result.json")}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000}))
     from tasks.train_process import _free_port, _process_env
 
     port = _free_port()
