@@ -6,8 +6,10 @@ one runtime whose ``jax.devices()`` lists every device of every process, so the
 only the rows of a global batch that its own devices hold.
 
 Who is who comes from ``BARDFLOW_COORDINATOR`` (host:port of process 0),
-``BARDFLOW_NUM_PROCESSES`` and ``BARDFLOW_PROCESS_ID``; without them, a SLURM job
-step (``srun``) is recognised and JAX's own cluster detection fills them in.
+``BARDFLOW_NUM_PROCESSES`` and ``BARDFLOW_PROCESS_ID`` (or a Kubernetes Indexed Job's
+``JOB_COMPLETION_INDEX``); without them, a SLURM job step (``srun``), an Open MPI launch
+(``mpirun``) or a multi-host Cloud TPU slice is recognised from its own variables, and
+JAX's cluster detection supplies the coordinator.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_P
 # A process that stops answering is declared dead after this long, and the others stop.
 HEARTBEAT_TIMEOUT_S = 30
 LOOPBACK = {"127.0.0.1", "localhost", "[::1]"}
+SCHEDULERS = [("SLURM_NTASKS", "SLURM_PROCID"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")]
 
 
 class DistributedError(RuntimeError):
@@ -47,8 +50,10 @@ class ProcessGroup:
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ProcessGroup | None:
         """The group this process belongs to, or None for a run on its own."""
         if env.get(NUM_PROCESSES):
+            # A Kubernetes Indexed Job gives each pod its index as JOB_COMPLETION_INDEX.
+            index_text = env.get(PROCESS_ID, env.get("JOB_COMPLETION_INDEX", ""))
             try:
-                count, index = int(env[NUM_PROCESSES]), int(env.get(PROCESS_ID, ""))
+                count, index = int(env[NUM_PROCESSES]), int(index_text)
             except ValueError:
                 raise DistributedError(
                     f"{NUM_PROCESSES} and {PROCESS_ID} must be integers (got {env.get(NUM_PROCESSES)!r}, "
@@ -59,8 +64,14 @@ class ProcessGroup:
             if count > 1 and not env.get(COORDINATOR):
                 raise DistributedError(f"{COORDINATOR} is not set; give every process host:port of process 0")
             return cls(count, index, env.get(COORDINATOR) or None) if count > 1 else None
-        if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
-            return cls(int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
+        # Schedulers whose own variables say who is who; JAX's cluster detection reads the
+        # same ones (and finds the coordinator) when the process joins.
+        for size, rank in SCHEDULERS:
+            if int(env.get(size, "1") or 1) > 1 and rank in env:
+                return cls(int(env[size]), int(env[rank]))
+        hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+        if len(hosts) > 1 and "TPU_WORKER_ID" in env:  # a multi-host Cloud TPU slice
+            return cls(len(hosts), int(env["TPU_WORKER_ID"]))
         return None
 
 

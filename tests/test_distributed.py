@@ -29,11 +29,16 @@ from tests.test_reliability import base_args, checkpoint_steps, finish, start
 TINY = build_config("tiny")
 
 
-def test_the_group_comes_from_bardflow_variables_or_slurm():
+def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
     env = {"BARDFLOW_COORDINATOR": "10.0.0.1:1234", "BARDFLOW_NUM_PROCESSES": "4", "BARDFLOW_PROCESS_ID": "3"}
     assert ProcessGroup.from_env(env) == ProcessGroup(4, 3, "10.0.0.1:1234")
     assert ProcessGroup.from_env({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}) == ProcessGroup(2, 1, None)
     assert ProcessGroup.from_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert ProcessGroup.from_env({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "0"}) == ProcessGroup(3, 0, None)
+    assert ProcessGroup.from_env({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}) == ProcessGroup(4, 2, None)
+    assert ProcessGroup.from_env({"TPU_WORKER_HOSTNAMES": "t0", "TPU_WORKER_ID": "0"}) is None  # one host
+    indexed_job = {"BARDFLOW_COORDINATOR": "job-0.svc:1234", "BARDFLOW_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"}
+    assert ProcessGroup.from_env(indexed_job) == ProcessGroup(2, 1, "job-0.svc:1234")
     assert ProcessGroup.from_env({}) is None
     for bad, message in [({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"}, "BARDFLOW_COORDINATOR is not set"),
                          ({**env, "BARDFLOW_PROCESS_ID": "4"}, "outside 0..3"),
