@@ -124,8 +124,10 @@ def _follow(group, join_timeout: int) -> None:
 
     print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
           f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
+    from tasks.train_process import REPO
+
     code = subprocess.call([sys.executable, "-m", "tasks.train_process", "--follow", "--join-timeout",
-                            str(join_timeout)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            str(join_timeout)], cwd=REPO)
     if code:
         raise FollowerError(f"process {group.process_id} of {group.num_processes} failed (exit status {code}); "
                             "see its output above")
@@ -189,15 +191,14 @@ def _errors() -> tuple[type[BaseException], ...]:
     from model.checkpoint import CheckpointError
     from model.config import ConfigError
     from model.data import DataError
+    from model.distributed import DistributedError
     from model.sampling import PromptError
     from model.train import TrainingError
     from tasks.fetch import FetchError
     from tasks.verify import VerificationError
 
-    from model.distributed import DistributedError
-
-    return (UsageError, FollowerError, DistributedError, ConfigError, DataError, PromptError, TrainingError, CheckpointError,
-            StoreError, FetchError, VerificationError)
+    return (UsageError, FollowerError, DistributedError, ConfigError, DataError, PromptError, TrainingError,
+            CheckpointError, StoreError, FetchError, VerificationError)
 
 
 def main(argv: list[str] | None = None) -> int:

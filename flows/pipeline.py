@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from artifacts.store import Store
 from flows.settings import PRESETS, STAGES, store_root
-from model.distributed import ProcessGroup
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
+from model.distributed import ProcessGroup
 from tasks.checkpoint import checkpoint
 from tasks.compare import compare
 from tasks.encode import encode

@@ -57,7 +57,7 @@ def _run(stage: Stage, request: TrainingRequest, upstream: dict, store: str, for
     resume_dir = Store(store).resume_dir(stage.name, stage.key(request, upstream))
 
     def work(out: Builder) -> None:
-        if stage is PARALLEL and (request.processes > 1 or ProcessGroup.from_env() is not None):
+        if stage is PARALLEL and request.processes > 1:  # also every cluster run: see parallel_request
             return _work_in_processes(request, data, resume_dir, out)
         visible, platform = hardware()
         if stage is PARALLEL and (visible, platform) != (request.devices, request.platform):
