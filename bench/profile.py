@@ -84,21 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from model.config import build_config
-    from model.train import compiler_options, init_state, make_train_step
+    from model.train import compiler_options, init_state, make_train_step, passes_per_step
 
     cfg = build_config("codelab")
     graphdef, state = init_state(cfg.model, cfg.train)
     stream = np.random.default_rng(0).integers(0, 256, (args.steps + 1, 32, 256), dtype=np.int32)
-    # The production step, and the same step with XLA's default CPU options: there every
-    # matrix product is a synchronous YNNPACK call, so the trace accounts for all of it;
-    # in the production build the products run asynchronously in Eigen's pool and only
-    # partly show in the trace.
-    variants = {"production": compiler_options(jax.default_backend()), "xla-default": {}}
+    backend = jax.default_backend()
+    # The production step (cache-sized passes, its compiler options); the same in one pass
+    # over the whole batch; and that with XLA's default CPU options, where every matrix
+    # product is a synchronous YNNPACK call, so the trace accounts for all of it (in the
+    # other builds the products run asynchronously in Eigen's pool and only partly show).
+    passes = passes_per_step(cfg.train.micro_batch, 32, 256, backend)
+    variants = {"production": (passes, compiler_options(backend)), "one pass": (1, compiler_options(backend)),
+                "xla-default": (1, {})}
     report = {"machine": machine(), "variants": {}}
-    for variant, options in variants.items():
-        print(f"codelab model, batch 32 x 256, {jax.default_backend()}, {variant} build:")
-        compiled = make_train_step(graphdef).lower(state, stream[0]).compile(compiler_options=options)
+    for variant, (passes, options) in variants.items():
+        print(f"codelab model, batch 32 x 256, {backend}, {variant} build ({passes} passes per step):")
+        compiled = make_train_step(graphdef, passes=passes).lower(state, stream[0]).compile(compiler_options=options)
         report["variants"][variant] = profile(compiled, state, stream, args.steps)
+        report["variants"][variant]["passes"] = passes
         state = report["variants"][variant].pop("state")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"{report['machine']['date']}-{report['machine']['backend']}-profile.json"

@@ -37,11 +37,17 @@ def machine() -> dict:
 
 def paired(a, b, pairs: int) -> tuple[list[float], list[float]]:
     """Alternates A and B so drift (thermal, other load) hits both alike."""
-    first, second = [], []
-    for _ in range(pairs):
-        first.append(a())
-        second.append(b())
+    first, second = alternating([a, b], pairs)
     return first, second
+
+
+def alternating(runs, rounds: int) -> list[list[float]]:
+    """Each run once per round, in turn: drift hits all of them alike."""
+    results = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, values in zip(runs, results):
+            values.append(run())
+    return results
 
 
 def summary(a: list[float], b: list[float]) -> dict:
@@ -56,7 +62,7 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     from flax import nnx
 
     from bench.codelab import codelab_train_step
-    from model.train import compiler_options, compute_dtype, init_state, make_train_step
+    from model.train import compiler_options, compute_dtype, init_state, make_train_step, passes_per_step
     from model.transformer import build_model
 
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
@@ -73,7 +79,8 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     started = time.perf_counter()
     backend = jax.default_backend()
     dtype = compute_dtype(cfg.train.precision, backend)  # the production step, as the stages build it
-    compiled = make_train_step(graphdef, dtype=dtype).lower(state, stream[0]).compile(
+    passes = passes_per_step(cfg.train.micro_batch, batch, seq_len, backend)
+    compiled = make_train_step(graphdef, dtype=dtype, passes=passes).lower(state, stream[0]).compile(
         compiler_options=compiler_options(backend))
     bardflow_compile = time.perf_counter() - started
     box = {"state": state}
@@ -94,17 +101,23 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
         box["state"] = state
         return tokens_per_run / (time.perf_counter() - started)
 
-    a, b = paired(codelab, bardflow, pairs)
+    peer = torch_runner(cfg, steps)
+    a, b, *c = alternating([codelab, bardflow] + ([peer] if peer else []), pairs)
     result = summary(a, b)
+    torch_result = summary(c[0], b) if c else None
     return {"codelab_tok_s": result["a_median"], "bardflow_tok_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"],
             "codelab_ms_step": 1e3 * batch * (seq_len - 1) / result["a_median"],
             "bardflow_ms_step": 1e3 * batch * (seq_len - 1) / result["b_median"],
             "codelab_compile_s": codelab_compile, "bardflow_compile_s": bardflow_compile,
-            "torch_tok_s": bench_torch(cfg, steps), "bardflow_precision": dtype.name,
+            "torch_tok_s": torch_result and torch_result["a_median"],
+            "bardflow_over_torch": torch_result and torch_result["ratio_median"],
+            "bardflow_precision": dtype.name,
+            "bardflow_rows_per_pass": batch // passes,
             "flops_per_token": flops_per_token(cfg), **utilisation(cfg, result["b_median"], backend),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "batch": [batch, seq_len], "steps_per_run": steps, "pairs": pairs, "raw": result}
+            "batch": [batch, seq_len], "steps_per_run": steps, "pairs": pairs, "raw": result,
+            "raw_torch": torch_result}
 
 
 def flops_per_token(cfg) -> int:
@@ -160,13 +173,13 @@ def bench_precision(quick: bool) -> dict:
     return result
 
 
-def bench_torch(cfg, steps: int) -> float | None:
-    """The PyTorch peer, if torch is installed (an optional benchmark-only extra)."""
+def torch_runner(cfg, steps: int):
+    """The PyTorch peer's timed run, if torch is installed (a benchmark-only extra)."""
     try:
-        from bench.torch_peer import tokens_per_s
+        from bench.torch_peer import runner
     except ImportError:
         return None
-    return tokens_per_s(cfg, steps)
+    return runner(cfg, steps)
 
 
 def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
@@ -257,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "train.codelab_tok_s": report["train"]["codelab_tok_s"],
         "train.bardflow_tok_s": report["train"]["bardflow_tok_s"],
         "train.torch_tok_s": report["train"]["torch_tok_s"],
+        "train.bardflow_over_torch": report["train"]["bardflow_over_torch"],
         "generate.codelab_bytes_s": report["generate"]["codelab_bytes_s"],
         "generate.bardflow_bytes_s": report["generate"]["bardflow_bytes_s"],
         "generate.greedy_identical": report["generate"]["greedy_identical"],
@@ -278,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in flat.items():
         shown = f"{value:,.1f}" if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
-    print(f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x (median of {pairs} pairs); "
+    versus_torch = report["train"]["bardflow_over_torch"]
+    print(f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x, bardflow/torch = "
+          f"{f'{versus_torch:.2f}x' if versus_torch else 'no torch'} (medians of {pairs} rounds); "
           f"generate: {report['generate']['bardflow_over_codelab']:.1f}x")
     print(f"written to {out}")
     return 0

@@ -43,12 +43,14 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def tokens_per_s(cfg, steps: int) -> float:
+def runner(cfg, steps: int):
+    """A callable that runs ``steps`` training steps and returns their tokens/s; the model
+    and optimizer persist across calls, like the JAX steps' state in the benchmark."""
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
-    stream = torch.randint(0, 256, (steps + 1, batch, seq_len))
+    stream = torch.randint(0, 256, (steps, batch, seq_len))
 
     def step(tokens):
         logits = model(tokens)
@@ -59,7 +61,11 @@ def tokens_per_s(cfg, steps: int) -> float:
         return loss
 
     step(stream[0])  # warm-up, as for the JAX steps' compilation
-    started = time.perf_counter()
-    for tokens in stream[1:]:
-        step(tokens)
-    return steps * batch * (seq_len - 1) / (time.perf_counter() - started)
+
+    def run() -> float:
+        started = time.perf_counter()
+        for tokens in stream:
+            step(tokens)
+        return steps * batch * (seq_len - 1) / (time.perf_counter() - started)
+
+    return run

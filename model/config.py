@@ -60,6 +60,19 @@ class TrainConfig(_Section):
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; parameters and optimizer state stay float32. "
         "auto: bfloat16 on GPU/TPU, float32 on CPU (which has no fast bfloat16 arithmetic)")
+    micro_batch: int = Field(
+        0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
+        "the passes: the same update in cache-sized pieces. 0 = auto: about 1,024 tokens per pass "
+        "on CPU, the whole per-device batch on GPU/TPU")
+
+    @model_validator(mode="after")
+    def _micro_batch_divides_batch(self) -> TrainConfig:
+        if self.micro_batch and self.per_device_batch % self.micro_batch:
+            raise ValueError(
+                f"micro_batch={self.micro_batch} does not divide per_device_batch={self.per_device_batch}; "
+                "pick a divisor of per_device_batch, or 0 (auto)"
+            )
+        return self
 
 
 class Prompt(_Section):

@@ -2,18 +2,20 @@
 
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from bench.codelab import codelab_generate, codelab_train_step
 from model.config import build_config
 from model.sampling import generate
-from model.train import compiler_options, init_state, make_train_step
+from model.train import compiler_options, init_state, make_train_step, passes_per_step
 from model.transformer import build_model
 
 TINY = build_config("tiny")
 
 
-def test_fast_step_tracks_the_codelab_step_for_50_steps():
+@pytest.mark.parametrize("passes", [passes_per_step(0, 8, TINY.data.seq_len, "cpu"), 4])
+def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     from model.data import encode
     from tests.conftest import play_text
 
@@ -23,8 +25,9 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps():
     optimizer = nnx.Optimizer(model, optax.adamw(TINY.train.learning_rate, weight_decay=TINY.train.weight_decay),
                               wrt=nnx.Param)
     graphdef, state = init_state(TINY.model, TINY.train)
-    # Compiled exactly as the training stages compile it.
-    step = make_train_step(graphdef).lower(state, stream[0]).compile(compiler_options=compiler_options("cpu"))
+    # Compiled as the training stages compile it (in one pass and in several).
+    step = make_train_step(graphdef, passes=passes).lower(state, stream[0]).compile(
+        compiler_options=compiler_options("cpu"))
     for tokens in stream:
         baseline = codelab_train_step(model, optimizer, tokens)
         state, fast = step(state, tokens)

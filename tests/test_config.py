@@ -27,6 +27,7 @@ def test_overrides_are_typed():
         ({"train.steps": 0}, ["train.steps", "greater than 0"]),
         ({"model.d_model": 33}, ["not divisible", "num_heads"]),
         ({"data.seq_len": 64}, ["max_seq_len", "lower data.seq_len"]),
+        ({"train.micro_batch": 3}, ["micro_batch=3", "does not divide per_device_batch=4", "divisor"]),
     ],
 )
 def test_bad_settings_name_the_problem_and_the_fix(overrides, words):

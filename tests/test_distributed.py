@@ -72,7 +72,8 @@ def describe_run(folder: Path, cfg) -> object:
 
 @pytest.mark.processes
 def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path):
-    cfg = TINY.train.model_copy(update={"steps": 40})
+    # Two passes per step: each process sums its passes' gradients, then one all-reduce.
+    cfg = TINY.train.model_copy(update={"steps": 40, "micro_batch": 2})
     split = describe_run(tmp_path, cfg)
     seen = []
     launch_local(tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
@@ -85,6 +86,7 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
 
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["metrics"]["processes"] == 2 and result["metrics"]["devices"] == 2
+    assert result["metrics"]["rows_per_pass"] == 2
     assert len(result["devices"]) == 2
     two_losses = [h["loss"] for h in result["history"]]
     # Measured: identical to the last bit (the same reduction over the same two shards);

@@ -6,7 +6,15 @@ from jax.sharding import NamedSharding
 
 from model.config import build_config
 from model.data import Batches, encode
-from model.train import Placement, TrainingError, init_state, make_train_step, train, val_batches
+from model.train import (
+    Placement,
+    TrainingError,
+    init_state,
+    make_train_step,
+    passes_per_step,
+    train,
+    val_batches,
+)
 
 TINY = build_config("tiny")
 
@@ -50,6 +58,44 @@ def test_data_parallel_step_really_shards_and_matches_one_device(split):
     for leaf in jax.tree.leaves(new_state):
         assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 2
     np.testing.assert_allclose(float(loss_dp), float(loss_one), rtol=1e-6)
+
+
+def test_passes_per_step_keeps_cpu_passes_cache_sized():
+    assert passes_per_step(0, 32, 256, "cpu") == 16  # codelab: 2 rows of 256 per pass
+    assert passes_per_step(0, 16, 128, "cpu") == 4  # cpu preset: 4 rows of 128
+    assert passes_per_step(0, 4, 32, "cpu") == 1  # already small
+    assert passes_per_step(0, 12, 100, "cpu") == 3  # 5 rows would fit; 4 divides 12
+    assert passes_per_step(0, 32, 256, "gpu") == 1
+    assert passes_per_step(8, 32, 256, "gpu") == 4  # an explicit micro_batch wins
+
+
+def _moments(state):
+    """AdamW's first moment after one step: 0.1 x the gradient, leaf by leaf."""
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(state[1]["opt_state"][0]["mu"])]
+
+
+def test_a_step_in_several_passes_is_the_one_pass_step(split):
+    import re
+
+    devices = jax.devices()
+    batch = split.train[:8].astype(np.int32)
+    steps = {}
+    for name, placement, passes in [("one pass", Placement.single(devices[0]), 1),
+                                    ("4 passes", Placement.single(devices[0]), 4),
+                                    ("2 devices, 1 pass", Placement.data_parallel(devices), 1),
+                                    ("2 devices, 2 passes", Placement.data_parallel(devices), 2)]:
+        graphdef, state = init_state(TINY.model, TINY.train)
+        step = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, passes=passes)
+        state, tokens = placement.put_state(state), placement.put_batch(batch)
+        hlo = step.lower(state, tokens).compile().as_text()
+        steps[name] = (*step(state, tokens), len(re.findall(r"\ball-reduce(?:-start)?\(", hlo)))
+    reference_state, reference_loss, _ = steps["one pass"]
+    for name, (state, loss, _) in steps.items():
+        np.testing.assert_allclose(float(loss), float(reference_loss), rtol=1e-6, err_msg=name)
+        for ours, theirs in zip(_moments(state), _moments(reference_state)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-8, err_msg=name)
+    # The passes' gradients are summed on each device and averaged across devices once.
+    assert steps["2 devices, 2 passes"][2] == steps["2 devices, 1 pass"][2] >= 1
 
 
 def test_a_diverging_loss_stops_with_the_step(split):
