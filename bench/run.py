@@ -35,12 +35,6 @@ def machine() -> dict:
             "libraries": library_versions(), "date": time.strftime("%Y-%m-%d")}
 
 
-def paired(a, b, pairs: int) -> tuple[list[float], list[float]]:
-    """Alternates A and B so drift (thermal, other load) hits both alike."""
-    first, second = alternating([a, b], pairs)
-    return first, second
-
-
 def alternating(runs, rounds: int) -> list[list[float]]:
     """Each run once per round, in turn: drift hits all of them alike."""
     results = [[] for _ in runs]
@@ -114,7 +108,7 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
             "bardflow_over_torch": torch_result and torch_result["ratio_median"],
             "bardflow_precision": dtype.name,
             "bardflow_rows_per_pass": batch // passes,
-            "flops_per_token": flops_per_token(cfg), **utilisation(cfg, result["b_median"], backend),
+            "flops_per_token": flops_per_token(cfg), **utilisation(cfg, result["b_median"], dtype.name),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "batch": [batch, seq_len], "steps_per_run": steps, "pairs": pairs, "raw": result,
             "raw_torch": torch_result}
@@ -135,13 +129,11 @@ PEAK_FLOPS = {"NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
               "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "float32": 67e12}}
 
 
-def utilisation(cfg, tokens_per_s: float, backend: str) -> dict:
+def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
     import jax
 
-    from model.train import compute_dtype
-
     kind = jax.devices()[0].device_kind
-    peak = PEAK_FLOPS.get(kind, {}).get(compute_dtype(cfg.train.precision, backend).name)
+    peak = PEAK_FLOPS.get(kind, {}).get(precision)
     achieved = tokens_per_s * flops_per_token(cfg)
     return {"achieved_tflops": achieved / 1e12, "device_kind": kind,
             "mfu": achieved / peak if peak else None}
@@ -192,19 +184,19 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
     greedy_codelab = codelab_generate(model, b"ROMEO:", new_bytes, 0.0, 42, window)
     greedy_bardflow = generate(model, "ROMEO:", new_bytes, 0.0, 42, window)
 
-    a, b = paired(timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
-                  timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes), pairs)
+    a, b = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+                        timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)], pairs)
     result = summary(a, b)
     seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == generate(model, "ROMEO:", new_bytes, 0.8, 7, window)
     seeds = list(range(8))
     codelab_generate_batch(model, b"ROMEO:", 1, 0.8, seeds, window)  # compile both for batch 8 first
     generate_batch(model, "ROMEO:", 1, 0.8, seeds, window)
-    a8, b8 = paired(timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
-                    timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes), pairs)
+    a8, b8 = alternating([timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
+                          timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes)], pairs)
     batch8 = summary(a8, b8)
     within = window - len(b"ROMEO:")  # the longest sample that never slides
-    a_in, b_in = paired(timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
-                        timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within), pairs)
+    a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
+                              timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within)], pairs)
     inside = summary(a_in, b_in)
     return {"codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,

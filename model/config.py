@@ -62,7 +62,7 @@ class TrainConfig(_Section):
         "auto: bfloat16 on GPU/TPU, float32 on CPU (which has no fast bfloat16 arithmetic)")
     micro_batch: int = Field(
         0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
-        "the passes: the same update in cache-sized pieces. 0 = auto: about 1,024 tokens per pass "
+        "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
         "on CPU, the whole per-device batch on GPU/TPU")
 
     @model_validator(mode="after")

@@ -68,7 +68,7 @@ def model_from_state(graphdef, state) -> Transformer:
 
 # On CPU a step runs fastest when each forward/backward pass covers only a few hundred
 # tokens: a pass's activations then stay in cache. Measured on a 2-core CPU (README,
-# "Speed"): codelab model 3,980 -> 5,260 tokens/s with 2 rows of 256 per pass, cpu preset
+# "Benchmarks"): codelab model 3,980 -> 5,260 tokens/s with 2 rows of 256 per pass, cpu preset
 # 19,200 -> 25,200 with 4 rows of 128. The summed gradient is the one-pass gradient.
 CPU_TOKENS_PER_PASS = 512
 

@@ -22,8 +22,9 @@ from model.data import Batches, read_sequences
 from model.distributed import ProcessGroup
 from model.train import Placement, TrainingError, init_state, model_from_state, train, val_batches
 from tasks.encode import TRAIN, VAL
-from tasks.train_process import RESULT, ProcessFailure, launch_leader, launch_local
 from tasks.stage import Stage, inputs
+from tasks.train_process import RESULT, ProcessFailure, launch_leader, launch_local
+
 
 def _recipe(request: "TrainingRequest") -> dict[str, Any]:
     """How often to checkpoint does not change what training produces."""
