@@ -24,7 +24,7 @@ class Block(nn.Module):
         q, k, v = (proj(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
         x = x + self.o(att)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
 
 class Transformer(nn.Module):

@@ -68,11 +68,12 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
     visible_from = jnp.arange(window)
 
     def attend(q, cached_keys, cached_values, pos):
-        # jax.nn.dot_product_attention's own arithmetic, for one query over the cache.
-        q = q.reshape(rows * heads, head_dim)
-        scores = jnp.einsum("nd,nsd->ns", q, cached_keys) * jnp.float32(1 / np.sqrt(head_dim))
-        scores = jnp.where(visible_from <= pos, scores, jnp.finfo(jnp.float32).min)
-        return jnp.einsum("ns,nsd->nd", jax.nn.softmax(scores), cached_values).reshape(rows, heads, head_dim)
+        # model.kernels.causal_attention's own arithmetic, for one query over the cache.
+        q = q.reshape(rows * heads, head_dim) * jnp.float32(head_dim ** -0.5)
+        scores = jnp.where(visible_from <= pos, jnp.einsum("nd,nsd->ns", q, cached_keys), -jnp.inf)
+        weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+        mixed = jnp.einsum("ns,nsd->nd", weights, cached_values) / weights.sum(axis=-1, keepdims=True)
+        return mixed.reshape(rows, 1, heads * head_dim)
 
     def position(pos, carry):
         context, caches, keys, out = carry
@@ -80,11 +81,11 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
         updated = []
         for block, (cached_keys, cached_values) in zip(blocks, caches):
             h = block.ln1(x)
-            q, k, v = (part(h)[:, 0] for part in (block.attn.query, block.attn.key, block.attn.value))
+            q, k, v = jnp.split(block.attn.qkv(h)[:, 0], 3, axis=-1)
             cached_keys = jax.lax.dynamic_update_slice(cached_keys, k.reshape(-1, 1, head_dim), (0, pos, 0))
             cached_values = jax.lax.dynamic_update_slice(cached_values, v.reshape(-1, 1, head_dim), (0, pos, 0))
             updated.append((cached_keys, cached_values))
-            x = x + block.attn.out(attend(q, cached_keys, cached_values, pos)[:, None])
+            x = x + block.attn.out(attend(q, cached_keys, cached_values, pos))
             x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
         logits = model.lm_head(model.final_norm(x))[:, 0]
         sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled

@@ -31,8 +31,9 @@ def _recipe(request: "TrainingRequest") -> dict[str, Any]:
     return request.model_dump(mode="json", exclude={"train": {"checkpoint_every", "keep_checkpoints"}})
 
 
-SINGLE = Stage("train_single", "1", key_params=_recipe)
-PARALLEL = Stage("train_parallel", "1", key_params=_recipe)
+# "2": one query/key/value projection per block (model/transformer.py), so a state of "1" differs.
+SINGLE = Stage("train_single", "2", key_params=_recipe)
+PARALLEL = Stage("train_parallel", "2", key_params=_recipe)
 STATE, HISTORY = "state", "history.json"
 
 

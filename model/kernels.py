@@ -1,0 +1,102 @@
+"""Two hand-written gradients for the model: a dense layer and causal attention.
+
+Each computes exactly what its plain JAX version does (``x @ w + b`` and
+``jax.nn.dot_product_attention(..., is_causal=True)``, tested against them) but gives
+XLA a backward pass that it compiles well. Measured in the codelab model's training step
+on a 2-core CPU (README, "Benchmarks"): attention 1,494 -> 1,386 ms/step, the dense
+layer's bias gradient a further 1,350 -> 1,233 ms/step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.custom_vjp
+def dense(x, kernel, bias):
+    """``x @ kernel + bias`` over the last axis of ``x``."""
+    return x @ kernel + bias
+
+
+def _dense_forward(x, kernel, bias):
+    return dense(x, kernel, bias), (x, kernel)
+
+
+def _dense_backward(saved, grad):
+    # Autodiff sums the bias gradient over all rows in a separate reduction, which XLA's
+    # CPU backend lowers to a slow strided reduce-window. A column of ones appended to the
+    # inputs makes the same sum the last row of the kernel's gradient product.
+    x, kernel = saved
+    rows = x.reshape(-1, x.shape[-1])
+    with_ones = jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], axis=1)
+    both = with_ones.T @ grad.reshape(-1, grad.shape[-1])
+    return grad @ kernel.T, both[:-1].astype(kernel.dtype), both[-1].astype(kernel.dtype)
+
+
+dense.defvjp(_dense_forward, _dense_backward)
+
+
+def _query_blocks(length: int) -> int:
+    # Two query blocks skip the quarter of the products that lies above the diagonal;
+    # measured, four blocks were slower (more, smaller products).
+    return 2 if length % 2 == 0 else 1
+
+
+@jax.custom_vjp
+def causal_attention(query, key, value):
+    """Causal softmax attention of (batch, length, heads, head_dim) inputs."""
+    return _attention_forward(query, key, value)[0]
+
+
+def _attention_forward(query, key, value):
+    # Heads first, so every product is a plain batched matrix product. The softmax is
+    # taken in float32 whatever the inputs, as jax.nn.dot_product_attention does.
+    scale = query.shape[-1] ** -0.5
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (query * scale, key, value))
+    length = q.shape[2]
+    step = length // _query_blocks(length)
+    outputs, logsumexps = [], []
+    for start in range(0, length, step):
+        end = start + step  # queries [start, end) see keys [0, end)
+        scores = jnp.matmul(q[:, :, start:end], k[:, :, :end].swapaxes(-1, -2), preferred_element_type=jnp.float32)
+        visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        peak = scores.max(axis=-1, keepdims=True)
+        weights = jnp.exp(scores - peak)
+        total = weights.sum(axis=-1, keepdims=True)
+        outputs.append((weights.astype(v.dtype) @ v[:, :, :end]) / total.astype(v.dtype))
+        logsumexps.append(peak[..., 0] + jnp.log(total[..., 0]))
+    out = jnp.concatenate(outputs, axis=2)
+    return out.transpose(0, 2, 1, 3), (q, k, v, out, jnp.concatenate(logsumexps, axis=2))
+
+
+def _attention_backward(saved, grad_out):
+    # The backward pass works on transposed (key, query) scores, recomputed from the saved
+    # log-sum-exp rather than stored: every product then reads its operands in the layout
+    # they are in, where autodiff's version transposes a (length x length) matrix per head.
+    q, k, v, out, logsumexp = saved
+    scale = q.shape[-1] ** -0.5
+    dout = grad_out.transpose(0, 2, 1, 3)
+    row_dot = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (batch, heads, queries)
+    length = q.shape[2]
+    step = length // _query_blocks(length)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dks, dvs = [], []
+    for start in range(0, length, step):
+        end = start + step  # keys [start, end) are seen by queries [start, length)
+        q_seen, dout_seen = q[:, :, start:], dout[:, :, start:]
+        scores_t = jnp.matmul(k[:, :, start:end], q_seen.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+        visible = jnp.arange(start, end)[:, None] <= jnp.arange(start, length)[None, :]
+        weights_t = jnp.where(visible, jnp.exp(scores_t - logsumexp[:, :, None, start:]), 0.0)
+        dvs.append(weights_t.astype(dout.dtype) @ dout_seen)
+        dweights_t = jnp.matmul(v[:, :, start:end], dout_seen.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+        dscores_t = (weights_t * (dweights_t - row_dot[:, :, None, start:])).astype(q.dtype)
+        dks.append(dscores_t @ q_seen)
+        dq = dq.at[:, :, start:].add(jnp.matmul(dscores_t.swapaxes(-1, -2), k[:, :, start:end],
+                                                preferred_element_type=jnp.float32))
+    grads = (dq * scale, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2))
+    return tuple(g.astype(x.dtype).transpose(0, 2, 1, 3) for g, x in zip(grads, (q, k, v)))
+
+
+causal_attention.defvjp(_attention_forward, _attention_backward)

@@ -1,0 +1,45 @@
+"""The hand-written gradients give what autodiff of the plain formulas gives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.kernels import causal_attention, dense
+
+
+def value_and_grads(fn, *args):
+    weights = jax.random.normal(jax.random.key(9), jax.eval_shape(fn, *args).shape)  # a non-uniform cotangent
+    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * weights), argnums=tuple(range(len(args))))(*args)
+
+
+def assert_close(got, want, tolerance):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+def test_dense_matches_autodiff_of_x_times_kernel_plus_bias(dtype, tolerance):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (3, 7, 16), dtype)
+    kernel = jax.random.normal(keys[1], (16, 24), dtype)
+    bias = jax.random.normal(keys[2], (24,), dtype)
+    assert_close(value_and_grads(dense, x, kernel, bias),
+                 value_and_grads(lambda x, k, b: x @ k + b, x, kernel, bias), tolerance)
+
+
+@pytest.mark.parametrize("length", [16, 9])  # two query blocks, and one
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 2e-5), (jnp.bfloat16, 5e-2)])
+def test_causal_attention_matches_autodiff_of_dot_product_attention(length, dtype, tolerance):
+    q, k, v = (jax.random.normal(key, (2, length, 3, 8), dtype) for key in jax.random.split(jax.random.key(1), 3))
+    reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    assert_close(jax.jit(lambda *a: value_and_grads(causal_attention, *a))(q, k, v),
+                 jax.jit(lambda *a: value_and_grads(reference, *a))(q, k, v), tolerance)
+
+
+def test_causal_attention_never_looks_ahead():
+    q, k, v = (jax.random.normal(key, (1, 12, 2, 4)) for key in jax.random.split(jax.random.key(2), 3))
+    changed = v.at[:, 7:].set(0.0)  # later values change; outputs at positions before 7 must not
+    np.testing.assert_array_equal(causal_attention(q, k, v)[:, :7], causal_attention(q, k, changed)[:, :7])
+    assert not np.allclose(causal_attention(q, k, v)[:, 7:], causal_attention(q, k, changed)[:, 7:])
