@@ -81,7 +81,7 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
         updated = []
         for block, (cached_keys, cached_values) in zip(blocks, caches):
             h = block.ln1(x)
-            q, k, v = jnp.split(block.attn.qkv(h)[:, 0], 3, axis=-1)
+            q, k, v = (part[:, 0] for part in block.attn.project(h))
             cached_keys = jax.lax.dynamic_update_slice(cached_keys, k.reshape(-1, 1, head_dim), (0, pos, 0))
             cached_values = jax.lax.dynamic_update_slice(cached_values, v.reshape(-1, 1, head_dim), (0, pos, 0))
             updated.append((cached_keys, cached_values))

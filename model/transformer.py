@@ -21,9 +21,11 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, rngs=rngs)  # query, key, value in one product
         self.out = Linear(cfg.d_model, cfg.d_model, rngs=rngs)
 
+    def project(self, x):  # (..., d_model) -> query, key, value, each (..., d_model)
+        return jnp.split(self.qkv(x), 3, axis=-1)
+
     def __call__(self, x):
-        q, k, v = (part.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-                   for part in jnp.split(self.qkv(x), 3, axis=-1))
+        q, k, v = (part.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for part in self.project(x))
         return self.out(causal_attention(q, k, v).reshape(x.shape))
 
 
