@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1, default=str))
     width = max(map(len, flat))
     for key, value in flat.items():
-        shown = f"{value:,.1f}" if isinstance(value, float) else str(value)
+        # Rates with one decimal; ratios and loss differences with four significant digits.
+        shown = (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}") if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
     versus_torch = report["train"]["bardflow_over_torch"]
     print(f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x, bardflow/torch = "

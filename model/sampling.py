@@ -30,23 +30,54 @@ def _pick(logits, keys, temperature):
     return pairs[:, 0], jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1))
 
 
-@partial(jax.jit, static_argnums=(0, 7))  # graphdef, max_new
-def _sample_loop(graphdef, params, context, length, temperature, keys, count, max_new):
-    """``count`` bytes per row, each from a whole forward pass over the (full) window."""
+def _attend(q, cached_keys, cached_values, visible):
+    """``model.kernels.causal_attention``'s arithmetic for one query per row and head:
+    q (rows, heads, head_dim) over keys and values (rows * heads, window, head_dim), where
+    ``visible`` marks the window's positions this query may see. -> (rows, 1, heads * head_dim)"""
+    rows, heads, head_dim = q.shape
+    q = q.reshape(rows * heads, head_dim) * jnp.float32(head_dim ** -0.5)
+    scores = jnp.where(visible, jnp.einsum("nd,nsd->ns", q, cached_keys), -jnp.inf)
+    weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+    mixed = jnp.einsum("ns,nsd->nd", weights, cached_values) / weights.sum(axis=-1, keepdims=True)
+    return mixed.reshape(rows, 1, heads * head_dim)
+
+
+def _heads_first(x, heads):  # (rows, window, heads * head_dim) -> (rows * heads, window, head_dim)
+    rows, window, width = x.shape
+    return x.reshape(rows, window, heads, width // heads).transpose(0, 2, 1, 3).reshape(rows * heads, window, -1)
+
+
+def last_position_logits(model: Transformer, context):
+    """``model(context)[:, -1]`` with less work: every layer below the top one needs all
+    positions (their outputs become the top layer's keys and values), but the top layer,
+    the final norm and the head only need the last position's query and everything after it."""
+    x = model.token_embed(context) + model.pos_embed(jnp.arange(context.shape[1]))
+    *lower, top = model.blocks
+    for block in lower:
+        x = block(x)
+    heads = top.attn.num_heads
+    q, k, v = top.attn.project(top.ln1(x))
+    q = q[:, -1].reshape(q.shape[0], heads, -1)
+    x = x[:, -1:] + top.attn.out(_attend(q, _heads_first(k, heads), _heads_first(v, heads), True))
+    x = x + top.fc_down(jax.nn.gelu(top.fc_up(top.ln2(x))))
+    return model.lm_head(model.final_norm(x))[:, 0]
+
+
+@partial(jax.jit, static_argnums=(0, 6))  # graphdef, max_new
+def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
+    """``count`` bytes per row from a full window that slides left by one per byte: every
+    position shifts, so each byte needs a forward pass over the whole window."""
     model = nnx.merge(graphdef, params)
-    window = context.shape[1]
 
     def one_byte(i, carry):
-        context, length, keys, out = carry
-        keys, token = _pick(model(context)[:, length - 1], keys, temperature)
+        context, keys, out = carry
+        keys, token = _pick(last_position_logits(model, context), keys, temperature)
         token = token.astype(context.dtype)
-        slid = jnp.roll(context, -1, axis=1).at[:, window - 1].set(token)
-        grown = context.at[:, jnp.minimum(length, window - 1)].set(token)
-        context = jnp.where(length == window, slid, grown)
-        return context, jnp.minimum(length + 1, window), keys, out.at[:, i].set(token)
+        context = jnp.roll(context, -1, axis=1).at[:, -1].set(token)
+        return context, keys, out.at[:, i].set(token)
 
     out = jnp.zeros((context.shape[0], max_new), context.dtype)  # static size; ``count`` columns get filled
-    return jax.lax.fori_loop(0, count, one_byte, (context, length, keys, out))[3]
+    return jax.lax.fori_loop(0, count, one_byte, (context, keys, out))[2]
 
 
 @partial(jax.jit, static_argnums=0)  # graphdef
@@ -67,14 +98,6 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
     caches = tuple((empty, empty) for _ in blocks)
     visible_from = jnp.arange(window)
 
-    def attend(q, cached_keys, cached_values, pos):
-        # model.kernels.causal_attention's own arithmetic, for one query over the cache.
-        q = q.reshape(rows * heads, head_dim) * jnp.float32(head_dim ** -0.5)
-        scores = jnp.where(visible_from <= pos, jnp.einsum("nd,nsd->ns", q, cached_keys), -jnp.inf)
-        weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
-        mixed = jnp.einsum("ns,nsd->nd", weights, cached_values) / weights.sum(axis=-1, keepdims=True)
-        return mixed.reshape(rows, 1, heads * head_dim)
-
     def position(pos, carry):
         context, caches, keys, out = carry
         x = model.token_embed(context[:, pos][:, None]) + model.pos_embed(pos[None])[None]
@@ -85,7 +108,8 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
             cached_keys = jax.lax.dynamic_update_slice(cached_keys, k.reshape(-1, 1, head_dim), (0, pos, 0))
             cached_values = jax.lax.dynamic_update_slice(cached_values, v.reshape(-1, 1, head_dim), (0, pos, 0))
             updated.append((cached_keys, cached_values))
-            x = x + block.attn.out(attend(q, cached_keys, cached_values, pos))
+            q = q.reshape(rows, heads, head_dim)
+            x = x + block.attn.out(_attend(q, cached_keys, cached_values, visible_from <= pos))
             x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
         logits = model.lm_head(model.final_norm(x))[:, 0]
         sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled
@@ -138,17 +162,17 @@ def generate_batch(
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
     length, temperature = jnp.int32(len(kept)), jnp.float32(temperature)
     # While the context has room, each new byte costs one position (a KV cache); once it
-    # is full it slides, every position shifts, and each byte needs a whole forward pass.
+    # is full it slides, every position shifts, and each byte needs a forward pass over the
+    # whole window (all of it below the top layer, only the last position in the top one).
     cached = min(max_new_bytes, max_seq_len - len(kept))
     pieces = []
     window = jnp.asarray(context)
     if cached > 0:
         window, keys, new = _cached_loop(graphdef, params, window, length, temperature, keys, jnp.int32(cached))
         pieces.append(np.asarray(new)[:, :cached])
-        length = jnp.int32(len(kept) + cached)
     if max_new_bytes > cached:
         rest = max_new_bytes - cached
-        new = _sample_loop(graphdef, params, window, length, temperature, keys, jnp.int32(rest), max_new_bytes)
+        new = _sliding_loop(graphdef, params, window, temperature, keys, jnp.int32(rest), max_new_bytes)
         pieces.append(np.asarray(new)[:, :rest])
     rows = np.concatenate(pieces, axis=1).astype(np.uint8)
     return [encoded + row.tobytes() for row in rows]

@@ -4,7 +4,7 @@ import pytest
 
 from model.checkpoint import CheckpointError, load_config, load_model, max_logit_diff, params_digest, save_model
 from model.config import build_config
-from model.sampling import PromptError, as_text, generate
+from model.sampling import PromptError, as_text, generate, last_position_logits
 from model.transformer import build_model
 
 CFG = build_config("tiny").model
@@ -56,6 +56,13 @@ def test_compiled_greedy_sampling_matches_the_plain_loop(prompt):
     fast = generate(model, prompt, 30, temperature=0.0, seed=0, max_seq_len=CFG.max_seq_len)
     slow = naive_generate(model, prompt.encode(), 30, CFG.max_seq_len)
     assert fast == slow
+
+
+def test_the_sliding_forward_is_the_full_forward_at_the_last_position():
+    model = build_model(CFG, seed=3)
+    full = np.asarray(model(jnp.asarray(PROBE))[:, -1])
+    np.testing.assert_allclose(np.asarray(last_position_logits(model, jnp.asarray(PROBE))), full, atol=1e-5)
+    assert np.abs(full).max() > 0.1  # the logits are not all near zero, so the match means something
 
 
 def test_sampling_is_reproducible_per_seed():
