@@ -31,15 +31,15 @@ def _pick(logits, keys, temperature):
 
 
 def _attend(q, cached_keys, cached_values, visible):
-    """``model.kernels.causal_attention``'s arithmetic for one query per row and head:
-    q (rows, heads, head_dim) over keys and values (rows * heads, window, head_dim), where
-    ``visible`` marks the window's positions this query may see. -> (rows, 1, heads * head_dim)"""
-    rows, heads, head_dim = q.shape
-    q = q.reshape(rows * heads, head_dim) * jnp.float32(head_dim ** -0.5)
+    """``model.kernels.causal_attention``'s arithmetic for one query per row: q (rows, d_model)
+    over keys and values (rows * heads, window, head_dim), where ``visible`` marks the
+    window's positions this query may see. -> (rows, 1, d_model)"""
+    rows, head_dim = q.shape[0], cached_keys.shape[-1]
+    q = q.reshape(cached_keys.shape[0], head_dim) * jnp.float32(head_dim ** -0.5)
     scores = jnp.where(visible, jnp.einsum("nd,nsd->ns", q, cached_keys), -jnp.inf)
     weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
     mixed = jnp.einsum("ns,nsd->nd", weights, cached_values) / weights.sum(axis=-1, keepdims=True)
-    return mixed.reshape(rows, 1, heads * head_dim)
+    return mixed.reshape(rows, 1, -1)
 
 
 def _heads_first(x, heads):  # (rows, window, heads * head_dim) -> (rows * heads, window, head_dim)
@@ -57,8 +57,7 @@ def last_position_logits(model: Transformer, context):
         x = block(x)
     heads = top.attn.num_heads
     q, k, v = top.attn.project(top.ln1(x))
-    q = q[:, -1].reshape(q.shape[0], heads, -1)
-    x = x[:, -1:] + top.attn.out(_attend(q, _heads_first(k, heads), _heads_first(v, heads), True))
+    x = x[:, -1:] + top.attn.out(_attend(q[:, -1], _heads_first(k, heads), _heads_first(v, heads), True))
     x = x + top.fc_down(jax.nn.gelu(top.fc_up(top.ln2(x))))
     return model.lm_head(model.final_norm(x))[:, 0]
 
@@ -108,7 +107,6 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
             cached_keys = jax.lax.dynamic_update_slice(cached_keys, k.reshape(-1, 1, head_dim), (0, pos, 0))
             cached_values = jax.lax.dynamic_update_slice(cached_values, v.reshape(-1, 1, head_dim), (0, pos, 0))
             updated.append((cached_keys, cached_values))
-            q = q.reshape(rows, heads, head_dim)
             x = x + block.attn.out(_attend(q, cached_keys, cached_values, visible_from <= pos))
             x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
         logits = model.lm_head(model.final_norm(x))[:, 0]
