@@ -1,2 +1,2 @@
-"""The versioned store of stage outputs, the Prefect cache keyed on it, and the
-helpers that publish stage outputs as Prefect UI artifacts."""
+"""The versioned store of stage outputs, and the helpers that publish stage outputs as
+Prefect UI artifacts."""

@@ -20,7 +20,9 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
+
+from model.errors import BardflowError
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -28,7 +30,7 @@ _KEY = re.compile(r"^[0-9a-f]{20}$")
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "pyarrow", "prefect")
 
 
-class StoreError(RuntimeError):
+class StoreError(BardflowError, RuntimeError):
     """The store cannot be used as asked; the message names the path and the fix."""
 
 
@@ -58,6 +60,8 @@ def library_versions() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Version:
+    """A handle on one complete version: what a stage hands the stages that read it."""
+
     stage: str
     key: str
     path: Path
@@ -75,7 +79,7 @@ class Version:
         return self.path / name
 
     def describe(self) -> dict[str, Any]:
-        """The small JSON description a stage hands downstream."""
+        """A small JSON description, for summaries."""
         return {
             "stage": self.stage,
             "key": self.key,
@@ -88,8 +92,9 @@ class Version:
 class Builder:
     """Collects what a stage writes into its build folder."""
 
-    def __init__(self, stage: str, key: str, directory: Path):
+    def __init__(self, stage: str, key: str, directory: Path, resume_dir: Path):
         self.stage, self.key, self.dir = stage, key, directory
+        self.resume_dir = resume_dir  # where an interrupted build keeps what it can pick up again
         self.metrics: dict[str, Any] = {}
         self.record: dict[str, Any] = {}
         self.fingerprint: str | None = None
@@ -132,13 +137,14 @@ class Store:
             return None
         return Version(stage, key, path, manifest)
 
-    def require(self, description: dict[str, Any]) -> Version:
-        """The upstream version a stage was handed, checked before use."""
-        version = self.lookup(description["stage"], description["key"])
-        if version is None or version.fingerprint != description["fingerprint"]:
+    def require(self, handed: Version) -> Version:
+        """A version a stage was handed, checked again before use: still there, every file
+        as its manifest says, the same output it was when handed over."""
+        version = self.lookup(handed.stage, handed.key)
+        if version is None or version.fingerprint != handed.fingerprint:
             raise StoreError(
-                f"the {description['stage']} version {description['key']} in {self.root} is "
-                f"missing or damaged; rerun with --refresh {description['stage']}"
+                f"the {handed.stage} version {handed.key} in {self.root} is "
+                f"missing or damaged; rerun with --refresh {handed.stage}"
             )
         return version
 
@@ -166,7 +172,7 @@ class Store:
             raise StoreError(
                 f"cannot write to the store at {self.root} ({error.strerror}); "
                 "make it writable or pick another with --store / BARDFLOW_STORE"
-            ) from None
+            ) from error
         with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -179,16 +185,20 @@ class Store:
         stage: str,
         key: str,
         params: Any,
-        inputs: dict[str, dict[str, Any]],
+        inputs: Mapping[str, Version],
         work: Callable[[Builder], None],
         force: bool = False,
+        notice: Callable[[str], None] | None = None,
     ) -> tuple[Version, bool]:
         """The version ``stage/key``: reused if a complete one exists (unless ``force``),
-        else built by ``work`` and published. Returns it and whether ``work`` ran."""
+        else built by ``work`` and published. Returns it and whether ``work`` ran.
+        ``notice`` hears of a damaged version about to be rebuilt."""
         with self.lock(stage, key):
             existing = self.lookup(stage, key)
             if existing is not None and not force:
                 return existing, False
+            if existing is None and notice is not None and self.path(stage, key).exists():
+                notice(f"{stage} version {key} is damaged or incomplete: rebuilding it")
             for stale in self.path(stage, key).parent.glob(f".build-{key}-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a process that died: we hold the lock
             with self.build(stage, key, params, inputs) as builder:
@@ -200,9 +210,7 @@ class Store:
             return version, True
 
     @contextlib.contextmanager
-    def build(
-        self, stage: str, key: str, params: Any, inputs: dict[str, dict[str, Any]]
-    ) -> Iterator[Builder]:
+    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version]) -> Iterator[Builder]:
         """Yields a builder over a private folder; on success publishes it as the version.
 
         If the stage fails, the folder is removed and any earlier version stays as it was.
@@ -216,8 +224,8 @@ class Store:
             raise StoreError(
                 f"cannot write to the store at {self.root} ({error.strerror}); "
                 "make it writable or pick another with --store / BARDFLOW_STORE"
-            ) from None
-        builder = Builder(stage, key, scratch)
+            ) from error
+        builder = Builder(stage, key, scratch, self.resume_dir(stage, key))
         try:
             yield builder
             self._seal(builder, params, inputs)
@@ -225,7 +233,7 @@ class Store:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def _seal(self, builder: Builder, params: Any, inputs: dict[str, dict[str, Any]]) -> None:
+    def _seal(self, builder: Builder, params: Any, inputs: Mapping[str, Version]) -> None:
         files = {}
         for file in sorted(p for p in builder.dir.rglob("*") if p.is_file()):
             name = file.relative_to(builder.dir).as_posix()
@@ -238,7 +246,7 @@ class Store:
             "key": builder.key,
             "fingerprint": fingerprint,
             "inputs": {
-                name: {k: up[k] for k in ("stage", "key", "fingerprint")} for name, up in inputs.items()
+                name: {"stage": up.stage, "key": up.key, "fingerprint": up.fingerprint} for name, up in inputs.items()
             },
             "params": params,
             "files": files,

@@ -13,7 +13,7 @@ from flax import nnx
 @nnx.jit
 def codelab_train_step(model, optimizer, tokens):
     def loss_fn(model):
-        logits = model(tokens)
+        logits, _ = model(tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
@@ -23,7 +23,7 @@ def codelab_train_step(model, optimizer, tokens):
 
 @jax.jit
 def _logits(graphdef, state, tokens):
-    return nnx.merge(graphdef, state)(tokens)
+    return nnx.merge(graphdef, state)(tokens)[0]
 
 
 def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int) -> bytes:

@@ -9,7 +9,9 @@ import os
 import sys
 from typing import Any
 
-from flows.settings import PRESETS, STAGES, prepare_environment, store_root
+from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_root
+from model.errors import BardflowError
+from tasks.registry import BY_NAME, NAMES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,19 +19,21 @@ def _parser() -> argparse.ArgumentParser:
         prog="bardflow",
         description="Train a byte-level transformer on TinyShakespeare as a Prefect flow of cached, versioned stages.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of explained errors too (or {DEBUG}=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run the pipeline (stages already in the store come back cached)",
                               description="Run the whole pipeline on Prefect's embedded server "
                                           "(or the server PREFECT_API_URL points at).")
-    run.add_argument("--preset", choices=PRESETS, default="auto",
+    run.add_argument("--preset", choices=PRESET_NAMES, default="auto",
                      help="codelab (the codelab exactly), cpu (minutes on a laptop), tiny (seconds); "
                           "auto picks codelab on a GPU, else cpu")
     run.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
                                       "or the public TinyShakespeare URL)")
     run.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
     run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
-                     help=f"rerun this stage even if cached; repeatable; one of {', '.join(STAGES)}")
+                     help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                      help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
     run.add_argument("--cpu-devices", type=int, metavar="N",
@@ -46,11 +50,11 @@ def _parser() -> argparse.ArgumentParser:
 
     presets = commands.add_parser("presets", help="show each preset's full configuration",
                                   description="Print the configuration of each preset (or one) as JSON.")
-    presets.add_argument("name", nargs="?", choices=PRESETS[1:])
+    presets.add_argument("name", nargs="?", choices=PRESET_NAMES[1:])
 
     listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
                                   description="List the stage versions in the store, newest first.")
-    listing.add_argument("stage", nargs="?", choices=STAGES)
+    listing.add_argument("stage", nargs="?", choices=NAMES)
     listing.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
@@ -74,32 +78,20 @@ def _ui(args: argparse.Namespace) -> None:
     os.execv(sys.executable, command)
 
 
-class UsageError(ValueError):
-    pass
-
-
-# The figures worth a glance in a summary row; the manifest has them all.
-HEADLINE = {
-    "fetch": ("bytes", "md5"),
-    "encode": ("train_sequences", "val_sequences", "seq_len"),
-    "train_single": ("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    "train_parallel": ("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    "compare": ("speedup", "devices"),
-    "checkpoint": ("parameters", "bytes"),
-    "verify": ("passed", "max_abs_diff"),
-    "generate": ("samples", "bytes_per_s"),
-}
+class UsageError(BardflowError, ValueError):
+    """The command line asks for something that does not exist."""
 
 
 def headline(stage: str, metrics: dict[str, Any]) -> str:
-    names = HEADLINE.get(stage) or tuple(metrics)[:4]
-    return ", ".join(f"{name}={metrics[name]}" for name in names if name in metrics)
+    """The figures worth a glance in a summary row; the manifest has them all."""
+    known = BY_NAME.get(stage)
+    return known.headline_of(metrics) if known else ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:4])
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    unknown = [s for s in args.refresh if s not in STAGES]
+    unknown = [s for s in args.refresh if s not in NAMES]
     if unknown:
-        raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(STAGES)}")
+        raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError("--cpu-devices must be at least 1")
     if args.processes < 1:
@@ -110,9 +102,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from model.config import build_config, parse_assignment
 
     overrides = dict(parse_assignment(text) for text in args.settings)
-    from flows.pipeline import pick_preset, pipeline
+    config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
+    from flows.pipeline import pipeline
 
-    config = build_config(pick_preset(args.preset), overrides)
     return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=str(root), refresh=args.refresh,
                     processes=args.processes)
 
@@ -124,17 +116,16 @@ def _follow(group, join_timeout: int) -> None:
 
     print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
           f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
-    from tasks.train_process import REPO
+    from model.launch import REPO, process_command
 
-    code = subprocess.call([sys.executable, "-m", "tasks.train_process", "--follow", "--join-timeout",
-                            str(join_timeout)], cwd=REPO)
+    code = subprocess.call(process_command(None, join_timeout), cwd=REPO)
     if code:
         raise FollowerError(f"process {group.process_id} of {group.num_processes} failed (exit status {code}); "
                             "see its output above")
 
 
-class FollowerError(RuntimeError):
-    pass
+class FollowerError(BardflowError, RuntimeError):
+    """A cluster process other than 0 failed; its own output says why."""
 
 
 def _cluster_follower():
@@ -185,24 +176,10 @@ def _artifacts(args: argparse.Namespace) -> None:
     Console().print(table)
 
 
-def _errors() -> tuple[type[BaseException], ...]:
-    """Errors that explain themselves: shown as one line, without a traceback."""
-    from artifacts.store import StoreError
-    from model.checkpoint import CheckpointError
-    from model.config import ConfigError
-    from model.data import DataError
-    from model.distributed import DistributedError
-    from model.sampling import PromptError
-    from model.train import TrainingError
-    from tasks.fetch import FetchError
-    from tasks.verify import VerificationError
-
-    return (UsageError, FollowerError, DistributedError, ConfigError, DataError, PromptError, TrainingError,
-            CheckpointError, StoreError, FetchError, VerificationError)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
     try:
         if args.command == "presets":
             from model.config import PRESETS as CONFIGS, build_config
@@ -222,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _print_summary(summary)
         return 0
-    except _errors() as error:
+    except BardflowError as error:
+        if debugging():
+            import traceback
+
+            traceback.print_exc()
         print(f"bardflow: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
 

@@ -3,9 +3,10 @@
     fetch -> encode -> train_single -> train_parallel -> compare
           -> checkpoint -> verify -> generate
 
-Each stage is a task whose Prefect cache key is its store version key. A stage is
-reported "cached" when Prefect's cache hit, and is re-run when asked (``refresh``)
-or when its version folder is missing or damaged.
+The stages, their order and what each reads are ``tasks/registry.py``. Each stage runs as
+a Prefect task that asks the store for its version and builds it only when the store does
+not hold it intact (or when asked to: ``refresh``). The task's state is ``Cached`` exactly
+when the store answered, and the run summary, ``--json`` and the UI all show that state.
 """
 
 from __future__ import annotations
@@ -15,36 +16,35 @@ import os
 import time
 from typing import Any, Literal
 
-import jax
-from prefect import flow
-from prefect.logging import get_run_logger
+# Before JAX first touches a GPU: take memory as it is needed instead of 75 % of every GPU
+# up front, so that processes this run starts (one per GPU) find theirs free.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from pydantic import ValidationError
+from prefect import flow, task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.logging import get_run_logger  # noqa: E402
+from prefect.states import Completed  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 
-from artifacts.store import Store
-from flows.settings import PRESETS, STAGES, store_root
-from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
-from model.distributed import ProcessGroup
-from tasks.checkpoint import checkpoint
-from tasks.compare import compare
-from tasks.encode import encode
-from tasks.fetch import fetch
-from tasks.generate import generate
-from tasks.train import TrainingRequest, hardware, train_parallel, train_single
-from tasks.verify import VerifyParams, verify
+from artifacts.store import Store, Version  # noqa: E402
+from flows.settings import PRESET_NAMES, debugging, pick_preset, store_root  # noqa: E402
+from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
+from model.errors import BardflowError  # noqa: E402
+from model.trainer import hardware  # noqa: E402
+from tasks.registry import NAMES, STAGES  # noqa: E402
+from tasks.stage import RunPlan, Stage, produce  # noqa: E402
 
-StageName = Literal[STAGES]  # typed parameters: the UI's form offers exactly these
-Preset = Literal[PRESETS]
-OWN_PACKAGES = {"model", "tasks", "artifacts", "flows"}
+StageName = Literal[NAMES]  # typed parameters: the UI's form offers exactly these
+Preset = Literal[PRESET_NAMES]
 
 
 class ExplainedErrorFilter(logging.Filter):
-    """Our own errors (bad input, damaged files) name the problem and the fix in their
-    message; a traceback in the log would only bury that line. Other errors keep theirs."""
+    """Explained errors name the problem and the fix in their message; a traceback in the
+    log would only bury that line (unless debugging). Other errors keep theirs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if error is not None and type(error).__module__.split(".")[0] in OWN_PACKAGES:
+        if isinstance(error, BardflowError) and not debugging():
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -56,68 +56,23 @@ def quiet_explained_errors() -> None:
             handler.addFilter(ExplainedErrorFilter())
 
 
-def pick_preset(preset: str) -> str:
-    if preset != "auto":
-        return preset
-    return "codelab" if jax.default_backend() == "gpu" else "cpu"
+def _stage_task(stage: Stage):
+    def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
+        version, built = produce(stage, settings, upstream, Store(store), force, notice=get_run_logger().warning)
+        if built:
+            return version
+        return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
+
+    # Nothing is persisted or pickled: the store is the cache, and the version is its record.
+    return task(run_stage, name=stage.name, cache_policy=NO_CACHE, persist_result=False)
 
 
-class StageRunner:
-    """Calls stage tasks, refreshing those asked for or whose version is not intact,
-    and keeps what each did for the run summary."""
-
-    def __init__(self, store: Store, refresh: set[str]):
-        self.store, self.refresh = store, refresh
-        self.summary: dict[str, dict[str, Any]] = {}
-
-    def __call__(self, stage_task, params: Any, **upstream: dict[str, Any]) -> dict[str, Any]:
-        stage = stage_task.stage
-        forced = stage.name in self.refresh
-        key = stage.key(params, upstream)
-        intact = self.store.lookup(stage.name, key) is not None
-        if not intact and self.store.path(stage.name, key).exists():
-            get_run_logger().warning("%s version %s is damaged or incomplete: rebuilding it", stage.name, key)
-        started = time.perf_counter()
-        state = stage_task.with_options(
-            refresh_cache=forced or not intact,
-            # Cache records live beside the versions they describe: whoever points at the
-            # same store (a local run, a worker) shares the cache, and nothing else does.
-            result_storage=self.store.root / ".prefect-results",
-        )(params=params, upstream=upstream, store=str(self.store.root), force=forced, return_state=True)
-        description = state.result()  # raises the stage's own error if it failed
-        cached = state.name == "Cached" or not description.get("ran", True)
-        self.summary[stage.name] = {
-            "state": "cached" if cached else "ran",
-            "key": description["key"],
-            "path": description["path"],
-            "metrics": description["metrics"],
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-        return description
-
-
-def parallel_request(config: PipelineConfig, processes: int) -> TrainingRequest:
-    """``train_parallel``'s request: every device of this host, shared out among
-    ``processes`` local processes, or, under a cluster scheduler, every device of every host."""
-    devices, platform = hardware()
-    group = ProcessGroup.from_env()
-    if group is not None:
-        if processes > 1:
-            raise ConfigError(f"processes={processes} starts processes on this host, but this is process "
-                              f"{group.process_id} of {group.num_processes} of a cluster job already; leave processes at 1")
-        return TrainingRequest(model=config.model, train=config.train, devices=devices * group.num_processes,
-                               platform=platform, processes=group.num_processes)
-    if processes < 1 or devices % processes:
-        hint = " (on a CPU, emulate devices with --cpu-devices)" if platform == "cpu" else ""
-        raise ConfigError(f"processes={processes} cannot share out the {devices} {platform} device(s) of this host "
-                          f"evenly; use a divisor of {devices}{hint}")
-    return TrainingRequest(model=config.model, train=config.train, devices=devices, platform=platform,
-                           processes=processes)
+STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
                refresh: list[str], processes: int = 1) -> dict[str, Any]:
-    """The pipeline's story; both flows below tell it."""
+    """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     logger = get_run_logger()
     chosen = pick_preset(preset)
@@ -127,18 +82,22 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
     devices, platform = hardware()
     logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform)
-    run = StageRunner(Store(store_root(store)), set(refresh))
+    plan = RunPlan(config, devices, platform, processes)
+    settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
+    root = str(store_root(store))
+    versions: dict[str, Version] = {}
+    summary: dict[str, dict[str, Any]] = {}
+    for stage in STAGES:
+        started = time.perf_counter()
+        state = STAGE_TASKS[stage.name](settings[stage.name], {name: versions[name] for name in stage.reads},
+                                        root, stage.name in refresh, return_state=True)
+        versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
+        summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
+                               "path": str(version.path), "metrics": version.metrics,
+                               "seconds": round(time.perf_counter() - started, 3)}
+    from prefect.runtime import flow_run
 
-    corpus_version = run(fetch, config.data)
-    data = run(encode, config.data, fetch=corpus_version)
-    single = run(train_single, TrainingRequest(model=config.model, train=config.train, devices=1, platform=platform), encode=data)
-    parallel = run(train_parallel, parallel_request(config, processes), encode=data)
-    run(compare, {}, train_single=single, train_parallel=parallel)
-    saved = run(checkpoint, {}, train_parallel=parallel)
-    run(verify, VerifyParams(), checkpoint=saved, train_parallel=parallel, encode=data)
-    run(generate, config.generate, checkpoint=saved)
-
-    return {"preset": chosen, "store": str(run.store.root), "stages": run.summary}
+    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary}
 
 
 @flow(name="bardflow", log_prints=True, persist_result=False)
@@ -188,6 +147,6 @@ def samples(
     try:
         generate_config = GenerateConfig.model_validate({**base.generate.model_dump(), **changes})
     except ValidationError as error:
-        raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from None
+        raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from error
     config = base.model_copy(update={"generate": generate_config})
     return run_stages(preset, config, corpus, store, [], processes)

@@ -1,18 +1,34 @@
-"""Where things live, and the Prefect settings a run needs, decided before Prefect
-or JAX is imported (both read their environment once, at import)."""
+"""Where things live, and the settings a run needs, decided before Prefect or JAX is
+imported (both read parts of their environment once, at import or first use)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from model.config import PRESETS
+
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
-STAGES = ("fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "verify", "generate")
-PRESETS = ("auto", "codelab", "cpu", "tiny")
+PRESET_NAMES = ("auto", *PRESETS)
+DEBUG = "BARDFLOW_DEBUG"
 
 
 def store_root(store: str | None = None) -> Path:
     return Path(store or os.environ.get("BARDFLOW_STORE") or DEFAULT_STORE).expanduser().resolve()
+
+
+def pick_preset(preset: str) -> str:
+    """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
+    if preset != "auto":
+        return preset
+    import jax  # only now: XLA_FLAGS and friends are set by then
+
+    return "codelab" if jax.default_backend() == "gpu" else "cpu"
+
+
+def debugging() -> bool:
+    """Whether explained errors show their traceback too (``--debug`` or BARDFLOW_DEBUG=1)."""
+    return os.environ.get(DEBUG, "") not in ("", "0", "false")
 
 
 def prepare_environment(cpu_devices: int | None = None) -> None:
@@ -23,6 +39,9 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
+        # JAX takes GPU memory as it needs it: the flow process uses the first GPU for
+        # train_single, and the processes of a multi-process train_parallel need theirs.
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)

@@ -11,10 +11,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from model.config import ModelConfig
+from model.errors import BardflowError
 from model.transformer import Transformer, build_model
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BardflowError, RuntimeError):
     """A checkpoint cannot be read; the message names it and how to rebuild it."""
 
 
@@ -38,7 +39,7 @@ def load_config(path: Path) -> ModelConfig:
                 Path(path).absolute(), args=ocp.args.Composite(config=ocp.args.JsonRestore())
             )
     except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"cannot read the model config of checkpoint {path}: {error}") from None
+        raise CheckpointError(f"cannot read the model config of checkpoint {path}: {error}") from error
     return ModelConfig.model_validate(restored["config"])
 
 
@@ -58,7 +59,7 @@ def load_model(path: Path, init_seed: int = 99) -> Transformer:
                 args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)),
             )
     except Exception as error:  # Orbax raises many types for damaged files
-        raise CheckpointError(f"cannot restore checkpoint {path}: {error}") from None
+        raise CheckpointError(f"cannot restore checkpoint {path}: {error}") from error
     params = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(params, restored["params"])
     nnx.update(model, params)
@@ -84,7 +85,7 @@ def load_train_state(path: Path, template: nnx.State) -> nnx.State:
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(Path(path).absolute(), abstract)
     except Exception as error:  # Orbax raises many types for damaged files
-        raise CheckpointError(f"cannot restore training state {path}: {error}") from None
+        raise CheckpointError(f"cannot restore training state {path}: {error}") from error
     nnx.replace_by_pure_dict(template, jax.tree.map(jax.numpy.asarray, restored))
     return template
 
@@ -101,7 +102,7 @@ def params_digest(model: Transformer) -> str:
 def max_logit_diff(a: Transformer, b: Transformer, probe: np.ndarray) -> float:
     """Largest absolute difference between two models' logits on ``probe`` tokens."""
     tokens = jax.numpy.asarray(probe, dtype=jax.numpy.int32)
-    return float(jax.numpy.max(jax.numpy.abs(a(tokens) - b(tokens))))
+    return float(jax.numpy.max(jax.numpy.abs(a(tokens)[0] - b(tokens)[0])))
 
 
 class TrainingCheckpoints:
@@ -152,7 +153,7 @@ class TrainingCheckpoints:
             raise CheckpointError(
                 f"cannot restore the training checkpoint at step {step} in {self.manager.directory}: "
                 f"{error}; delete that folder to train from the start"
-            ) from None
+            ) from error
         nnx.replace_by_pure_dict(template, jax.tree.map(jax.numpy.asarray, restored["state"]))
         return template, restored["record"]
 

@@ -8,13 +8,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from model.errors import BardflowError
+
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
+BYTE_VALUES = 256  # the data is raw bytes: token ids 0..255
+
+Kernel = Literal["auto", "xla", "custom"]
 
 
-class ConfigError(ValueError):
+class ConfigError(BardflowError, ValueError):
     """A configuration value is invalid; the message names the value and the fix."""
 
 
@@ -37,6 +42,12 @@ class ModelConfig(_Section):
     ffn_dim: int = Field(1024, gt=0)
     num_layers: int = Field(4, gt=0)
     max_seq_len: int = Field(256, gt=0)
+    # Which implementation computes attention and the dense layers. Both compute the same
+    # function (tested against each other); they differ in speed, so neither enters a
+    # version key. auto: the hand-written gradients of model/kernels.py on CPU, where they
+    # were measured faster, jax.nn.dot_product_attention and x @ w + b elsewhere.
+    attention: Kernel = Field("auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
+    dense: Kernel = Field("auto", description="auto | xla (x @ w + b) | custom")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -89,20 +100,50 @@ class GenerateConfig(_Section):
     seed: int = 42
 
 
+class VerifyConfig(_Section):
+    tolerance: float = Field(1e-5, gt=0, description="largest |trained - restored| logit difference that passes")
+    init_seed: int = Field(99, description="seed of the fresh model; differs from training's")
+    probe_sequences: int = Field(4, gt=0, description="validation sequences in the probe batch")
+
+
 class PipelineConfig(_Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
+    verify: VerifyConfig = VerifyConfig()
     generate: GenerateConfig = GenerateConfig()
 
     @model_validator(mode="after")
-    def _sequences_fit_context(self) -> PipelineConfig:
+    def _sections_agree(self) -> PipelineConfig:
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is larger than model.max_seq_len="
                 f"{self.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
             )
+        if self.model.vocab_size < BYTE_VALUES:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is smaller than the {BYTE_VALUES} byte values "
+                f"the data holds; set model.vocab_size={BYTE_VALUES}"
+            )
         return self
+
+
+class TrainingRequest(_Section):
+    """What a training stage trains, and on what: ``devices`` (of all processes together),
+    ``platform`` and ``processes`` are part of the version key, since the same recipe on
+    other hardware is another measurement."""
+
+    model: ModelConfig
+    train: TrainConfig
+    devices: int = Field(gt=0)
+    platform: str
+    processes: int = Field(1, gt=0)
+
+    def recipe(self) -> dict[str, Any]:
+        """What decides the trained state: not how often it is checkpointed, nor which of
+        two equal kernels computes it."""
+        return self.model_dump(mode="json", exclude={"train": {"checkpoint_every", "keep_checkpoints"},
+                                                     "model": {"attention", "dense"}})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -154,7 +195,7 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None) -> Pipeli
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as error:
-        raise ConfigError(f"invalid configuration: {_describe(error)}") from None
+        raise ConfigError(f"invalid configuration: {_describe(error)}") from error
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from model.errors import BardflowError
+
 COLUMN = "tokens"
 
 
-class DataError(ValueError):
+class DataError(BardflowError, ValueError):
     """The corpus or a data file cannot be used; the message says why and what to do."""
 
 
@@ -56,7 +58,7 @@ def read_sequences(path: Path) -> tuple[np.ndarray, dict[str, str]]:
     try:
         table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
     except (OSError, pa.ArrowInvalid) as error:
-        raise DataError(f"cannot read Arrow file {path}: {error}; rerun the encode stage") from None
+        raise DataError(f"cannot read Arrow file {path}: {error}; rerun the encode stage") from error
     column = table.column(COLUMN).combine_chunks()
     seq_len = column.type.list_size
     tokens = column.flatten().to_numpy(zero_copy_only=True).reshape(-1, seq_len)

@@ -21,14 +21,24 @@ from typing import Mapping
 
 import numpy as np
 
+from model.errors import BardflowError
+
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
-# A process that stops answering is declared dead after this long, and the others stop.
-HEARTBEAT_TIMEOUT_S = 30
+HEARTBEAT = "BARDFLOW_HEARTBEAT_TIMEOUT_S"
 LOOPBACK = {"127.0.0.1", "localhost", "[::1]"}
 SCHEDULERS = [("SLURM_NTASKS", "SLURM_PROCID"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")]
 
 
-class DistributedError(RuntimeError):
+def heartbeat_timeout_s(env: Mapping[str, str] = os.environ) -> int:
+    """A process that stops answering is declared dead after this long (default 30 s) and
+    the others stop. Raise it where the network between hosts is slow to answer."""
+    try:
+        return int(env.get(HEARTBEAT) or 30)
+    except ValueError as error:
+        raise DistributedError(f"{HEARTBEAT} must be a whole number of seconds, got {env[HEARTBEAT]!r}") from error
+
+
+class DistributedError(BardflowError, RuntimeError):
     """The processes cannot form one run; the message says which setting to fix."""
 
 
@@ -54,11 +64,11 @@ class ProcessGroup:
             index_text = env.get(PROCESS_ID, env.get("JOB_COMPLETION_INDEX", ""))
             try:
                 count, index = int(env[NUM_PROCESSES]), int(index_text)
-            except ValueError:
+            except ValueError as error:
                 raise DistributedError(
                     f"{NUM_PROCESSES} and {PROCESS_ID} must be integers (got {env.get(NUM_PROCESSES)!r}, "
                     f"{env.get(PROCESS_ID)!r}); set both, e.g. {NUM_PROCESSES}=2 {PROCESS_ID}=0"
-                ) from None
+                ) from error
             if not 0 <= index < count:
                 raise DistributedError(f"{PROCESS_ID}={index} is outside 0..{count - 1}; number processes from 0")
             if count > 1 and not env.get(COORDINATOR):
@@ -88,7 +98,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
             num_processes=group.num_processes if group.coordinator else None,
             process_id=group.process_id if group.coordinator else None,
             initialization_timeout=timeout_s,
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            heartbeat_timeout_seconds=heartbeat_timeout_s(),
             # Process 0's service listens on every interface unless told otherwise: when
             # the group lives on this machine, keep it on loopback.
             coordinator_bind_address=group.coordinator if host in LOOPBACK else None,
@@ -98,7 +108,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
             f"process {group.process_id} of {group.num_processes} could not join the run at "
             f"{group.coordinator or 'the cluster-detected coordinator'} within {timeout_s} s: "
             f"{str(error).splitlines()[0]}; check that process 0 runs and that the address is reachable"
-        ) from None
+        ) from error
 
 
 def broadcast_json(value: dict | None, capacity: int = 1 << 16) -> dict:

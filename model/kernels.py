@@ -1,4 +1,5 @@
-"""Two hand-written gradients for the model: a dense layer and causal attention.
+"""The model's arithmetic kernels: two hand-written gradients (a dense layer and causal
+attention) and the attention of a few queries over cached keys and values.
 
 Each computes exactly what its plain JAX version does (``x @ w + b`` and
 ``jax.nn.dot_product_attention(..., is_causal=True)``, tested against them) but gives
@@ -98,3 +99,14 @@ def _attention_backward(saved, grad_out):
 
 
 causal_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def attend(query, keys, values, visible):
+    """Softmax attention of a few queries over given keys and values, heads first: query
+    (n, queries, head_dim), keys and values (n, length, head_dim), ``visible`` (queries,
+    length) marks what each query may see. -> (n, queries, head_dim). The sampler's
+    counterpart of ``causal_attention``, with the same arithmetic in the same order."""
+    query = query * jnp.float32(query.shape[-1] ** -0.5)
+    scores = jnp.where(visible, jnp.einsum("nqd,nsd->nqs", query, keys), -jnp.inf)
+    weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+    return jnp.einsum("nqs,nsd->nqd", weights, values) / weights.sum(axis=-1, keepdims=True)

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model.errors import BardflowError
+
 from model.transformer import Transformer
 
 
-class PromptError(ValueError):
+class PromptError(BardflowError, ValueError):
     """A prompt or sampling setting cannot be used."""
 
 
@@ -30,38 +32,6 @@ def _pick(logits, keys, temperature):
     return pairs[:, 0], jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1))
 
 
-def _attend(q, cached_keys, cached_values, visible):
-    """``model.kernels.causal_attention``'s arithmetic for one query per row: q (rows, d_model)
-    over keys and values (rows * heads, window, head_dim), where ``visible`` marks the
-    window's positions this query may see. -> (rows, 1, d_model)"""
-    rows, head_dim = q.shape[0], cached_keys.shape[-1]
-    q = q.reshape(cached_keys.shape[0], head_dim) * jnp.float32(head_dim ** -0.5)
-    scores = jnp.where(visible, jnp.einsum("nd,nsd->ns", q, cached_keys), -jnp.inf)
-    weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
-    mixed = jnp.einsum("ns,nsd->nd", weights, cached_values) / weights.sum(axis=-1, keepdims=True)
-    return mixed.reshape(rows, 1, -1)
-
-
-def _heads_first(x, heads):  # (rows, window, heads * head_dim) -> (rows * heads, window, head_dim)
-    rows, window, width = x.shape
-    return x.reshape(rows, window, heads, width // heads).transpose(0, 2, 1, 3).reshape(rows * heads, window, -1)
-
-
-def last_position_logits(model: Transformer, context):
-    """``model(context)[:, -1]`` with less work: every layer below the top one needs all
-    positions (their outputs become the top layer's keys and values), but the top layer,
-    the final norm and the head only need the last position's query and everything after it."""
-    x = model.token_embed(context) + model.pos_embed(jnp.arange(context.shape[1]))
-    *lower, top = model.blocks
-    for block in lower:
-        x = block(x)
-    heads = top.attn.num_heads
-    q, k, v = top.attn.project(top.ln1(x))
-    x = x[:, -1:] + top.attn.out(_attend(q[:, -1], _heads_first(k, heads), _heads_first(v, heads), True))
-    x = x + top.fc_down(jax.nn.gelu(top.fc_up(top.ln2(x))))
-    return model.lm_head(model.final_norm(x))[:, 0]
-
-
 @partial(jax.jit, static_argnums=(0, 6))  # graphdef, max_new
 def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
     """``count`` bytes per row from a full window that slides left by one per byte: every
@@ -70,7 +40,8 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
 
     def one_byte(i, carry):
         context, keys, out = carry
-        keys, token = _pick(last_position_logits(model, context), keys, temperature)
+        logits, _ = model(context, last_only=True)
+        keys, token = _pick(logits[:, 0], keys, temperature)
         token = token.astype(context.dtype)
         context = jnp.roll(context, -1, axis=1).at[:, -1].set(token)
         return context, keys, out.at[:, i].set(token)
@@ -81,47 +52,29 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
 
 @partial(jax.jit, static_argnums=0)  # graphdef
 def _cached_loop(graphdef, params, context, length, temperature, keys, count):
-    """Feeds the context one byte at a time through the blocks, keeping every layer's keys
-    and values, then samples ``count`` bytes at one position each: the work per byte is one
-    token's, not the whole window's. Requires ``length + count <= window``. ``length`` and
+    """Feeds the context one byte at a time through the model with its key/value cache,
+    then samples ``count`` bytes at one position each: the work per byte is one token's,
+    not the whole window's. Requires ``length + count <= window``. ``length`` and
     ``count`` are traced, so one compilation serves every prompt."""
     model = nnx.merge(graphdef, params)
     rows, window = context.shape
-    blocks = list(model.blocks)
-    heads = blocks[0].attn.num_heads
-    head_dim = blocks[0].attn.head_dim
-    # One (keys, values) pair per layer, each its own loop variable updated in place, with
-    # rows and heads in one leading axis: the layout the attention products read, and one
-    # that XLA updates in place even for a single row (a size-1 axis costs a copy per byte).
-    empty = jnp.zeros((rows * heads, window, head_dim), jnp.float32)
-    caches = tuple((empty, empty) for _ in blocks)
-    visible_from = jnp.arange(window)
 
     def position(pos, carry):
-        context, caches, keys, out = carry
-        x = model.token_embed(context[:, pos][:, None]) + model.pos_embed(pos[None])[None]
-        updated = []
-        for block, (cached_keys, cached_values) in zip(blocks, caches):
-            h = block.ln1(x)
-            q, k, v = (part[:, 0] for part in block.attn.project(h))
-            cached_keys = jax.lax.dynamic_update_slice(cached_keys, k.reshape(-1, 1, head_dim), (0, pos, 0))
-            cached_values = jax.lax.dynamic_update_slice(cached_values, v.reshape(-1, 1, head_dim), (0, pos, 0))
-            updated.append((cached_keys, cached_values))
-            x = x + block.attn.out(_attend(q, cached_keys, cached_values, visible_from <= pos))
-            x = x + block.fc_down(jax.nn.gelu(block.fc_up(block.ln2(x))))
-        logits = model.lm_head(model.final_norm(x))[:, 0]
+        context, cache, keys, out = carry
+        logits, cache = model(jax.lax.dynamic_slice_in_dim(context, pos, 1, axis=1), pos[None], cache)
         sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled
-        next_keys, token = _pick(logits, keys, temperature)
+        next_keys, token = _pick(logits[:, 0], keys, temperature)
         token = token.astype(context.dtype)
         keys = jnp.where(sampling, next_keys, keys)  # the same key sequence as the plain loop
         at = jnp.minimum(pos + 1, window - 1)
         context = context.at[:, at].set(jnp.where(sampling, token, context[:, at]))
         slot = jnp.maximum(pos - (length - 1), 0)
         out = out.at[:, slot].set(jnp.where(sampling, token, out[:, slot]))
-        return context, tuple(updated), keys, out
+        return context, cache, keys, out
 
     out = jnp.zeros((rows, window), context.dtype)  # the first ``count`` columns get filled
-    carry = jax.lax.fori_loop(0, length - 1 + count, position, (context, caches, keys, out))
+    carry = (context, model.init_cache(rows, window), keys, out)
+    carry = jax.lax.fori_loop(0, length - 1 + count, position, carry)
     return carry[0], carry[2], carry[3]
 
 
@@ -160,8 +113,8 @@ def generate_batch(
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
     length, temperature = jnp.int32(len(kept)), jnp.float32(temperature)
     # While the context has room, each new byte costs one position (a KV cache); once it
-    # is full it slides, every position shifts, and each byte needs a forward pass over the
-    # whole window (all of it below the top layer, only the last position in the top one).
+    # is full it slides, every learned position embedding shifts, and each byte needs a
+    # forward pass over the whole window (only the last position in the top layer).
     cached = min(max_new_bytes, max_seq_len - len(kept))
     pieces = []
     window = jnp.asarray(context)

@@ -20,15 +20,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig, TrainConfig
+from model.errors import BardflowError
 from model.transformer import Transformer, build_model
 
 
-class TrainingError(RuntimeError):
+class TrainingError(BardflowError, RuntimeError):
     """Training cannot go on; the message names the step and the cause."""
 
 
 def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
-    logits = model(tokens).astype(jnp.float32)  # the loss is always taken in float32
+    logits, _ = model(tokens)
+    logits = logits.astype(jnp.float32)  # the loss is always taken in float32
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
 

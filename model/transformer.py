@@ -1,32 +1,93 @@
-"""The decoder-only byte transformer of the codelab, in one screen."""
+"""The decoder-only byte transformer of the codelab, in one screen.
+
+One forward pass serves training and sampling: ``model(tokens, positions, cache)`` returns
+the logits and the updated key/value cache, so the sampler drives these modules and never
+repeats their arithmetic.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import ModelConfig
-from model.kernels import causal_attention, dense
+from model.config import Kernel, ModelConfig
+from model.kernels import attend, causal_attention, dense
+
+
+def use_custom(setting: Kernel) -> bool:
+    """Whether the hand-written gradient serves: ``auto`` takes it on CPU only, where it
+    was measured faster (README, "Benchmarks")."""
+    return setting == "custom" or (setting == "auto" and jax.default_backend() == "cpu")
+
+
+class LayerCache(NamedTuple):
+    """One layer's keys and values, rows and heads in one leading axis: the layout the
+    attention products read, and one that XLA updates in place even for a single row."""
+
+    keys: jax.Array  # (rows * heads, window, head_dim)
+    values: jax.Array
 
 
 class Linear(nnx.Linear):
+    def __init__(self, *args, custom: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.custom = custom
+
     def __call__(self, x):
-        return dense(x, self.kernel[...], self.bias[...])  # same result, a faster gradient
+        if self.custom:
+            return dense(x, self.kernel[...], self.bias[...])  # same result, a faster CPU gradient
+        return x @ self.kernel[...] + self.bias[...]
 
 
 class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.d_model // cfg.num_heads
-        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, rngs=rngs)  # query, key, value in one product
-        self.out = Linear(cfg.d_model, cfg.d_model, rngs=rngs)
+        custom = use_custom(cfg.dense)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, custom=custom, rngs=rngs)  # query, key, value in one product
+        self.out = Linear(cfg.d_model, cfg.d_model, custom=custom, rngs=rngs)
+        self.custom = use_custom(cfg.attention)
 
-    def project(self, x):  # (..., d_model) -> query, key, value, each (..., d_model)
-        return jnp.split(self.qkv(x), 3, axis=-1)
+    def _heads_first(self, x):  # (rows, t, d_model) -> (rows * heads, t, head_dim)
+        rows, length, _ = x.shape
+        x = x.reshape(rows, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(rows * self.num_heads, length, self.head_dim)
+
+    def _heads_last(self, x):  # the inverse
+        length = x.shape[1]
+        x = x.reshape(-1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(-1, length, self.num_heads * self.head_dim)
+
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False):
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        if cache is None and not last_only:  # every position attends to those before it
+            q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in (q, k, v))
+            if self.custom:
+                mixed = causal_attention(q, k, v)
+            else:
+                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return self.out(mixed.reshape(x.shape)), None
+        k, v = self._heads_first(k), self._heads_first(v)
+        if cache is not None:  # these positions' keys and values join the cache
+            k = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, positions[0], 0))
+            v = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, positions[0], 0))
+            cache = LayerCache(k, v)
+        if last_only:
+            q, positions = q[:, -1:], positions[-1:]
+        visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (queries, keys)
+        return self.out(self._heads_last(attend(self._heads_first(q), k, v, visible))), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        custom = use_custom(cfg.dense)
+        self.up = Linear(cfg.d_model, cfg.ffn_dim, custom=custom, rngs=rngs)
+        self.down = Linear(cfg.ffn_dim, cfg.d_model, custom=custom, rngs=rngs)
 
     def __call__(self, x):
-        q, k, v = (part.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for part in self.project(x))
-        return self.out(causal_attention(q, k, v).reshape(x.shape))
+        return self.down(jax.nn.gelu(self.up(x)))
 
 
 class Block(nnx.Module):
@@ -34,12 +95,13 @@ class Block(nnx.Module):
         self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs)
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.fc_up = Linear(cfg.d_model, cfg.ffn_dim, rngs=rngs)
-        self.fc_down = Linear(cfg.ffn_dim, cfg.d_model, rngs=rngs)
+        self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))  # pre-norm: normalise, attend, add back
-        return x + self.fc_down(jax.nn.gelu(self.fc_up(self.ln2(x))))
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False):
+        # Pre-norm: normalise, attend (or feed forward), add back.
+        mixed, cache = self.attn(self.ln1(x), positions, cache, last_only)
+        x = (x[:, -1:] if last_only else x) + mixed
+        return x + self.mlp(self.ln2(x)), cache
 
 
 class Transformer(nnx.Module):
@@ -50,11 +112,30 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens):  # (B, T) int -> (B, T, vocab) logits
-        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.final_norm(x))
+    def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False):
+        """(rows, t) token ids -> (logits, cache).
+
+        ``positions`` (t,): where the tokens sit, by default 0..t-1. ``cache``: every layer's
+        keys and values so far (``init_cache``); the tokens' own are written at ``positions``
+        and the tokens attend to everything cached up to them. ``last_only``: only the last
+        position's logits are wanted, (rows, 1, vocab): every layer below the top one still
+        runs over all positions (they make the top layer's keys and values), the top layer's
+        query, MLP and the head only over the last.
+        """
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])
+        x = self.token_embed(tokens) + self.pos_embed(positions)
+        layers = cache if cache is not None else (None,) * len(self.blocks)
+        updated = []
+        for depth, (block, layer) in enumerate(zip(self.blocks, layers)):
+            x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1)
+            updated.append(layer)
+        return self.lm_head(self.final_norm(x)), (tuple(updated) if cache is not None else None)
+
+    def init_cache(self, rows: int, window: int, dtype=jnp.float32) -> tuple[LayerCache, ...]:
+        attn = self.blocks[0].attn
+        empty = jnp.zeros((rows * attn.num_heads, window, attn.head_dim), dtype)
+        return tuple(LayerCache(empty, empty) for _ in self.blocks)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

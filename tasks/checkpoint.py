@@ -4,37 +4,30 @@ with its model config, so that restoring needs nothing but the checkpoint."""
 from __future__ import annotations
 
 from artifacts import ui
-from artifacts.store import Builder
+from artifacts.store import Builder, Version
 from model.checkpoint import params_digest, save_model
 from model.transformer import count_params
-from tasks.stage import Stage, inputs
+from tasks.registry import CHECKPOINT
 from tasks.train import trained_model
 
-STAGE = Stage("checkpoint", "1")
-MODEL = "model"
+(MODEL,) = CHECKPOINT.builds
 
 
-@STAGE.task
-def checkpoint(params: dict, upstream: dict, store: str, force: bool = False) -> dict:
-    trained = inputs(store, upstream)["train_parallel"]
-
-    def work(out: Builder) -> None:
-        model, request = trained_model(trained)
-        save_model(out.path(MODEL), model, request.model)
-        size = sum(f.stat().st_size for f in out.path(MODEL).rglob("*") if f.is_file())
-        # The parameters' bytes, not the files: Orbax metadata carries timestamps, and a
-        # re-save of the same parameters must not make verify and generate run again.
-        out.fingerprint = params_digest(model)
-        out.metrics.update({"parameters": count_params(model), "bytes": size})
-        ui.table(
-            STAGE.name,
-            [
-                {"": "Checkpoint", "value": str(out.dir.parent / out.key / MODEL)},
-                {"": "Parameters saved", "value": f"{count_params(model):,}"},
-                {"": "Size on disk", "value": f"{size / 1e6:.2f} MB"},
-                {"": "Model config", "value": request.model.model_dump_json()},
-            ],
-            description="Orbax checkpoint of the data-parallel model (parameters + model config)",
-        )
-
-    return STAGE.produce(params, upstream, store, force, work)
+def build(settings: dict, out: Builder, train_parallel: Version) -> None:
+    model, request = trained_model(train_parallel)
+    save_model(out.path(MODEL), model, request.model)
+    size = sum(f.stat().st_size for f in out.path(MODEL).rglob("*") if f.is_file())
+    # The parameters' bytes, not the files: Orbax metadata carries timestamps, and a
+    # re-save of the same parameters must not make verify and generate run again.
+    out.fingerprint = params_digest(model)
+    out.metrics.update({"parameters": count_params(model), "bytes": size})
+    ui.table(
+        CHECKPOINT.name,
+        [
+            {"": "Checkpoint", "value": str(out.dir.parent / out.key / MODEL)},
+            {"": "Parameters saved", "value": f"{count_params(model):,}"},
+            {"": "Size on disk", "value": f"{size / 1e6:.2f} MB"},
+            {"": "Model config", "value": request.model.model_dump_json()},
+        ],
+        description="Orbax checkpoint of the data-parallel model (parameters + model config)",
+    )

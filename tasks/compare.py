@@ -8,11 +8,10 @@ from typing import Any
 
 from artifacts import ui
 from artifacts.store import Builder, Version
-from tasks.stage import Stage, inputs
+from tasks.registry import COMPARE
 from tasks.train import HISTORY
 
-STAGE = Stage("compare", "1")
-TABLE, THROUGHPUT_PNG, CURVES_PNG = "comparison.json", "throughput.png", "curves.png"
+TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 
 
 def comparison(single: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
@@ -79,36 +78,30 @@ def _history(version: Version) -> list[dict[str, Any]]:
     return json.loads(version.file(HISTORY).read_text())
 
 
-@STAGE.task
-def compare(params: dict, upstream: dict, store: str, force: bool = False) -> dict:
-    runs = inputs(store, upstream)
-    single, parallel = runs["train_single"], runs["train_parallel"]
-
-    def work(out: Builder) -> None:
-        result = comparison(single.metrics, parallel.metrics)
-        out.path(TABLE).write_text(json.dumps(result, indent=1))
-        devices = result["devices"]
-        plot(
-            [("single device", _history(single), single.metrics["tokens_per_s"]),
-             (result["header"][2], _history(parallel), parallel.metrics["tokens_per_s"])],
-            out.path(THROUGHPUT_PNG),
-            out.path(CURVES_PNG),
-        )
-        out.metrics.update({"speedup": result["speedup"], "devices": devices})
-        ui.table(
-            STAGE.name,
-            [dict(zip(result["header"], row)) for row in result["rows"]],
-            description=f"Throughput comparison: {result['speedup']:.2f}x tokens/s on {devices} device(s)"
-            + (f". {result['note']}" if result["note"] else ""),
-        )
-        ui.markdown(
-            STAGE.name,
-            ui.markdown_table(result["header"], result["rows"])
-            + (f"\n> {result['note']}\n" if result["note"] else "")
-            + "\n" + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
-            + "\n" + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
-            description="Throughput and training curves",
-            what="plots",
-        )
-
-    return STAGE.produce(params, upstream, store, force, work)
+def build(settings: dict, out: Builder, train_single: Version, train_parallel: Version) -> None:
+    single, parallel = train_single, train_parallel
+    result = comparison(single.metrics, parallel.metrics)
+    out.path(TABLE).write_text(json.dumps(result, indent=1))
+    devices = result["devices"]
+    plot(
+        [("single device", _history(single), single.metrics["tokens_per_s"]),
+         (result["header"][2], _history(parallel), parallel.metrics["tokens_per_s"])],
+        out.path(THROUGHPUT_PNG),
+        out.path(CURVES_PNG),
+    )
+    out.metrics.update({"speedup": result["speedup"], "devices": devices})
+    ui.table(
+        COMPARE.name,
+        [dict(zip(result["header"], row)) for row in result["rows"]],
+        description=f"Throughput comparison: {result['speedup']:.2f}x tokens/s on {devices} device(s)"
+        + (f". {result['note']}" if result["note"] else ""),
+    )
+    ui.markdown(
+        COMPARE.name,
+        ui.markdown_table(result["header"], result["rows"])
+        + (f"\n> {result['note']}\n" if result["note"] else "")
+        + "\n" + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
+        + "\n" + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
+        description="Throughput and training curves",
+        what="plots",
+    )

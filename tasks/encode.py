@@ -3,55 +3,43 @@ shuffle of the training windows, stored as memory-mappable Arrow IPC files."""
 
 from __future__ import annotations
 
-from model.config import DataConfig
-from model.data import encode as encode_corpus
-from model.data import write_sequences
 from artifacts import ui
-from artifacts.store import Builder
+from artifacts.store import Builder, Version
+from model.config import BYTE_VALUES, DataConfig
+from model.data import encode, write_sequences
 from tasks.fetch import CORPUS
-from tasks.stage import Stage, inputs
+from tasks.registry import ENCODE
 
-STAGE = Stage(
-    "encode",
-    "1",
-    key_params=lambda p: {"seq_len": p.seq_len, "train_fraction": p.train_fraction, "shuffle_seed": p.shuffle_seed},
-)
-TRAIN, VAL = "train.arrow", "val.arrow"
+TRAIN, VAL = ENCODE.builds
 
 
-@STAGE.task
-def encode(params: DataConfig, upstream: dict, store: str, force: bool = False) -> dict:
-    corpus = inputs(store, upstream)["fetch"]
-
-    def work(out: Builder) -> None:
-        raw = corpus.file(CORPUS).read_bytes()
-        split = encode_corpus(raw, params.seq_len, params.train_fraction, params.shuffle_seed)
-        counts = {"train_sequences": len(split.train), "val_sequences": len(split.val)}
-        for name, rows, part in ((TRAIN, split.train, "train"), (VAL, split.val, "val")):
-            write_sequences(
-                out.path(name),
-                rows,
-                {
-                    "split": part,
-                    "seq_len": str(params.seq_len),
-                    "shuffle_seed": str(params.shuffle_seed),
-                    "source_md5": corpus.metrics["md5"],
-                    **{k: str(v) for k, v in counts.items()},
-                },
-            )
-        out.metrics.update({"bytes": len(raw), "seq_len": params.seq_len, "vocab_size": 256, **counts})
-        ui.table(
-            STAGE.name,
-            [
-                {"": "Total bytes", "value": f"{len(raw):,}"},
-                {"": "Vocabulary", "value": "256 (raw bytes)"},
-                {"": "Sequence length", "value": params.seq_len},
-                {"": "Training sequences", "value": f"{counts['train_sequences']:,}"},
-                {"": "Validation sequences", "value": f"{counts['val_sequences']:,}"},
-            ],
-            description="TinyShakespeare, byte-level tokenization",
+def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
+    raw = fetch.file(CORPUS).read_bytes()
+    split = encode(raw, settings.seq_len, settings.train_fraction, settings.shuffle_seed)
+    counts = {"train_sequences": len(split.train), "val_sequences": len(split.val)}
+    for name, rows, part in ((TRAIN, split.train, "train"), (VAL, split.val, "val")):
+        write_sequences(
+            out.path(name),
+            rows,
+            {
+                "split": part,
+                "seq_len": str(settings.seq_len),
+                "shuffle_seed": str(settings.shuffle_seed),
+                "source_md5": fetch.metrics["md5"],
+                **{k: str(v) for k, v in counts.items()},
+            },
         )
-        sample = raw[:200].decode("utf-8", errors="replace")
-        ui.markdown(STAGE.name, f"First 200 bytes:\n\n```\n{sample}\n```\n", "Corpus sample", what="sample")
-
-    return STAGE.produce(params, upstream, store, force, work)
+    out.metrics.update({"bytes": len(raw), "seq_len": settings.seq_len, "vocab_size": BYTE_VALUES, **counts})
+    ui.table(
+        ENCODE.name,
+        [
+            {"": "Total bytes", "value": f"{len(raw):,}"},
+            {"": "Vocabulary", "value": f"{BYTE_VALUES} (raw bytes)"},
+            {"": "Sequence length", "value": settings.seq_len},
+            {"": "Training sequences", "value": f"{counts['train_sequences']:,}"},
+            {"": "Validation sequences", "value": f"{counts['val_sequences']:,}"},
+        ],
+        description="TinyShakespeare, byte-level tokenization",
+    )
+    sample = raw[:200].decode("utf-8", errors="replace")
+    ui.markdown(ENCODE.name, f"First 200 bytes:\n\n```\n{sample}\n```\n", "Corpus sample", what="sample")

@@ -14,28 +14,28 @@ from pathlib import Path
 from artifacts import ui
 from artifacts.store import Builder, file_digest
 from model.config import TINYSHAKESPEARE_MD5, DataConfig
-from tasks.stage import Stage
+from model.errors import BardflowError
+from tasks.registry import FETCH
 
-STAGE = Stage("fetch", "1", key_params=lambda p: {"md5": p.md5})
-CORPUS = "corpus.txt"
+(CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
 ATTEMPTS = 4
 TIMEOUT_S = 30.0
 
 
-class FetchError(RuntimeError):
+class FetchError(BardflowError, RuntimeError):
     """The corpus could not be fetched or is not the expected file."""
 
 
 def _copy_local(path: Path, target: Path) -> None:
     try:
         shutil.copyfile(path, target)
-    except FileNotFoundError:
-        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS") from None
-    except IsADirectoryError:
-        raise FetchError(f"corpus path {path} is a folder; point --corpus at the text file") from None
-    except PermissionError:
-        raise FetchError(f"corpus file {path} is not readable; fix its permissions") from None
+    except FileNotFoundError as error:
+        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS") from error
+    except IsADirectoryError as error:
+        raise FetchError(f"corpus path {path} is a folder; point --corpus at the text file") from error
+    except PermissionError as error:
+        raise FetchError(f"corpus file {path} is not readable; fix its permissions") from error
 
 
 def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float = TIMEOUT_S) -> None:
@@ -58,7 +58,7 @@ def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float
     raise FetchError(
         f"could not download {url} ({reason}) after {attempt + 1} attempt(s); check the network, "
         "or pass a local copy with --corpus PATH or a mirror with --corpus file:///PATH"
-    )
+    ) from last
 
 
 def fetch_to(source: str, target: Path) -> None:
@@ -73,34 +73,28 @@ def fetch_to(source: str, target: Path) -> None:
         raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL or a path")
 
 
-@STAGE.task
-def fetch(params: DataConfig, store: str, force: bool = False, upstream: dict | None = None) -> dict:
-    def work(out: Builder) -> None:
-        target = out.path(CORPUS)
-        fetch_to(params.corpus, target)
-        size = target.stat().st_size
-        if size == 0:
-            raise FetchError(f"the corpus at {params.corpus} is empty (0 bytes); point --corpus at the text file")
-        actual = file_digest(target, "md5")
-        if actual != params.md5:
-            expected_size = KNOWN_SIZES.get(params.md5)
-            truncated = (
-                f" ({size:,} bytes where {expected_size:,} were expected: truncated or another file)"
-                if expected_size and size != expected_size else ""
-            )
-            raise FetchError(
-                f"md5 mismatch for {params.corpus}: expected {params.md5}, got {actual}{truncated}; "
-                "fetch it again or fix the source, or if this is the corpus you want, "
-                f"pass its checksum: --set data.md5={actual}"
-            )
-        out.metrics.update({"bytes": size, "md5": actual})
-        out.record["source"] = params.corpus
-        ui.table(
-            STAGE.name,
-            [{"source": params.corpus, "bytes": size, "md5": actual}],
-            description=f"Corpus fetched: {size:,} bytes, md5 verified",
+def build(settings: DataConfig, out: Builder) -> None:
+    target = out.path(CORPUS)
+    fetch_to(settings.corpus, target)
+    size = target.stat().st_size
+    if size == 0:
+        raise FetchError(f"the corpus at {settings.corpus} is empty (0 bytes); point --corpus at the text file")
+    actual = file_digest(target, "md5")
+    if actual != settings.md5:
+        expected_size = KNOWN_SIZES.get(settings.md5)
+        truncated = (
+            f" ({size:,} bytes where {expected_size:,} were expected: truncated or another file)"
+            if expected_size and size != expected_size else ""
         )
-
-    description = STAGE.produce(params, {}, store, force, work)
-    ui.log("corpus %s: %s bytes", description["key"], description["metrics"]["bytes"])
-    return description
+        raise FetchError(
+            f"md5 mismatch for {settings.corpus}: expected {settings.md5}, got {actual}{truncated}; "
+            "fetch it again or fix the source, or if this is the corpus you want, "
+            f"pass its checksum: --set data.md5={actual}"
+        )
+    out.metrics.update({"bytes": size, "md5": actual})
+    out.record["source"] = settings.corpus
+    ui.table(
+        FETCH.name,
+        [{"source": settings.corpus, "bytes": size, "md5": actual}],
+        description=f"Corpus fetched: {size:,} bytes, md5 verified",
+    )

@@ -6,45 +6,37 @@ import json
 import time
 
 from artifacts import ui
-from artifacts.store import Builder
+from artifacts.store import Builder, Version
 from model.checkpoint import load_config, load_model
 from model.config import GenerateConfig
-from model.sampling import as_text, generate as sample
+from model.sampling import as_text, generate
 from tasks.checkpoint import MODEL
-from tasks.stage import Stage, inputs
+from tasks.registry import GENERATE
 
-STAGE = Stage("generate", "1")
-SAMPLES = "samples.json"
+(SAMPLES,) = GENERATE.builds
 
 
-@STAGE.task
-def generate(params: GenerateConfig, upstream: dict, store: str, force: bool = False) -> dict:
-    checkpoint = inputs(store, upstream)["checkpoint"]
-
-    def work(out: Builder) -> None:
-        model = load_model(checkpoint.file(MODEL))
-        max_seq_len = load_config(checkpoint.file(MODEL)).max_seq_len
-        samples, seconds = [], 0.0
-        for index, prompt in enumerate(params.prompts):
-            started = time.perf_counter()
-            data = sample(model, prompt.text, params.max_new_bytes, prompt.temperature,
-                          params.seed + index, max_seq_len)
-            elapsed = time.perf_counter() - started
-            seconds += elapsed
-            samples.append({"prompt": prompt.text, "temperature": prompt.temperature,
-                            "seed": params.seed + index, "text": as_text(data)})
-        out.path(SAMPLES).write_text(json.dumps(samples, indent=1, ensure_ascii=False))
-        # Timings go to the metrics only: samples.json (and so the fingerprint) must be
-        # the same whenever the samples are, so a refresh with the same seed changes nothing.
-        out.metrics.update({"bytes_per_s": round(params.max_new_bytes * len(samples) / seconds, 1),
-                            "samples": len(samples), "new_bytes": params.max_new_bytes * len(samples)})
-        ui.markdown(
-            STAGE.name,
-            "\n".join(
-                f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n"
-                for s in samples
-            ),
-            description=f"{len(samples)} sample{'s' if len(samples) > 1 else ''} of {params.max_new_bytes} new bytes",
-        )
-
-    return STAGE.produce(params, upstream, store, force, work)
+def build(settings: GenerateConfig, out: Builder, checkpoint: Version) -> None:
+    model = load_model(checkpoint.file(MODEL))
+    max_seq_len = load_config(checkpoint.file(MODEL)).max_seq_len
+    samples, seconds = [], 0.0
+    for index, prompt in enumerate(settings.prompts):
+        started = time.perf_counter()
+        data = generate(model, prompt.text, settings.max_new_bytes, prompt.temperature,
+                        settings.seed + index, max_seq_len)
+        seconds += time.perf_counter() - started
+        samples.append({"prompt": prompt.text, "temperature": prompt.temperature,
+                        "seed": settings.seed + index, "text": as_text(data)})
+    out.path(SAMPLES).write_text(json.dumps(samples, indent=1, ensure_ascii=False))
+    # Timings go to the metrics only: samples.json (and so the fingerprint) must be
+    # the same whenever the samples are, so a refresh with the same seed changes nothing.
+    out.metrics.update({"bytes_per_s": round(settings.max_new_bytes * len(samples) / seconds, 1),
+                        "samples": len(samples), "new_bytes": settings.max_new_bytes * len(samples)})
+    ui.markdown(
+        GENERATE.name,
+        "\n".join(
+            f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n"
+            for s in samples
+        ),
+        description=f"{len(samples)} sample{'s' if len(samples) > 1 else ''} of {settings.max_new_bytes} new bytes",
+    )

@@ -1,61 +1,103 @@
-"""What every stage shares: its Prefect task wrapper and its version-key recipe.
+"""The stage contract: what a stage is, and how its version is found or built.
 
-A stage task takes ``params`` (its own settings), ``upstream`` (descriptions of
-the versions it reads), ``store`` (the store root) and ``force`` (rebuild even if
-the version exists), and returns the small JSON description of its version.
+A stage is one entry in ``tasks/registry.py`` and one ``build`` function in its module:
+
+    def build(settings, out: Builder, **upstream: Version) -> None
+
+``settings`` is the part of the run's configuration that decides the stage, ``out`` the
+private folder its new version is written into, and each version it reads arrives as a
+keyword argument named after its stage, already checked against its manifest. Nothing here
+imports Prefect: the flow wraps ``produce`` in a task.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from prefect import task
+from artifacts.store import Builder, Store, Version, version_key
+from model.config import ConfigError, PipelineConfig, TrainingRequest
+from model.distributed import ProcessGroup
 
-from artifacts.caching import cache_key_fn, jsonable, stage_key
-from artifacts.store import Builder, Store, Version
+
+def jsonable(settings: Any) -> Any:
+    """Pydantic models become plain data; plain data passes through."""
+    if hasattr(settings, "model_dump"):
+        return settings.model_dump(mode="json")
+    return settings
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run knows before its first stage: the configuration, the devices this
+    process sees, and how many processes ``train_parallel`` runs as on this host."""
+
+    config: PipelineConfig
+    devices: int
+    platform: str
+    processes: int = 1
+
+    def training(self, devices: int, processes: int = 1) -> TrainingRequest:
+        return TrainingRequest(model=self.config.model, train=self.config.train, devices=devices,
+                               platform=self.platform, processes=processes)
+
+    def parallel_training(self) -> TrainingRequest:
+        """Every device of this host, shared out among ``processes`` local processes, or,
+        under a cluster scheduler, every device of every host."""
+        group = ProcessGroup.from_env()
+        if group is not None:
+            if self.processes > 1:
+                raise ConfigError(
+                    f"processes={self.processes} starts processes on this host, but this is process "
+                    f"{group.process_id} of {group.num_processes} of a cluster job already; leave processes at 1")
+            return self.training(self.devices * group.num_processes, group.num_processes)
+        if self.processes < 1 or self.devices % self.processes:
+            hint = " (on a CPU, emulate devices with --cpu-devices)" if self.platform == "cpu" else ""
+            raise ConfigError(
+                f"processes={self.processes} cannot share out the {self.devices} {self.platform} device(s) of "
+                f"this host evenly; use a divisor of {self.devices}{hint}")
+        return self.training(self.devices, self.processes)
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     code_version: str  # bump when the stage's output for the same inputs changes
-    key_params: Callable[[Any], Any] = jsonable  # the part of params that decides the output
+    reads: tuple[str, ...]  # the stages whose versions it reads; they reach ``build`` by these names
+    settings: Callable[[RunPlan], Any]  # the part of the run's configuration that decides it
+    builds: tuple[str, ...]  # the files (or folders) of its version
+    headline: tuple[str, ...]  # the metrics worth a glance in a summary row
+    recipe: Callable[[Any], Any] = jsonable  # what of ``settings`` enters the version key
+    function: str = ""  # "module:function" of its build; default tasks.<name>:build
 
-    def key(self, params: Any, upstream: dict[str, dict[str, Any]]) -> str:
-        return stage_key(self.name, self.code_version, self.key_params(params), upstream)
+    def key(self, settings: Any, upstream: Mapping[str, Version]) -> str:
+        """The version key: the only place one is computed."""
+        return version_key(self.name, self.code_version, self.recipe(settings),
+                           {name: version.fingerprint for name, version in upstream.items()})
 
-    def task(self, fn):
-        """Wraps ``fn`` as this stage's Prefect task: JSON results, keyed on the version."""
-        prefect_task = task(
-            fn,
-            name=self.name,
-            cache_key_fn=cache_key_fn(self.name, self.key),
-            persist_result=True,
-            result_serializer="json",
-        )
-        prefect_task.stage = self
-        return prefect_task
+    def build(self) -> Callable[..., None]:
+        module, _, function = (self.function or f"tasks.{self.name}:build").partition(":")
+        return getattr(importlib.import_module(module), function)
 
-    def produce(
-        self,
-        params: Any,
-        upstream: dict[str, dict[str, Any]],
-        store: str,
-        force: bool,
-        work: Callable[[Builder], None],
-    ) -> dict[str, Any]:
-        version, ran = Store(store).produce(
-            self.name,
-            self.key(params, upstream),
-            self.key_params(params),
-            upstream,
-            work,
-            force=force,
-        )
-        return {**version.describe(), "ran": ran}
+    def headline_of(self, metrics: Mapping[str, Any]) -> str:
+        return ", ".join(f"{name}={metrics[name]}" for name in self.headline if name in metrics)
 
 
-def inputs(store: str, upstream: dict[str, dict[str, Any]]) -> dict[str, Version]:
-    """The upstream versions, each verified against its manifest before use."""
-    return {name: Store(store).require(description) for name, description in upstream.items()}
+def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: Store, force: bool = False,
+            notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
+    """``stage``'s version for these settings and upstream versions: the one in the store if
+    it is there and intact (unless ``force``), else built now. Returns it and whether it was
+    built. This answer is the one cache decision: the flow reports it to Prefect as the task's
+    state, and the run summary reads that state."""
+    checked = {name: store.require(version) for name, version in upstream.items()}
+    build = stage.build()
+
+    def work(out: Builder) -> None:
+        build(settings, out, **checked)
+        missing = [name for name in stage.builds if not (out.dir / name).exists()]
+        if missing:  # a broken contract, not bad input: a bug in the stage
+            raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")
+
+    return store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked, work,
+                         force=force, notice=notice)

@@ -1,6 +1,9 @@
-"""Test session set-up. JAX reads XLA_FLAGS once, at import, so the two emulated
+"""Test session set-up. JAX reads XLA_FLAGS once, when it starts, so the two emulated
 CPU devices that data-parallel tests need are requested here, before any test
-module imports JAX. Prefect gets a private home so tests never touch ~/.prefect."""
+module uses JAX. Prefect gets a private home so tests never touch ~/.prefect, and the
+end-to-end tests share one Prefect server, started when the first of them needs it.
+Nothing is written inside the repository: what tests keep for people to look at
+(screenshots, timings) goes to $BARDFLOW_TEST_OUTPUT, a temporary folder by default."""
 
 from __future__ import annotations
 
@@ -16,6 +19,13 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Compiled programs are kept on disk and shared by every process of the session (the CLI
+# runs, the training processes) and by later sessions: most tests compile the same few
+# tiny-model programs. Outside the repository; BARDFLOW_TEST_JAX_CACHE moves it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get("BARDFLOW_TEST_JAX_CACHE") or str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bardflow" / "test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _prefect_home = tempfile.mkdtemp(prefix="bardflow-test-prefect-")
 for name, value in {
     "PREFECT_HOME": _prefect_home,
@@ -27,6 +37,7 @@ for name, value in {
 os.environ.pop("PREFECT_API_URL", None)
 
 REPO = Path(__file__).resolve().parents[1]
+OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 
@@ -63,3 +74,30 @@ def shakespeare() -> Path:
     if not SHARED_CORPUS.exists():
         pytest.skip(f"the TinyShakespeare copy is not at {SHARED_CORPUS}")
     return SHARED_CORPUS
+
+
+def pytest_collection_modifyitems(items):
+    """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
+    inner loop."""
+    for item in items:
+        if item.get_closest_marker("flow") or item.get_closest_marker("processes"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One Prefect server (``bardflow ui``) for the session's end-to-end tests: a CLI run
+    pointed at it skips the embedded server's start-up (10-30 s a run here)."""
+    from tests.servers import Server
+
+    server = Server(tmp_path_factory.mktemp("prefect-server"), dict(os.environ))
+    try:
+        yield server.serve()
+    finally:
+        server.stop_all()
+
+
+@pytest.fixture(scope="session")
+def run_env(prefect_server) -> dict[str, str]:
+    """The environment of a ``bardflow run`` that uses the shared server."""
+    return {**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"], "PYTHONUNBUFFERED": "1"}

@@ -35,22 +35,30 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     assert float(fast) < 0.8 * float(np.log(256))  # it trained, so the match means something
 
 
-def test_generator_matches_the_codelab_loop_greedy_and_sampled():
-    model = build_model(TINY.model, seed=5)
-    window = TINY.model.max_seq_len
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # one layer, and two: the cache of every layer
+def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset):
+    cfg = build_config(preset).model
+    model = build_model(cfg, seed=5)
+    window = cfg.max_seq_len
+    new = window + 13 - 5  # "KING:" + new > window: the cached loop, then the sliding one
     for temperature in (0.0, 0.8):
-        ours = generate(model, "KING:", 45, temperature, 42, window)  # 5 + 45 > 32: slides too
-        theirs = codelab_generate(model, b"KING:", 45, temperature, 42, window)
-        assert ours == theirs
+        ours = generate(model, "KING:", new, temperature, 42, window)
+        theirs = codelab_generate(model, b"KING:", new, temperature, 42, window)
+        assert ours == theirs, temperature
 
 
-def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch():
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(preset):
     from bench.codelab import codelab_generate_batch
     from model.sampling import generate_batch
 
-    model = build_model(TINY.model, seed=5)
-    window, seeds = TINY.model.max_seq_len, [3, 4, 5]
-    batch = generate_batch(model, "KING:", 45, 0.8, seeds, window)
-    assert batch == [generate(model, "KING:", 45, 0.8, seed, window) for seed in seeds]
-    assert batch == codelab_generate_batch(model, b"KING:", 45, 0.8, seeds, window)
-    assert len(set(batch)) == 3  # the seeds really differ
+    cfg = build_config(preset).model
+    model = build_model(cfg, seed=5)
+    window, seeds = cfg.max_seq_len, list(range(3, 11))  # a batch of 8
+    new = window + 13 - 5
+    batch = generate_batch(model, "KING:", new, 0.8, seeds, window)
+    assert batch == [generate(model, "KING:", new, 0.8, seed, window) for seed in seeds]
+    assert batch == codelab_generate_batch(model, b"KING:", new, 0.8, seeds, window)
+    assert generate_batch(model, "KING:", new, 0.0, seeds[:2], window) == \
+        codelab_generate_batch(model, b"KING:", new, 0.0, seeds[:2], window)
+    assert len(set(batch)) == 8  # the seeds really differ

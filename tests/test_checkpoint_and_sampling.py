@@ -4,7 +4,7 @@ import pytest
 
 from model.checkpoint import CheckpointError, load_config, load_model, max_logit_diff, params_digest, save_model
 from model.config import build_config
-from model.sampling import PromptError, as_text, generate, last_position_logits
+from model.sampling import PromptError, as_text, generate
 from model.transformer import build_model
 
 CFG = build_config("tiny").model
@@ -25,7 +25,7 @@ def test_one_perturbed_parameter_is_detected(tmp_path):
     trained = build_model(CFG, seed=1)
     save_model(tmp_path / "ckpt", trained, CFG)
     restored = load_model(tmp_path / "ckpt")
-    kernel = restored.blocks[0].fc_up.kernel
+    kernel = restored.blocks[0].mlp.up.kernel
     kernel.set_value(kernel.get_value().at[0, 0].add(1e-2))
     assert max_logit_diff(trained, restored, PROBE) > 1e-5
     assert params_digest(restored) != params_digest(trained)
@@ -40,29 +40,32 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
         load_model(tmp_path / "ckpt")
 
 
-def naive_generate(model, prompt: bytes, n: int, window: int) -> bytes:
-    """The codelab's loop, greedy: pad to the window, full forward per byte, host loop."""
-    tokens = list(prompt)
-    for _ in range(n):
-        context = tokens[-window:]
-        logits = model(jnp.array([context + [0] * (window - len(context))], jnp.int32))
-        tokens.append(int(jnp.argmax(logits[0, len(context) - 1])))
-    return bytes(tokens)
-
-
-@pytest.mark.parametrize("prompt", ["ROMEO:", "x" * 40])  # the second slides past the window
-def test_compiled_greedy_sampling_matches_the_plain_loop(prompt):
-    model = build_model(CFG, seed=3)
-    fast = generate(model, prompt, 30, temperature=0.0, seed=0, max_seq_len=CFG.max_seq_len)
-    slow = naive_generate(model, prompt.encode(), 30, CFG.max_seq_len)
-    assert fast == slow
-
-
-def test_the_sliding_forward_is_the_full_forward_at_the_last_position():
-    model = build_model(CFG, seed=3)
-    full = np.asarray(model(jnp.asarray(PROBE))[:, -1])
-    np.testing.assert_allclose(np.asarray(last_position_logits(model, jnp.asarray(PROBE))), full, atol=1e-5)
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+def test_the_last_position_forward_is_the_full_forward_at_the_last_position(preset):
+    cfg = build_config(preset).model
+    model = build_model(cfg, seed=3)
+    probe = (np.arange(4 * cfg.max_seq_len).reshape(4, -1) * 7 % 256).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(probe))[0][:, -1])
+    last, cache = model(jnp.asarray(probe), last_only=True)
+    assert cache is None and last.shape == (4, 1, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), full, atol=1e-5)
     assert np.abs(full).max() > 0.1  # the logits are not all near zero, so the match means something
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+def test_feeding_one_byte_at_a_time_through_the_cache_is_the_full_forward(preset):
+    """Every layer's cache is written and read: with two layers, the lower one's cached keys
+    feed the upper one's."""
+    cfg = build_config(preset).model
+    model = build_model(cfg, seed=3)
+    length = 20
+    tokens = jnp.asarray((np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32))
+    full = np.asarray(model(tokens)[0])
+    cache = model.init_cache(2, cfg.max_seq_len)
+    for pos in range(length):
+        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, pos], atol=1e-5, err_msg=f"position {pos}")
+    assert len(cache) == cfg.num_layers and all(np.abs(np.asarray(layer.keys[:, :length])).max() > 0 for layer in cache)
 
 
 def test_sampling_is_reproducible_per_seed():

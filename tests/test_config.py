@@ -28,6 +28,8 @@ def test_overrides_are_typed():
         ({"model.d_model": 33}, ["not divisible", "num_heads"]),
         ({"data.seq_len": 64}, ["max_seq_len", "lower data.seq_len"]),
         ({"train.micro_batch": 3}, ["micro_batch=3", "does not divide per_device_batch=4", "divisor"]),
+        ({"model.vocab_size": 128}, ["model.vocab_size=128", "smaller than the 256 byte values", "vocab_size=256"]),
+        ({"model.attention": "flash"}, ["model.attention", "'auto', 'xla' or 'custom'"]),
     ],
 )
 def test_bad_settings_name_the_problem_and_the_fix(overrides, words):

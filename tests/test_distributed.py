@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,12 +16,11 @@ import numpy as np
 import pytest
 
 from model.checkpoint import load_train_state
-from model.config import build_config
+from model.config import TrainingRequest, build_config
 from model.data import Batches, encode, write_sequences
 from model.distributed import DistributedError, ProcessGroup
+from model.launch import launch_local, process_command, process_env
 from model.train import Placement, init_state, train, val_batches
-from tasks.train import TrainingRequest
-from tasks.train_process import launch_local
 from tests.conftest import REPO, play_text
 from tests.test_reliability import base_args, checkpoint_steps, finish, start
 
@@ -48,12 +46,39 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
 
 
 def test_processes_must_share_the_devices_out_evenly():
-    from flows.pipeline import parallel_request
     from model.config import ConfigError
+    from tasks.stage import RunPlan
 
-    assert parallel_request(TINY, 2).model_dump(include={"devices", "processes"}) == {"devices": 2, "processes": 2}
+    request = RunPlan(TINY, devices=2, platform="cpu", processes=2).parallel_training()
+    assert request.model_dump(include={"devices", "processes"}) == {"devices": 2, "processes": 2}
     with pytest.raises(ConfigError, match="processes=3 cannot share out the 2 cpu device"):
-        parallel_request(TINY, 3)
+        RunPlan(TINY, devices=2, platform="cpu", processes=3).parallel_training()
+
+
+def test_every_process_gets_its_share_of_the_devices_and_no_gpu_preallocation():
+    """What a host with N GPUs gives each of its N processes; the flow process itself never
+    preallocates either (``bardflow run`` and the flow module set it before JAX starts)."""
+    base = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    gpus = [process_env(i, 4, 1234, 1, "gpu", base) for i in range(4)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in gpus] == ["4", "5", "6", "7"]
+    assert {env["XLA_PYTHON_CLIENT_PREALLOCATE"] for env in gpus} == {"false"}
+    assert [env["BARDFLOW_PROCESS_ID"] for env in gpus] == ["0", "1", "2", "3"]
+    assert {env["BARDFLOW_COORDINATOR"] for env in gpus} == {"127.0.0.1:1234"}
+    two_each = [process_env(i, 2, 1234, 2, "gpu", {}) for i in range(2)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in two_each] == ["0,1", "2,3"]
+    cpu = process_env(1, 2, 1234, 3, "cpu", base)
+    assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3" and cpu["JAX_PLATFORMS"] == "cpu"
+
+    from flows.settings import prepare_environment
+
+    saved = os.environ.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    try:
+        prepare_environment()
+        assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    finally:
+        os.environ.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+        if saved is not None:
+            os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = saved
 
 
 def describe_run(folder: Path, cfg) -> object:
@@ -63,9 +88,9 @@ def describe_run(folder: Path, cfg) -> object:
     write_sequences(folder / "val.arrow", split.val, {})
     request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
     (folder / "out").mkdir()
-    spec = {"request": request.model_dump(mode="json"), "train_file": str(folder / "train.arrow"),
-            "val_file": str(folder / "val.arrow"), "out_dir": str(folder / "out"),
-            "resume_dir": str(folder / "resume"), "result_file": str(folder / "result.json")}
+    spec = {"request": request.model_dump(mode="json"), "train": str(folder / "train.arrow"),
+            "val": str(folder / "val.arrow"), "state": str(folder / "out" / "state"),
+            "resume": str(folder / "resume"), "result": str(folder / "result.json")}
     (folder / "spec.json").write_text(json.dumps(spec))
     return split
 
@@ -104,20 +129,18 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
 
 
 @pytest.mark.processes
-def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path):
+def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run_env):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = tmp_path / "store"
-    long = ("--processes", "2", "--set", "train.steps=600", "--set", "train.checkpoint_every=20")
-    run = start(base_args(corpus, store, *long), tmp_path / "killed.log")
+    long = ("--processes", "2", "--set", "train.steps=150", "--set", "train.checkpoint_every=20")
+    run = start(base_args(corpus, store, *long), tmp_path / "killed.log", run_env)
     deadline = time.monotonic() + 300
     while not [s for s in checkpoint_steps(store, "train_parallel") if s >= 40]:
         assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.5)
-    follower = subprocess.run(["pgrep", "-f", "tasks.train_process --follow"], capture_output=True, text=True)
-    pids = [int(p) for p in follower.stdout.split()]
-    assert len(pids) == 1
-    os.kill(pids[0], signal.SIGKILL)
+        time.sleep(0.05)
+    (pid_file,) = store.glob("train_parallel/.resume-*/launch/process-1.pid")  # written by the launcher
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
     killed_at = time.monotonic()
     run.communicate(timeout=60)
     assert time.monotonic() - killed_at < 60
@@ -129,10 +152,10 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path):
     assert f"rerun to resume from the checkpoint of step {saved}" in "\n".join(error)
     assert not list(store.glob("train_parallel/[0-9a-f]*"))  # nothing published
 
-    summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log"))
+    summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log", run_env))
     metrics = summary["stages"]["train_parallel"]["metrics"]
     assert summary["stages"]["train_parallel"]["state"] == "ran"
-    assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 600
+    assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 150
     assert summary["stages"]["verify"]["metrics"]["passed"] is True
     assert not list(store.glob("train_parallel/.resume-*"))  # resume state is removed once published
 
@@ -141,14 +164,15 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path):
 def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_timeout(tmp_path):
     """What a cluster relies on: JAX's coordination service notices the missing heartbeats."""
     describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000}))
-    from tasks.train_process import _free_port, _process_env
+    from model.distributed import HEARTBEAT
+    from model.launch import free_port
 
-    port = _free_port()
+    port, timeout_s = free_port(), 8  # shorter than the default 30 s, to keep the test short
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     processes = [
-        subprocess.Popen([sys.executable, "-m", "tasks.train_process", *([str(tmp_path / "spec.json")] if i == 0 else ["--follow"])],
-                         cwd=REPO, env=_process_env(i, 2, port, 1, "cpu"), stdout=open(logs[i], "w"),
-                         stderr=subprocess.STDOUT)
+        subprocess.Popen(process_command(tmp_path / "spec.json" if i == 0 else None), cwd=REPO,
+                         env=process_env(i, 2, port, 1, "cpu", {**os.environ, HEARTBEAT: str(timeout_s)}),
+                         stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
         for i in range(2)
     ]
     try:
@@ -159,9 +183,7 @@ def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_
         processes[1].kill()
         killed_at = time.monotonic()
         processes[0].wait(timeout=90)
-        from model.distributed import HEARTBEAT_TIMEOUT_S
-
-        assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 30
+        assert time.monotonic() - killed_at < timeout_s + 30
         assert processes[0].returncode != 0
         assert "stopped sending heartbeats" in logs[0].read_text()
     finally:

@@ -43,3 +43,25 @@ def test_causal_attention_never_looks_ahead():
     changed = v.at[:, 7:].set(0.0)  # later values change; outputs at positions before 7 must not
     np.testing.assert_array_equal(causal_attention(q, k, v)[:, :7], causal_attention(q, k, changed)[:, :7])
     assert not np.allclose(causal_attention(q, k, v)[:, 7:], causal_attention(q, k, changed)[:, 7:])
+
+
+def test_the_model_computes_the_same_with_either_kernel():
+    """``model.attention`` and ``model.dense``: the hand-written gradients (CPU's ``auto``) and
+    XLA's own (``auto`` elsewhere) give the same logits, loss and gradients."""
+    from flax import nnx
+
+    from model.config import build_config
+    from model.train import next_byte_loss
+    from model.transformer import build_model
+
+    base = build_config("tiny").model.model_copy(update={"num_layers": 2})
+    tokens = jax.random.randint(jax.random.key(3), (4, base.max_seq_len), 0, 256)
+    results = {}
+    for kernel in ("custom", "xla"):
+        model = build_model(base.model_copy(update={"attention": kernel, "dense": kernel}), seed=0)
+        blocks = model.blocks
+        assert blocks[0].attn.custom is blocks[1].mlp.up.custom is (kernel == "custom")
+        loss, grads = nnx.value_and_grad(next_byte_loss)(model, tokens)
+        results[kernel] = (model(tokens)[0], loss, nnx.to_pure_dict(grads))
+    assert_close(results["custom"], results["xla"], 1e-5)
+    assert build_model(base, seed=0).blocks[0].attn.custom  # auto on this CPU: the hand-written ones

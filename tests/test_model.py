@@ -14,7 +14,8 @@ def test_codelab_config_has_the_codelab_parameter_count():
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])
 def test_logits_have_one_distribution_per_position(preset):
     cfg = build_config(preset).model
-    logits = build_model(cfg, seed=0)(jnp.zeros((3, 16), jnp.int32))
+    logits, cache = build_model(cfg, seed=0)(jnp.zeros((3, 16), jnp.int32))
+    assert cache is None
     assert logits.shape == (3, 16, cfg.vocab_size)
     assert bool(jnp.all(jnp.isfinite(logits)))
 
@@ -23,10 +24,10 @@ def test_changing_a_later_token_never_changes_earlier_logits():
     cfg = ModelConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2, max_seq_len=24)
     model = build_model(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
-    base = np.asarray(model(tokens))
+    base = np.asarray(model(tokens)[0])
     for position in (5, 17, 23):
         changed = tokens.at[:, position].set((tokens[:, position] + 1) % 256)
-        out = np.asarray(model(changed))
+        out = np.asarray(model(changed)[0])
         np.testing.assert_array_equal(out[:, :position], base[:, :position])
         assert np.abs(out[:, position:] - base[:, position:]).max() > 0  # the change is seen later
 
@@ -34,4 +35,4 @@ def test_changing_a_later_token_never_changes_earlier_logits():
 def test_different_seeds_give_different_models():
     cfg = build_config("tiny").model
     tokens = jnp.arange(8)[None]
-    assert not np.allclose(build_model(cfg, 0)(tokens), build_model(cfg, 1)(tokens))
+    assert not np.allclose(build_model(cfg, 0)(tokens)[0], build_model(cfg, 1)(tokens)[0])

@@ -15,8 +15,9 @@ import pytest
 
 from artifacts.store import Store
 from model.config import DataConfig
-from tasks.fetch import fetch
-from tests.conftest import REPO, md5_bytes, play_text
+from tasks.registry import FETCH
+from tasks.stage import produce
+from tests.conftest import OUTPUT, REPO, md5_bytes, play_text
 
 pytestmark = pytest.mark.flow
 
@@ -25,9 +26,9 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cli(*args), cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True)
+def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                            start_new_session=True)
 
 
 def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
@@ -52,12 +53,10 @@ def checkpoint_steps(store: Path, stage: str) -> list[int]:
     return sorted(int(p.name) for p in store.glob(f"{stage}/.resume-*/*") if p.name.isdigit())
 
 
-def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
-    long = ("--set", "train.steps=2500", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
-    reference = finish(start(base_args(corpus, tmp_path / "reference", *long), tmp_path / "reference.log"))
-
+def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, run_env):
+    long = ("--set", "train.steps=1200", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
     store = tmp_path / "store"
-    victim = start(base_args(corpus, store, *long), tmp_path / "victim.log")
+    victim = start(base_args(corpus, store, *long), tmp_path / "victim.log", run_env)
     deadline = time.monotonic() + 300
     while not any(step >= 500 for step in checkpoint_steps(store, "train_single")):
         assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
@@ -67,35 +66,43 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
     saved = max(checkpoint_steps(store, "train_single"))
 
     started = time.monotonic()
-    resumed = finish(start(base_args(corpus, store, *long), tmp_path / "resumed.log"))
+    resumed = finish(start(base_args(corpus, store, *long), tmp_path / "resumed.log", run_env))
     rerun_s = time.monotonic() - started
     single = resumed["stages"]["train_single"]
     assert single["state"] == "ran"
     assert single["metrics"]["resumed_from_step"] == saved >= 500
-    assert reference["stages"]["train_single"]["metrics"]["resumed_from_step"] is None
     manifest = json.loads((Path(single["path"]) / "manifest.json").read_text())
     assert manifest["resumed_from_step"] == saved
 
-    # Same loss history and bitwise the same parameters as the run never interrupted.
+    # Same loss history and bitwise the same parameters as the run never interrupted: the
+    # same request trained here, in one go, by the code the stage runs.
+    import jax
+
     from model.checkpoint import params_digest
+    from model.config import TrainingRequest
+    from model.trainer import RunFiles, run_training
     from tasks.train import trained_model
 
-    versions = [Store(s["store"]).lookup("train_single", s["stages"]["train_single"]["key"]) for s in (resumed, reference)]
-    assert [json.loads(v.file("history.json").read_text()) for v in versions][0] == \
-        json.loads(versions[1].file("history.json").read_text())
-    assert params_digest(trained_model(versions[0])[0]) == params_digest(trained_model(versions[1])[0])
+    version = Store(store).lookup("train_single", single["key"])
+    data = Store(store).lookup("encode", resumed["stages"]["encode"]["key"])
+    files = RunFiles(train=data.file("train.arrow"), val=data.file("val.arrow"), resume=tmp_path / "ref-resume",
+                     state=tmp_path / "ref-state")
+    reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
+                             [jax.devices()[0]], parallel=False)
+    assert reference["metrics"]["resumed_from_step"] is None
+    assert json.loads(version.file("history.json").read_text()) == reference["history"]
+    assert params_digest(trained_model(version)[0]) == reference["params_digest"]
     assert not list(store.glob("train_single/.resume-*")), "the resume folder is removed once published"
     assert not list(store.glob("*/.build-*")), "no half-built version is left behind"
-    (REPO / "test-output").mkdir(exist_ok=True)
-    (REPO / "test-output" / "resume.json").write_text(json.dumps({
+    (OUTPUT / "resume.json").write_text(json.dumps({
         "checkpoint_every": 100, "resumed_from_step": saved,
         "resume_restore_s": single["metrics"]["resume_s"], "rerun_wall_s": round(rerun_s, 1)}, indent=1))
 
 
-def test_two_runs_on_one_store_both_finish(tmp_path, corpus):
+def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
     store = tmp_path / "store"
-    first = start(base_args(corpus, store), tmp_path / "a.log")
-    second = start(base_args(corpus, store), tmp_path / "b.log")
+    first = start(base_args(corpus, store), tmp_path / "a.log", run_env)
+    second = start(base_args(corpus, store), tmp_path / "b.log", run_env)
     a, b = finish(first), finish(second)
     assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
     for stage in a["stages"]:
@@ -133,11 +140,11 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus):
+def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus, run_env):
     store = tmp_path / "store"
     md5 = md5_bytes(corpus.read_bytes())
-    earlier = fetch.fn(DataConfig(corpus=str(corpus), md5=md5), store=str(store))  # an earlier version
-    manifest_before = (Path(earlier["path"]) / "manifest.json").read_text()
+    earlier, _ = produce(FETCH, DataConfig(corpus=str(corpus), md5=md5), {}, Store(store))  # an earlier version
+    manifest_before = (earlier.path / "manifest.json").read_text()
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_bytes(b"To be, or not to be")
     (tmp_path / "truncated.txt").write_bytes(corpus.read_bytes()[:1000])
@@ -152,7 +159,7 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
         return arg
 
     args = base_args(corpus, store, *map(fill, extra))
-    done = subprocess.run(cli(*args), cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cli(*args), cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600)
 
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("bardflow: error: ")]
@@ -161,9 +168,9 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
         assert word in errors[0], errors[0]
     assert "Traceback" not in done.stderr, "an explained error is shown without a traceback"
     assert not list(store.glob("*/.build-*")), "a half-written version is visible"
-    assert (Path(earlier["path"]) / "manifest.json").read_text() == manifest_before
-    assert Store(store).lookup("fetch", earlier["key"]) is not None
+    assert (earlier.path / "manifest.json").read_text() == manifest_before
+    assert Store(store).lookup("fetch", earlier.key) is not None
     published = {p for p in store.glob("*/*") if not p.name.startswith(".") and not p.parent.name.startswith(".")}
     # Only a stage that succeeded before the failing one (a fetched corpus) may publish.
-    assert {p.parent.name for p in published - {Path(earlier["path"])}} <= {"fetch"}
+    assert {p.parent.name for p in published - {earlier.path}} <= {"fetch"}
     assert all(Store(store).lookup(p.parent.name, p.name) is not None for p in published)

@@ -1,20 +1,31 @@
-"""Stages called as plain functions (``task.fn``) over a real store: no Prefect server."""
+"""Stages run through the stage contract (``tasks.stage.produce``) over a real store:
+no Prefect server."""
 
 import socket
-from pathlib import Path
 import time
+from pathlib import Path
 
 import jax
 import pytest
 
 from artifacts.store import Store
-from model.config import DataConfig, build_config
 from model.checkpoint import save_model
-from tasks.checkpoint import MODEL, checkpoint
-from tasks.encode import encode
-from tasks.fetch import FetchError, _download, fetch
-from tasks.train import TrainingRequest, trained_model, train_parallel
-from tasks.verify import VerificationError, VerifyParams, verify
+from model.config import DataConfig, TrainingRequest, VerifyConfig, build_config
+from tasks.checkpoint import MODEL
+from tasks.fetch import FetchError, _download
+from tasks.registry import CHECKPOINT, ENCODE, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
+from tasks.stage import produce
+from tasks.train import trained_model
+from tasks.verify import VerificationError
+
+
+def make(stage, settings, store, **upstream):
+    """The stage's version (built, or found in the store) and whether it was built."""
+    return produce(stage, settings, upstream, Store(store))
+
+
+def fetch(data: DataConfig, store):
+    return make(FETCH, data, store)[0]
 
 
 def entries(root):
@@ -26,7 +37,7 @@ def test_md5_mismatch_names_both_checksums_and_the_source_and_leaves_nothing(tmp
     store = tmp_path / "store"
     wrong = "0" * 32
     with pytest.raises(FetchError) as error:
-        fetch.fn(DataConfig(corpus=str(path), md5=wrong), store=str(store))
+        fetch(DataConfig(corpus=str(path), md5=wrong), store)
     message = str(error.value)
     assert wrong in message and real_md5 in message and str(path) in message and "--set data.md5=" in message
     assert entries(store) == ["fetch"]  # only the (empty) stage folder
@@ -34,30 +45,30 @@ def test_md5_mismatch_names_both_checksums_and_the_source_and_leaves_nothing(tmp
 
 def test_path_and_file_url_sources_give_the_same_version(tmp_path, small_corpus):
     path, md5 = small_corpus
-    first = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=str(tmp_path / "a"))
-    second = fetch.fn(DataConfig(corpus=path.as_uri(), md5=md5), store=str(tmp_path / "b"))
-    assert first["ran"] and second["ran"]
-    assert first["key"] == second["key"] and first["fingerprint"] == second["fingerprint"]
+    first, ran_first = make(FETCH, DataConfig(corpus=str(path), md5=md5), tmp_path / "a")
+    second, ran_second = make(FETCH, DataConfig(corpus=path.as_uri(), md5=md5), tmp_path / "b")
+    assert ran_first and ran_second
+    assert first.key == second.key and first.fingerprint == second.fingerprint
     assert Store(tmp_path / "a").require(first).file("corpus.txt").read_bytes() == path.read_bytes()
 
 
 def test_a_fetched_corpus_is_not_fetched_again(tmp_path, small_corpus):
     path, md5 = small_corpus
-    store = str(tmp_path / "store")
-    fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
+    store = tmp_path / "store"
+    fetch(DataConfig(corpus=str(path), md5=md5), store)
     path.unlink()  # the source is gone: only the store can answer now
-    again = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
-    assert not again["ran"] and again["metrics"]["bytes"] == 64_000
+    again, ran = make(FETCH, DataConfig(corpus=str(path), md5=md5), store)
+    assert not ran and again.metrics["bytes"] == 64_000
 
 
 def test_the_real_corpus_matches_the_default_checksum(tmp_path, shakespeare):
-    out = fetch.fn(DataConfig(corpus=str(shakespeare)), store=str(tmp_path))
-    assert out["metrics"] == {"bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91"}
+    out = fetch(DataConfig(corpus=str(shakespeare)), tmp_path)
+    assert out.metrics == {"bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91"}
 
 
 def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
     with pytest.raises(FetchError, match="does not exist; check --corpus"):
-        fetch.fn(DataConfig(corpus=str(tmp_path / "nope.txt")), store=str(tmp_path / "s"))
+        fetch(DataConfig(corpus=str(tmp_path / "nope.txt")), tmp_path / "s")
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -69,16 +80,16 @@ def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
 
 def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_path, small_corpus):
     path, md5 = small_corpus
-    store = str(tmp_path / "store")
+    store = tmp_path / "store"
     cfg = build_config("tiny", {"train.steps": 3})
-    corpus = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
-    data = encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)
+    corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
+    data, _ = make(ENCODE, cfg.data, store, fetch=corpus)
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=len(jax.devices()), platform="cpu")
-    trained = train_parallel.fn(request, upstream={"encode": data}, store=store)
-    saved = checkpoint.fn({}, upstream={"train_parallel": trained}, store=store)
+    trained, _ = make(TRAIN_PARALLEL, request, store, encode=data)
+    saved, _ = make(CHECKPOINT, {}, store, train_parallel=trained)
     upstream = {"checkpoint": saved, "train_parallel": trained, "encode": data}
-    verdict = verify.fn(VerifyParams(), upstream=upstream, store=store)
-    assert verdict["metrics"]["passed"] and verdict["metrics"]["max_abs_diff"] < 1e-5
+    verdict, _ = make(VERIFY, VerifyConfig(), store, **upstream)
+    assert verdict.metrics["passed"] and verdict.metrics["max_abs_diff"] < 1e-5
 
     # A checkpoint version with one parameter nudged, published like any other.
     model, _ = trained_model(Store(store).require(trained))
@@ -86,26 +97,25 @@ def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_p
     kernel.set_value(kernel.get_value().at[0, 0].add(0.05))
     bad, _ = Store(store).produce("checkpoint", "f" * 20, {}, {}, lambda out: save_model(out.path(MODEL), model, cfg.model))
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
-        verify.fn(VerifyParams(), upstream={**upstream, "checkpoint": bad.describe()}, store=store)
+        make(VERIFY, VerifyConfig(), store, **{**upstream, "checkpoint": bad})
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
 
 
 def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
     from artifacts.store import StoreError
-    from tasks.train import train_single
 
     path, md5 = small_corpus
-    store = str(tmp_path / "store")
+    store = tmp_path / "store"
     cfg = build_config("tiny")
-    corpus = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
-    data = encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)
+    corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
+    data, _ = make(ENCODE, cfg.data, store, fetch=corpus)
     arrow = Store(store).require(data).file("train.arrow")
     raw = bytearray(arrow.read_bytes())
     raw[-100] ^= 0x01  # one flipped bit, same size
     arrow.write_bytes(bytes(raw))
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
     with pytest.raises(StoreError, match="missing or damaged; rerun with --refresh encode"):
-        train_single.fn(request, upstream={"encode": data}, store=store)
+        make(TRAIN_SINGLE, request, store, encode=data)
     assert not Store(store).versions("train_single")
 
 
@@ -115,9 +125,9 @@ def test_a_write_that_fails_midway_publishes_nothing(tmp_path, small_corpus, mon
     import tasks.encode
 
     path, md5 = small_corpus
-    store = str(tmp_path / "store")
+    store = tmp_path / "store"
     cfg = build_config("tiny")
-    corpus = fetch.fn(DataConfig(corpus=str(path), md5=md5), store=store)
+    corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
     real_write = tasks.encode.write_sequences
 
     def disk_full(target, rows, metadata):
@@ -126,7 +136,68 @@ def test_a_write_that_fails_midway_publishes_nothing(tmp_path, small_corpus, mon
 
     monkeypatch.setattr(tasks.encode, "write_sequences", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)
+        make(ENCODE, cfg.data, store, fetch=corpus)
     assert entries(Path(store) / "encode") == []  # no version, no half-built folder
     monkeypatch.setattr(tasks.encode, "write_sequences", real_write)
-    assert encode.fn(cfg.data, upstream={"fetch": corpus}, store=store)["ran"]
+    assert make(ENCODE, cfg.data, store, fetch=corpus)[1]
+
+
+def test_the_registry_is_the_pipeline_in_order():
+    import inspect
+
+    from tasks.registry import STAGES
+
+    names = [stage.name for stage in STAGES]
+    assert len(set(names)) == len(names)
+    for index, stage in enumerate(STAGES):
+        assert set(stage.reads) <= set(names[:index]), f"{stage.name} reads a later stage"
+        parameters = list(inspect.signature(stage.build()).parameters)
+        assert parameters[:2] == ["settings", "out"] and set(parameters[2:]) == set(stage.reads), stage.name
+        assert stage.builds and stage.headline
+
+
+def count_words(settings: dict, out, fetch) -> None:
+    """A stage added by a test: one function, and the entry below."""
+    import json
+
+    words = fetch.file("corpus.txt").read_text().split()
+    kept = sorted({w for w in words if len(w) >= settings["min_length"]})
+    out.path("words.json").write_text(json.dumps(kept))
+    out.metrics["words"] = len(kept)
+
+
+def test_a_new_stage_is_one_function_and_one_entry(tmp_path, small_corpus):
+    import json
+
+    from tasks.stage import Stage
+
+    path, md5 = small_corpus
+    corpus = fetch(DataConfig(corpus=str(path), md5=md5), tmp_path)
+    stage = Stage("words", "1", reads=("fetch",), settings=lambda run: {"min_length": 5},
+                  builds=("words.json",), headline=("words",), function=f"{__name__}:count_words")
+    version, ran = make(stage, {"min_length": 5}, tmp_path, fetch=corpus)
+    assert ran and version.metrics["words"] == len(json.loads(version.file("words.json").read_text())) > 0
+    assert version.manifest["inputs"]["fetch"]["fingerprint"] == corpus.fingerprint
+    assert make(stage, {"min_length": 5}, tmp_path, fetch=corpus) == (version, False)  # found, not rebuilt
+    assert make(stage, {"min_length": 6}, tmp_path, fetch=corpus)[0].key != version.key
+    broken = Stage("words", "2", reads=("fetch",), settings=lambda run: {"min_length": 5},
+                   builds=("words.json", "letters.json"), headline=(), function=f"{__name__}:count_words")
+    with pytest.raises(RuntimeError, match="did not write letters.json"):
+        make(broken, {"min_length": 5}, tmp_path, fetch=corpus)
+
+
+def test_the_kernel_choice_and_checkpoint_cadence_are_not_part_of_the_training_key(small_corpus, tmp_path):
+    """They change how fast training runs, not what it produces: a run that switches them
+    finds its training cached."""
+    path, md5 = small_corpus
+    corpus = fetch(DataConfig(corpus=str(path), md5=md5), tmp_path)
+    cfg = build_config("tiny")
+    base = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
+    faster = TrainingRequest(model=cfg.model.model_copy(update={"attention": "xla", "dense": "custom"}),
+                             train=cfg.train.model_copy(update={"checkpoint_every": 3, "keep_checkpoints": 5}),
+                             devices=1, platform="cpu")
+    other = TrainingRequest(model=cfg.model, train=cfg.train.model_copy(update={"steps": 21}), devices=1, platform="cpu")
+    upstream = {"encode": corpus}  # any version: only its fingerprint enters the key
+    assert TRAIN_SINGLE.key(base, upstream) == TRAIN_SINGLE.key(faster, upstream)
+    assert TRAIN_SINGLE.key(base, upstream) != TRAIN_SINGLE.key(other, upstream)
+    assert TRAIN_SINGLE.key(base, upstream) != TRAIN_PARALLEL.key(base, upstream)

@@ -65,7 +65,7 @@ def test_damaged_or_missing_files_make_a_version_invisible(tmp_path):
     (version.path / "sub" / "b.bin").write_bytes(b"\x00\x02")  # same size, flipped bit
     assert store.lookup("demo", key) is None
     with pytest.raises(StoreError, match="--refresh demo"):
-        store.require(version.describe())
+        store.require(version)
     rebuilt, ran = store.produce("demo", key, {}, {}, write("hello"))
     assert ran and store.lookup("demo", key) is not None
     (rebuilt.path / "a.txt").unlink()

@@ -1,0 +1,147 @@
+"""Starting and supervising the processes of a multi-process run on this host.
+
+The first process to fail stops the others (they would otherwise wait in a collective for
+its data), and its log's last lines name the failure. No JAX and no Prefect are imported
+here: a launcher only starts processes, follows process 0's progress and waits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from model.distributed import NUM_PROCESSES, ProcessGroup
+from model.errors import BardflowError
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
+PROCESS_MAIN = "model.multiprocess"  # the module every process runs
+
+
+class ProcessFailure(BardflowError, RuntimeError):
+    """A process of the run failed; the message names it, how, and its log's last lines."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def process_env(index: int, processes: int, port: int, devices_per_process: int, platform: str,
+                base: dict[str, str] | None = None) -> dict[str, str]:
+    """Process ``index``'s environment: its place in the group (coordinator on loopback) and
+    its share of the devices. GPU processes never preallocate: each takes the memory it uses."""
+    env = {**(os.environ if base is None else base), **ProcessGroup(processes, index, f"127.0.0.1:{port}").env(),
+           "PYTHONUNBUFFERED": "1"}
+    if platform == "cpu":
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    elif platform == "gpu":
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(devices_per_process * processes)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * devices_per_process : (index + 1) * devices_per_process])
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return env
+
+
+def launch_local(spec_path: Path, processes: int, devices_per_process: int, platform: str,
+                 on_step: Callable[[int, int], None] | None = None) -> None:
+    """Runs the spec as ``processes`` processes on this host, on 127.0.0.1, each with
+    its share of the devices, and waits for all of them (see ``supervise``)."""
+    port = free_port()
+    envs = [process_env(i, processes, port, devices_per_process, platform) for i in range(processes)]
+    supervise(spec_path, envs, on_step)
+
+
+def launch_leader(spec_path: Path, on_step: Callable[[int, int], None] | None = None) -> None:
+    """Runs process 0 of a group that a cluster scheduler started: the others are
+    ``bardflow run`` on the other hosts, following it."""
+    supervise(spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step)
+
+
+def process_command(spec_path: Path | None, join_timeout_s: int | None = None) -> list[str]:
+    """Process 0 gets the spec; every other process follows and learns it from process 0."""
+    command = [sys.executable, "-m", PROCESS_MAIN] + ([str(spec_path)] if spec_path else ["--follow"])
+    return command + ([] if join_timeout_s is None else ["--join-timeout", str(join_timeout_s)])
+
+
+def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: float = 0.2) -> None:
+    """Starts one process per environment (the first is process 0) and waits for all,
+    raising ``ProcessFailure`` on the first failure. Logs: ``process-<i>.log`` beside the
+    spec; each process's id in ``process-<i>.pid``."""
+    processes = int(envs[0].get(NUM_PROCESSES, len(envs)))
+    logs = [spec_path.parent / f"process-{i}.log" for i in range(len(envs))]
+    running = []
+    try:
+        for index, (env, log) in enumerate(zip(envs, logs)):
+            with log.open("w") as sink:
+                running.append(subprocess.Popen(process_command(spec_path if index == 0 else None), cwd=REPO,
+                                                stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True))
+            log.with_suffix(".pid").write_text(str(running[-1].pid))
+        seen = 0
+        while True:
+            codes = [p.poll() for p in running]
+            if on_step is not None:
+                seen = _follow_progress(logs[0], seen, on_step)
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                raise ProcessFailure(
+                    f"process {failed} of {processes} {_how(codes[failed])}; the others were stopped. "
+                    f"Last lines of {logs[failed]}:\n{_tail(logs[failed])}"
+                )
+            if all(code == 0 for code in codes):
+                return
+            time.sleep(poll_s)
+    finally:
+        stop(running)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    kept = [line for line in text.splitlines() if not line.startswith(PROGRESS)]
+    return "\n".join(kept[-lines:])
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with status {code}"
+
+
+def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None]) -> int:
+    try:
+        with log.open("rb") as source:
+            source.seek(seen)
+            chunk = source.read()
+    except FileNotFoundError:
+        return seen
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    for line in complete.decode(errors="replace").splitlines():
+        if line.startswith(PROGRESS):
+            done, total = map(int, line.split()[1:3])
+            on_step(done, total)
+    return seen + len(complete)
+
+
+def stop(running: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM to each process group still running, SIGKILL to those left after ``grace_s``."""
+    for process in running:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

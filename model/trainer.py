@@ -1,0 +1,60 @@
+"""One training run, from Arrow files to a saved state: what a training stage does in its
+own process, and what every process of a multi-process run does. No Prefect, no store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
+from model.config import TrainingRequest
+from model.data import Batches, read_sequences
+from model.train import Placement, init_state, model_from_state, train, val_batches
+
+
+def hardware() -> tuple[int, str]:
+    """How many devices this process sees (every process's, once joined), and their platform."""
+    return len(jax.devices()), jax.default_backend()
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    train: Path  # Arrow files of the encode stage
+    val: Path
+    resume: Path  # the resumable checkpoints, kept until the run is published
+    state: Path  # where the final training state goes (must not exist)
+
+
+def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
+                 on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
+    span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
+    final state at ``files.state`` (collectively: every process calls this). Returns the
+    run's summary: metrics, loss history, a digest of the parameters, the devices."""
+    placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
+    global_batch = request.train.per_device_batch * len(devices)
+    train_rows, _ = read_sequences(files.train)
+    val_rows, _ = read_sequences(files.val)
+    # Only this process's rows of every batch are read (memory-mapped) and placed.
+    val = [batch[slice(*placement.rows(len(batch)))]
+           for batch in val_batches(val_rows, global_batch, multiple=len(devices))]
+    rows = placement.rows(global_batch)
+    if jax.process_count() > 1:
+        print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
+              f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
+    graphdef, state = init_state(request.model, request.train)
+    checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints)
+    try:
+        result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
+                       request.train, on_step=on_step, checkpoints=checkpoints)
+    finally:
+        checkpoints.close()
+    save_train_state(files.state, result.state if jax.process_count() > 1 else jax.device_get(result.state))
+    metrics = {**result.metrics(), "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
+               "platform": request.platform, "processes": request.processes}
+    return {"metrics": metrics, "history": result.history,
+            "params_digest": params_digest(model_from_state(graphdef, result.state)),
+            "devices": [str(d) for d in devices]}

@@ -1,0 +1,57 @@
+"""The pipeline's stages, in order: the one list that the flow, the command line and the
+tests read. Each entry says what decides the stage, what it reads and what it builds; its
+work is the ``build`` function of ``tasks/<name>.py``. Adding a stage is one new module and
+one entry here (README, "Layout").
+
+Importing this module is cheap (no JAX, no Prefect): the command line reads it first.
+"""
+
+from __future__ import annotations
+
+from model.config import TrainingRequest
+from tasks.stage import RunPlan, Stage
+
+FETCH = Stage(
+    "fetch", "1", reads=(),
+    settings=lambda run: run.config.data,
+    recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
+    builds=("corpus.txt",), headline=("bytes", "md5"))
+ENCODE = Stage(
+    "encode", "1", reads=("fetch",),
+    settings=lambda run: run.config.data,
+    recipe=lambda data: {"seq_len": data.seq_len, "train_fraction": data.train_fraction,
+                         "shuffle_seed": data.shuffle_seed},
+    builds=("train.arrow", "val.arrow"), headline=("train_sequences", "val_sequences", "seq_len"))
+# "3": the MLP is a module of its own (mlp.up, mlp.down), so a state of "2" has other names.
+TRAIN_SINGLE = Stage(
+    "train_single", "3", reads=("encode",),
+    settings=lambda run: run.training(devices=1),
+    recipe=TrainingRequest.recipe,
+    builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    function="tasks.train:build_single")
+TRAIN_PARALLEL = Stage(
+    "train_parallel", "3", reads=("encode",),
+    settings=RunPlan.parallel_training,
+    recipe=TrainingRequest.recipe,
+    builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    function="tasks.train:build_parallel")
+COMPARE = Stage(
+    "compare", "1", reads=("train_single", "train_parallel"),
+    settings=lambda run: {},
+    builds=("comparison.json", "throughput.png", "curves.png"), headline=("speedup", "devices"))
+CHECKPOINT = Stage(
+    "checkpoint", "1", reads=("train_parallel",),
+    settings=lambda run: {},
+    builds=("model",), headline=("parameters", "bytes"))
+VERIFY = Stage(
+    "verify", "1", reads=("checkpoint", "train_parallel", "encode"),
+    settings=lambda run: run.config.verify,
+    builds=("verdict.json",), headline=("passed", "max_abs_diff"))
+GENERATE = Stage(
+    "generate", "1", reads=("checkpoint",),
+    settings=lambda run: run.config.generate,
+    builds=("samples.json",), headline=("samples", "bytes_per_s"))
+
+STAGES = (FETCH, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, VERIFY, GENERATE)
+BY_NAME = {stage.name: stage for stage in STAGES}
+NAMES = tuple(BY_NAME)
