@@ -30,7 +30,7 @@ from artifacts.store import Store, Version  # noqa: E402
 from flows.settings import PRESET_NAMES, debugging, pick_preset, store_root  # noqa: E402
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
 from model.errors import BardflowError  # noqa: E402
-from model.trainer import hardware  # noqa: E402
+from model.distributed import hardware  # noqa: E402
 from tasks.registry import NAMES, STAGES  # noqa: E402
 from tasks.stage import RunPlan, Stage, produce  # noqa: E402
 

@@ -85,6 +85,13 @@ class ProcessGroup:
         return None
 
 
+def hardware() -> tuple[int, str]:
+    """How many devices this process sees (every process's, once joined), and their platform."""
+    import jax
+
+    return len(jax.devices()), jax.default_backend()
+
+
 def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
     """Joins this process to the group; must run before anything else touches JAX."""
     import jax

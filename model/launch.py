@@ -133,8 +133,9 @@ def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None]) 
     return seen + len(complete)
 
 
-def stop(running: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM to each process group still running, SIGKILL to those left after ``grace_s``."""
+def stop(running: list[subprocess.Popen], grace_s: float = 2.0) -> None:
+    """SIGTERM to each process group still running, SIGKILL to those left after ``grace_s``
+    (a process waiting in a collective for a dead peer may not get to handle the first)."""
     for process in running:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)

@@ -15,11 +15,6 @@ from model.data import Batches, read_sequences
 from model.train import Placement, init_state, model_from_state, train, val_batches
 
 
-def hardware() -> tuple[int, str]:
-    """How many devices this process sees (every process's, once joined), and their platform."""
-    return len(jax.devices()), jax.default_backend()
-
-
 @dataclass(frozen=True)
 class RunFiles:
     train: Path  # Arrow files of the encode stage

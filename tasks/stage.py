@@ -91,10 +91,9 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
     built. This answer is the one cache decision: the flow reports it to Prefect as the task's
     state, and the run summary reads that state."""
     checked = {name: store.require(version) for name, version in upstream.items()}
-    build = stage.build()
 
     def work(out: Builder) -> None:
-        build(settings, out, **checked)
+        stage.build()(settings, out, **checked)  # imported only when it has work to do
         missing = [name for name in stage.builds if not (out.dir / name).exists()]
         if missing:  # a broken contract, not bad input: a bug in the stage
             raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")

@@ -17,10 +17,10 @@ from artifacts import ui
 from artifacts.store import Builder, Version, canonical_json
 from model.checkpoint import TrainingCheckpoints, load_train_state
 from model.config import TrainingRequest
-from model.distributed import ProcessGroup
 from model.launch import ProcessFailure, launch_leader, launch_local
 from model.train import TrainingError, init_state, model_from_state
-from model.trainer import RunFiles, hardware, run_training
+from model.distributed import ProcessGroup, hardware
+from model.trainer import RunFiles, run_training
 from tasks.encode import TRAIN, VAL
 from tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
 
