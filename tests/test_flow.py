@@ -1,6 +1,6 @@
 """The pipeline end to end through the real CLI, with 2 emulated CPU devices and the tiny
-preset: on the session's shared Prefect server, and once on the embedded server a plain
-``bardflow run`` starts."""
+preset, on the session's shared Prefect server. (A run on the embedded server that a plain
+``bardflow run`` starts: tests/test_reliability.py, two runs on one store.)"""
 
 import json
 import os
@@ -97,16 +97,6 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     assert states == only("encode", "compare")
     assert summary["stages"]["encode"]["key"] == stages["encode"]["key"]
     assert list((store / "encode" / ".replaced").iterdir())  # the damaged one is set aside, not deleted
-
-
-def test_a_plain_run_starts_its_own_server_and_finds_the_store_cached(workspace, first_run):
-    """No PREFECT_API_URL: Prefect's embedded server, as a first-time user gets it. The
-    cache is the store, so another server (a worker's, a laptop's) sees it cached too."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    summary, states = run(workspace[1], env=env)
-    assert states == only()
-    assert {name: stage["key"] for name, stage in summary["stages"].items()} == \
-        {name: stage["key"] for name, stage in first_run["stages"].items()}
 
 
 def test_every_stage_left_artifacts_for_the_ui(first_run, prefect_server):

@@ -100,8 +100,12 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, run_env
 
 
 def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
+    """At once, and on two servers: one run on the shared server, the other as a first-time
+    user starts it (no PREFECT_API_URL: Prefect's embedded server). The store is the cache,
+    so what one builds the other uses, whatever server each reports to."""
     store = tmp_path / "store"
-    first = start(base_args(corpus, store), tmp_path / "a.log", run_env)
+    plain = {k: v for k, v in run_env.items() if k != "PREFECT_API_URL"}
+    first = start(base_args(corpus, store), tmp_path / "a.log", plain)
     second = start(base_args(corpus, store), tmp_path / "b.log", run_env)
     a, b = finish(first), finish(second)
     assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
@@ -109,6 +113,9 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
         versions = [p for p in (store / stage).iterdir() if not p.name.startswith(".")]
         assert len(versions) == 1, f"{stage}: {versions}"
         assert Store(store).lookup(stage, versions[0].name) is not None
+        # Built once: each stage ran in one of the two runs, and the other found it.
+        assert sorted((a["stages"][stage]["state"], b["stages"][stage]["state"])) == ["cached", "ran"], stage
+    assert "Starting temporary server" in (tmp_path / "a.log").read_text()
 
 
 BAD_INPUTS = {
