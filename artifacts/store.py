@@ -78,16 +78,6 @@ class Version:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def describe(self) -> dict[str, Any]:
-        """A small JSON description, for summaries."""
-        return {
-            "stage": self.stage,
-            "key": self.key,
-            "path": str(self.path),
-            "fingerprint": self.fingerprint,
-            "metrics": self.metrics,
-        }
-
 
 class Builder:
     """Collects what a stage writes into its build folder."""
