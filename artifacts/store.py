@@ -1,4 +1,5 @@
-"""A local store of immutable, content-checked stage versions.
+"""A store of immutable, content-checked stage versions: on disk here, on object
+storage in ``artifacts/objects.py`` (same methods; ``objects.open_store`` picks by location).
 
 Layout: ``<root>/<stage>/<key>/`` holds one version: its files and ``manifest.json``.
 A version is built under ``<root>/<stage>/.build-<key>-<nonce>/`` and renamed into
@@ -34,6 +35,18 @@ class StoreError(BardflowError, RuntimeError):
     """The store cannot be used as asked; the message names the path and the fix."""
 
 
+def valid_stage(stage: str) -> str:
+    if not _NAME.match(stage):
+        raise StoreError(f"invalid stage name {stage!r}: use lowercase letters, digits and _")
+    return stage
+
+
+def valid_key(key: str) -> str:
+    if not _KEY.match(key):
+        raise StoreError(f"invalid version key {key!r}: expected 20 hex digits")
+    return key
+
+
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -64,8 +77,14 @@ class Version:
 
     stage: str
     key: str
-    path: Path
+    path: Path  # on this machine (for an object store: its verified local mirror)
     manifest: dict[str, Any]
+    uri: str = ""  # where the store keeps it, when that is not ``path`` (s3://…)
+    store: str = ""  # the location of the store that holds it
+
+    @property
+    def location(self) -> str:
+        return self.uri or str(self.path)
 
     @property
     def fingerprint(self) -> str:
@@ -79,12 +98,32 @@ class Version:
         return self.path / name
 
 
+class ResumeFolder:
+    """Where an interrupted build keeps what it can pick up again (training checkpoints):
+    a local folder, stable across processes. On an object store, ``pull`` and ``push``
+    keep it in step with the bucket; here they have nothing to do."""
+
+    url = ""  # the copy on an object store, if any
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def pull(self) -> int | None:
+        return None
+
+    def push(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 class Builder:
     """Collects what a stage writes into its build folder."""
 
-    def __init__(self, stage: str, key: str, directory: Path, resume_dir: Path):
+    def __init__(self, stage: str, key: str, directory: Path, resume: ResumeFolder):
         self.stage, self.key, self.dir = stage, key, directory
-        self.resume_dir = resume_dir  # where an interrupted build keeps what it can pick up again
+        self.resume = resume
         self.metrics: dict[str, Any] = {}
         self.record: dict[str, Any] = {}
         self.fingerprint: str | None = None
@@ -100,21 +139,21 @@ class Builder:
 class Store:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().resolve()
+        self.location = str(self.root)
 
     def _stage_dir(self, stage: str) -> Path:
-        if not _NAME.match(stage):
-            raise StoreError(f"invalid stage name {stage!r}: use lowercase letters, digits and _")
-        return self.root / stage
+        return self.root / valid_stage(stage)
 
     def path(self, stage: str, key: str) -> Path:
-        if not _KEY.match(key):
-            raise StoreError(f"invalid version key {key!r}: expected 20 hex digits")
-        return self._stage_dir(stage) / key
+        return self._stage_dir(stage) / valid_key(key)
 
-    def resume_dir(self, stage: str, key: str) -> Path:
+    def check(self) -> None:
+        """Nothing to check ahead for a folder: a write names any problem with it."""
+
+    def resume(self, stage: str, key: str) -> ResumeFolder:
         """Where an interrupted build of ``stage/key`` keeps what it needs to pick up again.
         Stable across processes (unlike build folders); removed once the version is published."""
-        return self.path(stage, key).parent / f".resume-{key}"
+        return ResumeFolder(self.path(stage, key).parent / f".resume-{key}")
 
     def lookup(self, stage: str, key: str) -> Version | None:
         """The version if it exists and every file matches its manifest, else None."""
@@ -125,7 +164,7 @@ class Store:
             return None
         if manifest.get("key") != key or self.damage(path, manifest):
             return None
-        return Version(stage, key, path, manifest)
+        return Version(stage, key, path, manifest, store=self.location)
 
     def require(self, handed: Version) -> Version:
         """A version a stage was handed, checked again before use: still there, every file
@@ -189,22 +228,30 @@ class Store:
                 return existing, False
             if existing is None and notice is not None and self.path(stage, key).exists():
                 notice(f"{stage} version {key} is damaged or incomplete: rebuilding it")
-            for stale in self.path(stage, key).parent.glob(f".build-{key}-*"):
-                shutil.rmtree(stale, ignore_errors=True)  # left by a process that died: we hold the lock
+            self.clear_leftovers(stage, key)
             with self.build(stage, key, params, inputs) as builder:
                 work(builder)
             version = self.lookup(stage, key)
             if version is None:
                 raise StoreError(f"the {stage} version {key} did not verify after it was written")
-            shutil.rmtree(self.resume_dir(stage, key), ignore_errors=True)
+            self.resume(stage, key).clear()
             return version, True
 
+    def clear_leftovers(self, stage: str, key: str) -> None:
+        """Build and download folders of ``stage/key`` left by a process that died; callers hold the lock."""
+        for pattern in (f".build-{key}-*", f".pull-{key}-*"):
+            for stale in self.path(stage, key).parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
+
     @contextlib.contextmanager
-    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version]) -> Iterator[Builder]:
+    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
+              resume: ResumeFolder | None = None, commit: Callable[[Path], bool] | None = None) -> Iterator[Builder]:
         """Yields a builder over a private folder; on success publishes it as the version.
 
         If the stage fails, the folder is removed and any earlier version stays as it was.
-        Callers that may race hold ``lock(stage, key)`` (``produce`` does).
+        Callers that may race hold ``lock(stage, key)`` (``produce`` does). ``commit``, if
+        given, hears of the sealed folder first and says whether to publish it here too
+        (an object store commits it to its bucket, and may find another build was first).
         """
         final = self.path(stage, key)
         scratch = final.parent / f".build-{key}-{uuid.uuid4().hex[:8]}"
@@ -215,11 +262,12 @@ class Store:
                 f"cannot write to the store at {self.root} ({error.strerror}); "
                 "make it writable or pick another with --store / BARDFLOW_STORE"
             ) from error
-        builder = Builder(stage, key, scratch, self.resume_dir(stage, key))
+        builder = Builder(stage, key, scratch, resume or self.resume(stage, key))
         try:
             yield builder
             self._seal(builder, params, inputs)
-            self._publish(scratch, final)
+            if commit is None or commit(scratch):
+                self._publish(scratch, final)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -279,5 +327,5 @@ class Store:
                     manifest = json.loads((path / MANIFEST).read_text())
                 except (OSError, ValueError):
                     continue
-                found.append(Version(name, path.name, path, manifest))
+                found.append(Version(name, path.name, path, manifest, store=self.location))
         return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_root
+from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_location
 from model.errors import BardflowError
 from tasks.registry import BY_NAME, NAMES
 
@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                           "auto picks codelab on a GPU, else cpu")
     run.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
                                       "or the public TinyShakespeare URL)")
-    run.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
+    run.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
+                                     "or ./store)")
     run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
                      help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
                                   description="List the stage versions in the store, newest first.")
     listing.add_argument("stage", nargs="?", choices=NAMES)
-    listing.add_argument("--store", help="store root (default: $BARDFLOW_STORE or ./store)")
+    listing.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
+                                         "or ./store)")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
                              description="Start `prefect server start` with bardflow's settings "
@@ -96,16 +98,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--cpu-devices must be at least 1")
     if args.processes < 1:
         raise UsageError("--processes must be at least 1")
-    root = store_root(args.store)
+    root = store_location(args.store)
     prepare_environment(args.cpu_devices)
 
+    from artifacts.objects import open_store
     from model.config import build_config, parse_assignment
 
     overrides = dict(parse_assignment(text) for text in args.settings)
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
+    open_store(root).check()  # so is a store that cannot be reached
     from flows.pipeline import pipeline
 
-    return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=str(root), refresh=args.refresh,
+    return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
                     processes=args.processes)
 
 
@@ -147,27 +151,27 @@ def _print_summary(summary: dict[str, Any]) -> None:
     for name, stage in summary["stages"].items():
         metrics = headline(name, stage["metrics"])
         style = "green" if stage["state"] == "ran" else "cyan"
-        path = os.path.relpath(stage["path"], root)
+        path = stage["path"].removeprefix(root).lstrip("/")
         table.add_row(name, f"[{style}]{stage['state']}", path, metrics)
     Console().print(table)
 
 
 def _artifacts(args: argparse.Namespace) -> None:
-    from artifacts.store import Store
+    from artifacts.objects import open_store
 
-    versions = Store(store_root(args.store)).versions(args.stage)
+    versions = open_store(store_location(args.store)).versions(args.stage)
     rows = []
     for v in versions:
         size = sum(f["bytes"] for f in v.manifest.get("files", {}).values())
         rows.append({"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
-                     "bytes": size, "metrics": v.metrics, "path": str(v.path)})
+                     "bytes": size, "metrics": v.metrics, "path": v.location})
     if args.json:
         print(json.dumps(rows, indent=1))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"versions in {store_root(args.store)}")
+    table = Table(title=f"versions in {store_location(args.store)}")
     for column in ("stage", "key", "created", "size", "key metrics"):
         table.add_column(column, overflow="fold")
     for row in rows:

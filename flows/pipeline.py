@@ -26,8 +26,9 @@ from prefect.logging import get_run_logger  # noqa: E402
 from prefect.states import Completed  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from artifacts.store import Store, Version  # noqa: E402
-from flows.settings import PRESET_NAMES, debugging, pick_preset, store_root  # noqa: E402
+from artifacts.objects import open_store  # noqa: E402
+from artifacts.store import Version  # noqa: E402
+from flows.settings import PRESET_NAMES, debugging, pick_preset, store_location  # noqa: E402
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
 from model.errors import BardflowError  # noqa: E402
 from model.distributed import hardware  # noqa: E402
@@ -58,7 +59,8 @@ def quiet_explained_errors() -> None:
 
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
-        version, built = produce(stage, settings, upstream, Store(store), force, notice=get_run_logger().warning)
+        version, built = produce(stage, settings, upstream, open_store(store), force,
+                                 notice=get_run_logger().warning)
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -84,7 +86,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform)
     plan = RunPlan(config, devices, platform, processes)
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
-    root = str(store_root(store))
+    root = store_location(store)
+    open_store(root).check()  # an unreachable bucket or wrong credentials: one line, before any work
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
@@ -93,7 +96,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
                                         root, stage.name in refresh, return_state=True)
         versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
         summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
-                               "path": str(version.path), "metrics": version.metrics,
+                               "path": version.location, "metrics": version.metrics,
                                "seconds": round(time.perf_counter() - started, 3)}
     from prefect.runtime import flow_run
 

@@ -13,8 +13,12 @@ PRESET_NAMES = ("auto", *PRESETS)
 DEBUG = "BARDFLOW_DEBUG"
 
 
-def store_root(store: str | None = None) -> Path:
-    return Path(store or os.environ.get("BARDFLOW_STORE") or DEFAULT_STORE).expanduser().resolve()
+def store_location(store: str | None = None) -> str:
+    """The store a run uses: a local folder (made absolute) or an object store URL (s3://…)."""
+    location = store or os.environ.get("BARDFLOW_STORE") or DEFAULT_STORE
+    if "://" in location:
+        return location.rstrip("/")
+    return str(Path(location).expanduser().resolve())
 
 
 def pick_preset(preset: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -72,10 +73,29 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+def _leader_only():
+    """Orbax options under which process 0 alone reads and writes. The training state is
+    replicated, so process 0 holds all of it: checkpoints need no filesystem shared by the
+    processes (each may have its own working folder), and the others get a restored state
+    by broadcast."""
+    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0},
+                                              barrier_sync_key_prefix="bardflow-leader")
+
+
 def save_train_state(path: Path, state: nnx.State) -> None:
-    """The whole training state (model and optimizer) as one Orbax pytree."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(Path(path).absolute(), nnx.to_pure_dict(state))
+    """The whole training state (model and optimizer) as one Orbax pytree; in a
+    multi-process run, written by process 0 (the others only wait for it)."""
+    host = jax.device_get(nnx.to_pure_dict(state))  # replicated: every process holds it all
+    if jax.process_count() == 1:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(Path(path).absolute(), host)
+        return
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        with ocp.StandardCheckpointer(multiprocessing_options=_leader_only()) as checkpointer:
+            checkpointer.save(Path(path).absolute(), host)
+    multihost_utils.sync_global_devices("bardflow-state-saved")
 
 
 def load_train_state(path: Path, template: nnx.State) -> nnx.State:
@@ -112,17 +132,24 @@ class TrainingCheckpoints:
     Saves are asynchronous: ``save`` returns once the arrays are copied off the
     devices, and Orbax writes into a temporary folder that it renames only when
     complete, so ``latest`` never sees half a checkpoint, whenever the process dies.
+    ``saved``, if given, is called once each checkpoint is complete on disk (the save
+    then waits for it): an object store copies it to its bucket there.
+
+    In a multi-process run only process 0 reads and writes checkpoints (see
+    ``_leader_only``); ``latest`` broadcasts what it restored to the other processes.
     """
 
-    def __init__(self, directory: Path, keep: int):
-        self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
-            options=ocp.CheckpointManagerOptions(
-                preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-                enable_async_checkpointing=True,
-                create=True,
-            ),
-        )
+    def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None):
+        self.directory, self.saved = Path(directory).absolute(), saved
+        self.leader, self.manager = jax.process_index() == 0, None
+        shared = {"create": True}
+        if jax.process_count() > 1:
+            shared = {"create": False, "multiprocessing_options": _leader_only()}
+        if self.leader:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+                preservation_policy=ocp.checkpoint_managers.LatestN(keep), enable_async_checkpointing=True,
+                **shared))
 
     @staticmethod
     def steps(directory: Path) -> list[int]:
@@ -131,32 +158,66 @@ class TrainingCheckpoints:
         return sorted(int(p.name) for p in found if p.name.isdigit() and p.is_dir())
 
     def save(self, step: int, state: nnx.State, record: dict) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(nnx.to_pure_dict(state)), record=ocp.args.JsonSave(record)
-            ),
-        )
+        if self.manager is None:
+            return
+        pure = nnx.to_pure_dict(state)
+        if jax.process_count() > 1:
+            pure = jax.device_get(pure)  # replicated: process 0 holds it all
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
+                                                        record=ocp.args.JsonSave(record)))
+        if self.saved is not None:
+            self.manager.wait_until_finished()
+            self.saved()
 
     def latest(self, template: nnx.State) -> tuple[nnx.State, dict] | None:
         """The newest complete checkpoint restored onto ``template``, or None."""
-        step = self.manager.latest_step()
+        multi = jax.process_count() > 1
+        step = self.manager.latest_step() if self.manager is not None else None
+        if multi:
+            from model.distributed import broadcast_json
+
+            step = broadcast_json(step)
         if step is None:
             return None
-        abstract = jax.tree.map(_abstract, nnx.to_pure_dict(template))
-        try:
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
-            )
-        except Exception as error:  # Orbax raises many types for damaged files
-            raise CheckpointError(
-                f"cannot restore the training checkpoint at step {step} in {self.manager.directory}: "
-                f"{error}; delete that folder to train from the start"
-            ) from error
-        nnx.replace_by_pure_dict(template, jax.tree.map(jax.numpy.asarray, restored["state"]))
-        return template, restored["record"]
+        pure = nnx.to_pure_dict(template)
+        restored = None
+        if self.manager is not None:
+            abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure) if multi else \
+                jax.tree.map(_abstract, pure)
+            try:
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
+                )
+            except Exception as error:  # Orbax raises many types for damaged files
+                raise CheckpointError(
+                    f"cannot restore the training checkpoint at step {step} in {self.directory}: "
+                    f"{error}; delete that folder to train from the start"
+                ) from error
+        if multi:
+            state, record = _from_leader(pure, restored)
+        else:
+            state, record = jax.tree.map(jax.numpy.asarray, restored["state"]), restored["record"]
+        nnx.replace_by_pure_dict(template, state)
+        return template, record
 
     def close(self) -> None:
+        if self.manager is None:
+            return
         self.manager.wait_until_finished()
         self.manager.close()
+        if self.saved is not None:
+            self.saved()
+
+
+def _from_leader(template: dict, restored: dict | None) -> tuple[dict, dict]:
+    """Process 0's restored state and record on every process, placed like ``template``."""
+    from jax.experimental import multihost_utils
+
+    from model.distributed import broadcast_json
+
+    host = restored["state"] if restored is not None else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
+    shared = multihost_utils.broadcast_one_to_all(host)
+    state = jax.tree.map(lambda x, value: jax.make_array_from_callback(
+        x.shape, x.sharding, lambda index, value=np.asarray(value): value[index]), template, shared)
+    return state, broadcast_json(restored["record"] if restored is not None else None)

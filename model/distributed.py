@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -118,20 +118,16 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
         ) from error
 
 
-def broadcast_json(value: dict | None, capacity: int = 1 << 16) -> dict:
-    """Process 0's ``value`` on every process (the others pass None)."""
+def broadcast_json(value: Any) -> Any:
+    """Process 0's ``value`` (any JSON) on every process (the others pass None)."""
+    import jax
     from jax.experimental import multihost_utils
 
-    buffer = np.zeros(capacity, np.uint8)
-    if value is not None:
-        data = json.dumps(value).encode()
-        if len(data) + 4 > capacity:
-            raise DistributedError(f"the run description is {len(data)} bytes, more than {capacity - 4}")
-        buffer[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
-        buffer[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
-    shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    size = int(np.frombuffer(shared[:4].tobytes(), np.uint32)[0])
-    return json.loads(shared[4 : 4 + size].tobytes())
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
+    buffer = np.zeros(size, np.uint8)
+    buffer[: data.size] = data
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
 
 
 def local_rows(sharding, global_rows: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from model.errors import BardflowError
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
-PROCESS_MAIN = "model.multiprocess"  # the module every process runs
+PROCESS_MAIN = "tasks.train_process"  # the module every process runs (named, not imported)
 
 
 class ProcessFailure(BardflowError, RuntimeError):

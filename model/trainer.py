@@ -21,13 +21,14 @@ class RunFiles:
     val: Path
     resume: Path  # the resumable checkpoints, kept until the run is published
     state: Path  # where the final training state goes (must not exist)
+    saved: Callable[[], None] | None = None  # hears of each complete checkpoint (to copy it elsewhere)
 
 
 def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
                  on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
-    final state at ``files.state`` (collectively: every process calls this). Returns the
+    final state at ``files.state`` (every process calls this; process 0 writes). Returns the
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
     global_batch = request.train.per_device_batch * len(devices)
@@ -41,13 +42,13 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
               f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
     graphdef, state = init_state(request.model, request.train)
-    checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints)
+    checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
                        request.train, on_step=on_step, checkpoints=checkpoints)
     finally:
         checkpoints.close()
-    save_train_state(files.state, result.state if jax.process_count() > 1 else jax.device_get(result.state))
+    save_train_state(files.state, result.state)
     metrics = {**result.metrics(), "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
                "platform": request.platform, "processes": request.processes}
     return {"metrics": metrics, "history": result.history,

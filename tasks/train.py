@@ -29,7 +29,10 @@ RESULT = "result.json"  # process 0's summary of a multi-process run
 
 
 def _files(encode: Version, out: Builder) -> RunFiles:
-    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume_dir, state=out.path(STATE))
+    """Checkpoints stay in ``out.resume`` (local); on an object store each complete one is
+    copied to the bucket as well, so a rerun on another machine picks it up."""
+    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume.path, state=out.path(STATE),
+                    saved=out.resume.push if out.resume.url else None)
 
 
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
@@ -43,7 +46,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version) -> None:
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
-        return _build_in_processes(settings, files, out)
+        return _build_in_processes(settings, files, out, encode)
     visible, platform = hardware()
     if (visible, platform) != (settings.devices, settings.platform):
         raise TrainingError(
@@ -59,14 +62,16 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version) -> 
     _finish(TRAIN_PARALLEL.name, out, summary)
 
 
-def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder) -> None:
+def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder, encode: Version) -> None:
     """This host's processes are started here and waited for; the state comes from them,
-    the version's other files and its manifest from here."""
+    the version's other files and its manifest from here. Processes on other hosts find
+    the data through the store (``tasks/train_process.py``)."""
     group = ProcessGroup.from_env()
     launch = files.resume / "launch"
     launch.mkdir(parents=True, exist_ok=True)
     spec = {"request": settings.model_dump(mode="json"), "result": str(launch / RESULT),
-            **{name: str(getattr(files, name)) for name in ("train", "val", "resume", "state")}}
+            **{name: str(getattr(files, name)) for name in ("train", "val", "resume", "state")},
+            "store": encode.store, "encode": encode.key, "resume_url": out.resume.url}
     (launch / RESULT).unlink(missing_ok=True)
     (launch / "spec.json").write_text(json.dumps(spec, indent=1))
     label = (f"train_parallel ({settings.processes if group is None else group.num_processes} processes, "

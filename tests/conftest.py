@@ -98,6 +98,18 @@ def prefect_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def object_server(tmp_path_factory):
+    """One S3 server (SeaweedFS) for the session's object-store tests."""
+    from tests.servers import ObjectServer
+
+    server = ObjectServer(tmp_path_factory.mktemp("s3-server"))
+    try:
+        yield server.serve()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def run_env(prefect_server) -> dict[str, str]:
     """The environment of a ``bardflow run`` that uses the shared server."""
     return {**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"], "PYTHONUNBUFFERED": "1"}

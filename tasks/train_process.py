@@ -1,0 +1,64 @@
+"""One process of a multi-process ``train_parallel``:
+
+    python -m tasks.train_process SPEC.json   # process 0: SPEC describes the run
+    python -m tasks.train_process --follow    # any other process: process 0 sends it
+
+Process 0 runs beside the stage that launched it and finds every file where the spec says.
+Another process finds the data through the store: on a local store at the spec's paths
+(every host sees that folder), on an object store in its own mirror (``BARDFLOW_WORKDIR``),
+so hosts share no filesystem. No Prefect is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from artifacts.objects import RemoteResumeFolder, is_remote, open_store
+from artifacts.store import StoreError
+from model.errors import BardflowError
+from tasks.registry import ENCODE
+
+if TYPE_CHECKING:
+    from model.trainer import RunFiles
+
+TRAIN, VAL = ENCODE.builds
+
+
+def files_of(spec: dict, leader: bool) -> RunFiles:
+    """Where this process finds the run's files (see the module doc)."""
+    from model.trainer import RunFiles  # JAX only now: the group joins first
+
+    local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
+    saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None
+    if leader or not is_remote(spec.get("store", "")):
+        return RunFiles(**local, saved=saved)
+    encode = open_store(spec["store"]).lookup(ENCODE.name, spec["encode"])
+    if encode is None:
+        raise StoreError(f"the encode version {spec['encode']} is missing or damaged in {spec['store']}; "
+                         "rerun with --refresh encode")
+    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=local["resume"], state=local["state"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.train_process", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", nargs="?", type=Path, help="the run's description (process 0 only)")
+    parser.add_argument("--follow", action="store_true", help="take the description from process 0")
+    parser.add_argument("--join-timeout", type=int, default=300, metavar="S",
+                        help="seconds to wait for every process to join (default 300)")
+    args = parser.parse_args(argv)
+    from model.multiprocess import run_process
+
+    try:
+        run_process(None if args.follow else args.spec, args.join_timeout, files_of)
+    except BardflowError as error:
+        print(f"bardflow: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

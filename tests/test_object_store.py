@@ -1,0 +1,174 @@
+"""The store on a real S3 server (SeaweedFS, started by the session): versions committed
+manifest-last, verified on the way down, shared between machines (working folders), one
+version when two build at once, damage noticed, checkpoints copied up and back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+
+from artifacts.objects import ObjectStore, ObjectStoreError, RemoteResumeFolder, open_store
+from artifacts.store import MANIFEST, Store, StoreError, version_key
+
+KEY = version_key("demo", "1", {}, {})
+
+
+@pytest.fixture
+def s3(object_server, monkeypatch):
+    """The S3 server's credentials in this process's environment, as a user would set them."""
+    for name, value in object_server.env.items():
+        monkeypatch.setenv(name, value)
+    return object_server
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    return s3.prefix("unit")
+
+
+def write(text: str):
+    def work(out):
+        out.path("a.txt").write_text(text)
+        out.path("sub/b.bin").write_bytes(text.encode() * 3)
+        out.metrics["n"] = len(text)
+
+    return work
+
+
+def objects(s3, url: str) -> list[str]:
+    path = url.removeprefix("s3://")
+    found = s3.filesystem().find(path, detail=True)
+    return sorted(name.removeprefix(path + "/") for name, info in found.items() if info["type"] == "file")
+
+
+def test_a_version_is_committed_manifest_last_and_another_machine_reuses_it(s3, bucket, tmp_path):
+    here = ObjectStore(bucket, tmp_path / "machine-a")
+    version, built = here.produce("demo", KEY, {"p": 1}, {}, write("hello"))
+    assert built and version.uri == f"{bucket}/demo/{KEY}" and version.store == bucket
+    stored = objects(s3, bucket)
+    build = json.loads(s3.filesystem().cat_file(f"{bucket[5:]}/demo/{KEY}/{MANIFEST}"))["objects"]
+    assert stored == [f"demo/{KEY}/{build}/a.txt", f"demo/{KEY}/{build}/sub/b.bin", f"demo/{KEY}/{MANIFEST}"]
+    assert (version.path / "a.txt").read_text() == "hello"  # the builder's mirror holds it too
+
+    there = ObjectStore(bucket, tmp_path / "machine-b")  # another machine: an empty working folder
+    found, built = there.produce("demo", KEY, {"p": 1}, {}, write("other"))
+    assert not built and found.fingerprint == version.fingerprint
+    assert found.path.is_relative_to(tmp_path / "machine-b") and (found.path / "sub/b.bin").read_bytes() == b"hello" * 3
+    assert [(v.key, v.metrics) for v in there.versions()] == [(KEY, {"n": 5})]
+
+
+def test_without_its_manifest_a_version_is_invisible_and_the_next_builder_clears_it(s3, bucket, tmp_path):
+    fs = s3.filesystem()
+    fs.pipe_file(f"{bucket[5:]}/demo/{KEY}/build-dead/a.txt", b"half of a crashed build")
+    store = ObjectStore(bucket, tmp_path / "w")
+    assert store.lookup("demo", KEY) is None and store.versions() == []
+    store.produce("demo", KEY, {}, {}, write("whole"))
+    assert not [name for name in objects(s3, bucket) if "build-dead" in name]
+
+
+def test_two_builders_on_two_machines_make_one_version(s3, bucket, tmp_path):
+    """Both build (different bytes, as on different hardware); the first manifest written
+    wins, the other drops its objects and takes the committed version."""
+    results, barrier = {}, threading.Barrier(2)
+
+    def builder(name: str):
+        def work(out):
+            barrier.wait(timeout=30)  # both are building now
+            write(name)(out)
+
+        results[name] = ObjectStore(bucket, tmp_path / name).produce("demo", KEY, {}, {}, work)
+
+    threads = [threading.Thread(target=builder, args=(name,)) for name in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    (a, built_a), (b, built_b) = results["one"], results["two"]
+    assert a.fingerprint == b.fingerprint and (a.path / "a.txt").read_text() == (b.path / "a.txt").read_text()
+    assert {built_a, built_b} == {True}  # both built; only one was committed
+    assert len({name.split("/")[2] for name in objects(s3, bucket) if "/build-" in name}) == 1
+
+
+def test_a_damaged_object_is_noticed_and_rebuilt(s3, bucket, tmp_path):
+    store = ObjectStore(bucket, tmp_path / "w")
+    first, _ = store.produce("demo", KEY, {}, {}, write("good"))
+    fs = s3.filesystem()
+    fs.pipe_file(f"{bucket[5:]}/demo/{KEY}/{first.manifest['objects']}/a.txt", b"evil")  # same size, other bytes
+    # This machine's mirror is intact, but the object's ETag changed: it is not trusted.
+    assert store.lookup("demo", KEY) is None
+    assert ObjectStore(bucket, tmp_path / "fresh").lookup("demo", KEY) is None  # nor downloaded
+    heard = []
+    rebuilt, built = store.produce("demo", KEY, {}, {}, write("good"), notice=heard.append)
+    assert built and heard and "damaged" in heard[0]
+    assert (ObjectStore(bucket, tmp_path / "third").lookup("demo", KEY).path / "a.txt").read_text() == "good"
+    assert len({name.split("/")[2] for name in objects(s3, bucket) if "/build-" in name}) == 1
+
+
+def test_a_damaged_mirror_copy_is_fetched_again(s3, bucket, tmp_path):
+    store = ObjectStore(bucket, tmp_path / "w")
+    version, _ = store.produce("demo", KEY, {}, {}, write("kept"))
+    (version.path / "a.txt").write_text("rot!")
+    again = store.lookup("demo", KEY)
+    assert again is not None and (again.path / "a.txt").read_text() == "kept"
+
+
+def test_a_failed_build_leaves_nothing_in_the_bucket(s3, bucket, tmp_path):
+    def crash(out):
+        out.path("a.txt").write_text("half")
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ObjectStore(bucket, tmp_path / "w").produce("demo", KEY, {}, {}, crash)
+    assert objects(s3, bucket) == []
+
+
+def test_checkpoints_go_up_once_complete_and_come_down_on_another_machine(s3, bucket, tmp_path):
+    url = f"{bucket}/train/.resume-{KEY}"
+    here = RemoteResumeFolder(tmp_path / "a", url)
+    for step in (100, 200):
+        (here.path / str(step) / "state").mkdir(parents=True)
+        (here.path / str(step) / "state" / "data").write_bytes(bytes([step % 256]) * 1000)
+    (here.path / "300.orbax-checkpoint-tmp-1").mkdir()  # an incomplete save: not a step
+    here.push()
+    assert sorted(n for n in objects(s3, url) if n.endswith(".json")) == ["100.json", "200.json"]
+    there = RemoteResumeFolder(tmp_path / "b", url)
+    assert there.pull() == 200 and (there.path / "200/state/data").read_bytes() == bytes([200]) * 1000
+    import shutil
+
+    shutil.rmtree(here.path / "100")  # Orbax kept the newest only: the bucket follows
+    (here.path / "300" / "state").mkdir(parents=True)
+    (here.path / "300" / "state" / "data").write_bytes(b"x")
+    here.push()
+    assert sorted(n for n in objects(s3, url) if n.endswith(".json")) == ["200.json", "300.json"]
+    there.clear()
+    assert objects(s3, url) == [] and not there.path.exists()
+
+
+@pytest.mark.parametrize("case", ["missing bucket", "wrong credentials", "unreachable endpoint"])
+def test_a_store_that_cannot_be_used_gets_one_clear_error(case, s3, monkeypatch, tmp_path):
+    url = f"s3://bardflow-missing-{uuid.uuid4().hex[:6]}" if case == "missing bucket" else s3.prefix("errors")
+    if case == "wrong credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    if case == "unreachable endpoint":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    expected = {"missing bucket": ["does not exist", "aws s3 mb", "--store"],
+                "wrong credentials": ["refused access", "AWS_SECRET_ACCESS_KEY"],
+                "unreachable endpoint": ["cannot reach", "AWS_ENDPOINT_URL"]}[case]
+    store = open_store(url, tmp_path / "w")
+    with pytest.raises(ObjectStoreError) as error:
+        store.check()
+    assert all(part in str(error.value) for part in expected), str(error.value)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ObjectStoreError):
+        store.produce("demo", KEY, {}, {}, write("x"))
+    assert not list((tmp_path / "w").rglob("*.txt"))
+
+
+def test_locations_pick_the_store(tmp_path):
+    assert isinstance(open_store(tmp_path / "s"), Store)
+    assert isinstance(open_store("s3://bucket/prefix", tmp_path), ObjectStore)
+    with pytest.raises(StoreError, match="unsupported store"):
+        open_store("ftp://host/x")
