@@ -113,11 +113,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     processes=args.processes)
 
 
-def _follow(group, join_timeout: int) -> None:
+def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
     """A cluster process other than 0: no flow of its own; it joins process 0's
     train_parallel, which tells it what to train, and ends with it."""
     import subprocess
 
+    prepare_environment(cpu_devices)
     print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
           f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
     from model.launch import REPO, process_command
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ui":
             _ui(args)
         elif args.command == "run" and (follower := _cluster_follower()) is not None:
-            _follow(follower, args.join_timeout)  # process 0 reports the run
+            _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
         elif args.command == "run":
             summary = _run(args)
             if args.json:

@@ -1,7 +1,8 @@
 """The README's "On a GPU worker" path, for real and on CPU: a Prefect server on
 127.0.0.1, the `gpu` process pool, `prefect deploy --all` from this repository's
-prefect.yaml, a worker, and `prefect deployment run ... --watch`. Then a browser
-looks at the artifacts as a person would."""
+prefect.yaml, a worker whose store is a bucket on an S3 server (as a pool of workers
+shares one), and `prefect deployment run ... --watch`. Then a browser looks at the
+artifacts as a person would."""
 
 from __future__ import annotations
 
@@ -25,21 +26,22 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server: Server, tmp_path_factory):
+def deployed(prefect_server: Server, object_server, tmp_path_factory):
     """The README's commands against the session's server: the `gpu` process pool, every
     deployment of prefect.yaml, and a worker (stopped when the module is done)."""
     if not SHARED_CORPUS.exists():
         pytest.skip(f"needs the offline TinyShakespeare copy at {SHARED_CORPUS}")
-    store = tmp_path_factory.mktemp("deployed-store")
+    store = object_server.prefix("deployed")
     for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"], ["--no-prompt", "deploy", "--all"]):
         done = prefect_server.run(str(BIN / "prefect"), *command)
         assert done.returncode == 0, done.stdout + done.stderr
-    # The worker's host has an offline mirror of the corpus; flow runs inherit the
-    # worker's environment, as on a GPU host.
+    # The worker's host has an offline mirror of the corpus, the bucket's credentials and a
+    # working folder of its own; flow runs inherit the worker's environment, as on a GPU host.
     worker = prefect_server.start("worker", str(BIN / "prefect"), "worker", "start", "--pool", "gpu",
-                                  env={**prefect_server.env, "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri()})
+                                  env={**prefect_server.env, **object_server.env, "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
+                                       "BARDFLOW_WORKDIR": str(tmp_path_factory.mktemp("worker-workdir"))})
     try:
-        yield prefect_server, store
+        yield prefect_server, store, object_server
     finally:
         prefect_server.stop(worker)
         assert worker.poll() is not None, "the worker was left running"
@@ -48,7 +50,7 @@ def deployed(prefect_server: Server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_deployment_run(deployed) -> dict:
     """`prefect deployment run 'bardflow/pipeline'` on a fresh store, as the README says."""
-    server, store = deployed
+    server, store, _ = deployed
     run_id, started = deployment_run(server, "bardflow/pipeline", "preset=tiny", f"store={store}")
     return {"id": run_id, "started": started}
 
@@ -70,7 +72,7 @@ def stage_states(server: Server, flow_run_id: str) -> dict[str, str]:
 
 
 def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, first_deployment_run):
-    server, store = deployed
+    server, store, bucket = deployed
     timings = {}
     tiny = ["preset=tiny", f"store={store}"]
 
@@ -93,7 +95,8 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     states = stage_states(server, run_id)
     assert states["train_single"] == states["train_parallel"] == "Cached"
     assert states["generate"] == "Completed"
-    samples = [json.loads(p.read_text()) for p in (store / "generate").glob("*/samples.json")]
+    fs = bucket.filesystem()  # what the bucket holds, as any other machine would read it
+    samples = [json.loads(fs.cat_file(p)) for p in fs.glob(f"{store[5:]}/generate/*/build-*/samples.json")]
     assert any(s[0]["prompt"] == "HAMLET:" for s in samples)
 
     (OUTPUT / "deployment").mkdir(parents=True, exist_ok=True)
@@ -101,7 +104,7 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
 
 
 def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployment_run):
-    server, _ = deployed
+    server, _, _ = deployed
     binary = chromium_binary()
     if binary is None:
         pytest.skip("chromium is not installed (.ci/run installs it)")

@@ -1,0 +1,166 @@
+"""The pipeline on a bucket that several machines share, through the real CLI: each
+"machine" is a working folder of its own (``BARDFLOW_WORKDIR``), the S3 server is real
+(SeaweedFS), and nothing but the bucket is shared between them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.registry import NAMES
+from tests.conftest import md5_bytes, play_text
+from tests.servers import free_port
+from tests.test_reliability import finish, start
+
+pytestmark = pytest.mark.flow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(play_text(64_000))
+    return path
+
+
+def machine(run_env: dict, object_server, workdir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a ``bardflow run`` on a machine whose only link to the others is the bucket."""
+    return {**run_env, **object_server.env, "BARDFLOW_WORKDIR": str(workdir), **extra}
+
+
+def args(corpus: Path, store: str, *extra: str) -> list[str]:
+    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", store,
+            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--json", *extra]
+
+
+def committed(object_server, store: str) -> dict[str, list[str]]:
+    """stage -> keys of the versions whose manifest is in the bucket; and the build prefixes."""
+    fs = object_server.filesystem()
+    found: dict[str, list[str]] = {}
+    for path in fs.glob(f"{store[5:]}/*/*/manifest.json"):
+        stage, key = path.split("/")[-3:-1]
+        found.setdefault(stage, []).append(key)
+    return found
+
+
+def build_prefixes(object_server, store: str) -> set[str]:
+    """The build prefixes that hold objects (SeaweedFS may keep an emptied one as a folder)."""
+    found = object_server.filesystem().find(store[5:], detail=True)
+    return {path.rsplit("/build-", 1)[0] + "/build-" + path.rsplit("/build-", 1)[1].split("/")[0]
+            for path, info in found.items() if info["type"] == "file" and "/build-" in path}
+
+
+def params_digest_of(version_path: str, workdir: Path) -> str:
+    """The digest of a training version's parameters, read from the bucket."""
+    from artifacts.objects import open_store
+    from model.checkpoint import params_digest
+    from tasks.train import trained_model
+
+    store, stage, key = version_path.rsplit("/", 2)
+    return params_digest(trained_model(open_store(store, workdir).lookup(stage, key))[0])
+
+
+@pytest.fixture(scope="module")
+def shared_bucket(tmp_path_factory, corpus, run_env, object_server):
+    """Two machines start on one empty bucket at the same moment: a two-host cluster run
+    (process 0 and a follower, each with its own working folder) and a plain run."""
+    store, root = object_server.prefix("shared"), tmp_path_factory.mktemp("machines")
+    cluster = {"BARDFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "BARDFLOW_NUM_PROCESSES": "2"}
+    leader = start(args(corpus, store, "--cpu-devices", "1"), root / "leader.log",
+                   machine(run_env, object_server, root / "host-0", BARDFLOW_PROCESS_ID="0", **cluster))
+    follower = start(args(corpus, store, "--cpu-devices", "1"), root / "follower.log",
+                     machine(run_env, object_server, root / "host-1", BARDFLOW_PROCESS_ID="1", **cluster))
+    plain = start(args(corpus, store, "--cpu-devices", "2"), root / "plain.log",
+                  machine(run_env, object_server, root / "laptop"))
+    runs = {"cluster": finish(leader), "plain": finish(plain)}
+    follower.communicate(timeout=60)
+    assert follower.returncode == 0, (root / "follower.log").read_text()[-2000:]
+    return store, root, runs
+
+
+def test_two_machines_building_at_once_share_one_version_of_each_stage(shared_bucket, object_server, monkeypatch):
+    store, root, runs = shared_bucket
+    cluster, plain = runs["cluster"]["stages"], runs["plain"]["stages"]
+    versions = committed(object_server, store)
+    for stage in ("fetch", "encode", "train_single"):  # asked for by both, built once
+        assert versions[stage] == [cluster[stage]["key"]] == [plain[stage]["key"]], stage
+    # train_parallel differs: 2 processes x 1 device there, 1 process x 2 devices here.
+    assert cluster["train_parallel"]["metrics"]["processes"] == 2 and plain["train_parallel"]["metrics"]["processes"] == 1
+    assert len(build_prefixes(object_server, store)) == sum(len(keys) for keys in versions.values())
+    assert cluster["train_parallel"]["path"].startswith(store + "/train_parallel/")
+    # The follower had no store of its own: it read the data from the bucket into its own folder.
+    assert list((root / "host-1").rglob("train.arrow"))
+    assert not list((root / "host-1").rglob("corpus.txt")), "the follower reads only what it trains on"
+    # Two processes, no shared filesystem: the same parameters to the last bit as one
+    # process driving both devices.
+    for name, value in object_server.env.items():
+        monkeypatch.setenv(name, value)
+    assert params_digest_of(cluster["train_parallel"]["path"], root / "check") == \
+        params_digest_of(plain["train_parallel"]["path"], root / "check")
+
+
+def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
+        shared_bucket, object_server, corpus, run_env):
+    store, root, runs = shared_bucket
+    env = machine(run_env, object_server, root / "third")
+    cached = finish(start(args(corpus, store, "--cpu-devices", "2", "--processes", "2"), root / "third.log", env))
+    assert {s["state"] for s in cached["stages"].values()} == {"cached"}
+    assert cached["stages"]["train_parallel"]["key"] == runs["cluster"]["stages"]["train_parallel"]["key"]
+
+    fs = object_server.filesystem()
+    (corpus_object,) = fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")
+    fs.pipe_file(corpus_object, b"X" + fs.cat_file(corpus_object)[1:])  # bit rot in the bucket
+    repaired = finish(start(args(corpus, store, "--cpu-devices", "2", "--refresh", "generate"),
+                            root / "repaired.log", env))
+    states = {name: stage["state"] for name, stage in repaired["stages"].items()}
+    assert states == {name: "ran" if name in ("fetch", "generate") else "cached" for name in NAMES}
+    assert "damaged" in (root / "repaired.log").read_text()
+    assert repaired["stages"]["fetch"]["key"] == runs["plain"]["stages"]["fetch"]["key"]
+    assert fs.cat_file(fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")[0]) == corpus.read_bytes()
+
+
+def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_env, object_server):
+    store = object_server.prefix("resume")
+    long = ("--set", "train.steps=400", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
+    victim = start(args(corpus, store, "--cpu-devices", "2", *long), tmp_path / "victim.log",
+                   machine(run_env, object_server, tmp_path / "preempted"))
+    fs, deadline = object_server.filesystem(), time.monotonic() + 300
+
+    def committed_steps() -> list[int]:
+        return [int(Path(p).stem) for p in fs.glob(f"{store[5:]}/train_single/.resume-*/*.json")]
+
+    while not any(step >= 200 for step in committed_steps()):
+        assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint reached the bucket"
+        time.sleep(0.1)
+    os.killpg(victim.pid, signal.SIGKILL)  # the machine is gone, and its disk with it
+    victim.wait()
+    saved = max(committed_steps())
+
+    resumed = finish(start(args(corpus, store, "--cpu-devices", "2", *long), tmp_path / "resumed.log",
+                           machine(run_env, object_server, tmp_path / "replacement")))
+    single = resumed["stages"]["train_single"]
+    assert single["state"] == "ran" and single["metrics"]["resumed_from_step"] == saved >= 200
+    left = [p for p, info in fs.find(f"{store[5:]}/train_single", detail=True).items()
+            if info["type"] == "file" and "/.resume-" in p]
+    assert not left, "the checkpoints go once the version is in"
+
+
+@pytest.mark.parametrize("case", ["missing bucket", "wrong credentials", "unreachable endpoint"])
+def test_a_store_that_cannot_be_used_stops_the_run_in_one_line(case, tmp_path, corpus, run_env, object_server):
+    store = "s3://no-such-bucket-here/x" if case == "missing bucket" else object_server.prefix("refused")
+    extra = {"wrong credentials": {"AWS_SECRET_ACCESS_KEY": "wrong"},
+             "unreachable endpoint": {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}}.get(case, {})
+    process = start(args(corpus, store), tmp_path / "err.log", machine(run_env, object_server, tmp_path / "w", **extra))
+    process.communicate(timeout=120)
+    error = (tmp_path / "err.log").read_text().strip()
+    assert process.returncode == 1
+    lines = [line for line in error.splitlines() if line.startswith("bardflow: error:")]
+    assert len(lines) == 1 and len(error.splitlines()) == 1, error
+    assert {"missing bucket": "does not exist", "wrong credentials": "AWS_SECRET_ACCESS_KEY",
+            "unreachable endpoint": "AWS_ENDPOINT_URL"}[case] in lines[0]
+    assert not (tmp_path / "w").exists() or not list((tmp_path / "w").rglob("*.*"))
+    if case != "missing bucket":
+        assert committed(object_server, store) == {}
