@@ -242,6 +242,20 @@ def bench_pipeline(preset: str) -> dict:
             "fresh": runs[0], "cached_rerun": runs[1]}
 
 
+def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
+    """The report as JSON under ``folder`` (its ``flat`` summary included) and the summary as a table."""
+    report["summary"] = flat
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{report['machine']['date']}-{report['machine']['backend']}-{name}.json"
+    out.write_text(json.dumps(report, indent=1, default=str))
+    width = max(map(len, flat))
+    for key, value in flat.items():
+        # Rates with one decimal; ratios and loss differences with four significant digits.
+        shown = (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}") if isinstance(value, float) else str(value)
+        print(f"{key:<{width}}  {shown}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer pairs, steps and bytes: minutes on a CPU")
@@ -276,15 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline.cached_rerun_s": report["pipeline"].get("cached_rerun_s"),
         "pipeline.cached_rerun_outside_stages_s": report["pipeline"].get("cached_rerun", {}).get("outside_stages_s"),
     }
-    report["summary"] = flat
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"{report['machine']['date']}-{report['machine']['backend']}-{report['mode']}.json"
-    out.write_text(json.dumps(report, indent=1, default=str))
-    width = max(map(len, flat))
-    for key, value in flat.items():
-        # Rates with one decimal; ratios and loss differences with four significant digits.
-        shown = (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}") if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
+    out = write_report(report, flat, args.out, report["mode"])
     versus_torch = report["train"]["bardflow_over_torch"]
     print(f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x, bardflow/torch = "
           f"{f'{versus_torch:.2f}x' if versus_torch else 'no torch'} (medians of {pairs} rounds); "

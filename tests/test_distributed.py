@@ -213,7 +213,12 @@ def test_cluster_examples_run_the_same_command_on_every_host():
     assert int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
     mounts = {m["name"] for m in container["volumeMounts"]}
     assert mounts == {v["name"] for v in pod["volumes"]}
-    assert any(m["mountPath"] == env["BARDFLOW_STORE"]["value"] for m in container["volumeMounts"])
+    # No shared volume: the store is a bucket, credentials come from a Secret, and each pod
+    # keeps its working folder on a volume of its own.
+    assert env["BARDFLOW_STORE"]["value"].startswith("s3://")
+    assert container["envFrom"][0]["secretRef"]["name"]
+    assert all("emptyDir" in v for v in pod["volumes"])
+    assert any(m["mountPath"] == env["BARDFLOW_WORKDIR"]["value"] for m in container["volumeMounts"])
 
     sbatch = REPO / "deploy" / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(sbatch)], check=True)  # the shell syntax

@@ -4,15 +4,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tasks.registry import NAMES
-from tests.conftest import md5_bytes, play_text
+from tests.conftest import REPO, md5_bytes, play_text
 from tests.servers import free_port
 from tests.test_reliability import finish, start
 
@@ -109,6 +112,10 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
     cached = finish(start(args(corpus, store, "--cpu-devices", "2", "--processes", "2"), root / "third.log", env))
     assert {s["state"] for s in cached["stages"].values()} == {"cached"}
     assert cached["stages"]["train_parallel"]["key"] == runs["cluster"]["stages"]["train_parallel"]["key"]
+    listing = subprocess.run([sys.executable, "-m", "flows.cli", "artifacts", "--store", store, "--json"], cwd=REPO,
+                             env=env, capture_output=True, text=True, check=True)
+    rows = json.loads(listing.stdout)
+    assert {row["stage"] for row in rows} == set(NAMES) and all(row["path"].startswith(store) for row in rows)
 
     fs = object_server.filesystem()
     (corpus_object,) = fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")
