@@ -49,6 +49,7 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 def default_workdir() -> Path:
+    """Where this machine mirrors what it reads from object stores, one folder per store."""
     base = os.environ.get(WORKDIR)
     if base:
         return Path(base).expanduser().resolve()
@@ -140,7 +141,12 @@ class Bucket:
     def check(self) -> None:
         """Raises a one-line error unless the bucket exists and these credentials may list it."""
         with self.errors("opening the store"):
-            self.fs.ls(self.bucket, refresh=True)
+            try:
+                self.fs.ls(self.prefix, refresh=True)  # the prefix only: credentials may be limited to it
+            except FileNotFoundError as error:
+                if "bucket" in str(error).lower():
+                    raise
+                # An empty prefix in an existing bucket: a new store.
 
     def read(self, name: str) -> bytes | None:
         with self.errors(f"reading {name}"):
@@ -279,8 +285,8 @@ class ObjectStore:
     def __init__(self, url: str, workdir: str | os.PathLike | None = None):
         self.bucket = Bucket(url)
         self.location = self.bucket.url
-        self.mirror = Store(Path(workdir).expanduser().resolve() if workdir else
-                            default_workdir() / self.bucket.prefix.replace("/", "_"))
+        base = Path(workdir).expanduser().resolve() if workdir else default_workdir()
+        self.mirror = Store(base / self.bucket.prefix.replace("/", "_"))  # one mirror per store
 
     def check(self) -> None:
         self.bucket.check()
