@@ -22,17 +22,21 @@ def codelab_train_step(model, optimizer, tokens):
 
 
 @jax.jit
-def _logits(graphdef, state, tokens):
-    return nnx.merge(graphdef, state)(tokens)[0]
+def _logits(graphdef, state, tokens, first=0):
+    return nnx.merge(graphdef, state)(tokens, first + jnp.arange(tokens.shape[1]))[0]
 
 
-def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int) -> bytes:
+def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int,
+                     absolute: bool = False) -> bytes:
+    """``absolute``: the window's positions are where its bytes sit in the whole text, not
+    0.. (for a rotary model the same function, computed with the sampler's angles)."""
     graphdef, state = nnx.split(model)
     tokens = list(prompt)
     key = jax.random.key(seed)
     for _ in range(max_new):
         context = tokens[-window:]
-        logits = _logits(graphdef, state, jnp.array([context + [0] * (window - len(context))], jnp.int32))
+        first = len(tokens) - len(context) if absolute else 0
+        logits = _logits(graphdef, state, jnp.array([context + [0] * (window - len(context))], jnp.int32), first)
         last = logits[0, len(context) - 1]
         if temperature <= 0:
             tokens.append(int(jnp.argmax(last)))

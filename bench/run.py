@@ -198,13 +198,30 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
     a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
                               timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within)], pairs)
     inside = summary(a_in, b_in)
-    return {"codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
+    rotary = bench_rotary_generate(cfg, pairs, new_bytes)
+    return {"rotary": rotary, "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,
             "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result,
             "batch8": {"codelab_bytes_s": batch8["a_median"], "bardflow_bytes_s": batch8["b_median"],
                        "bardflow_over_codelab": batch8["ratio_median"], "raw": batch8},
             "within_context": {"new_bytes": within, "codelab_bytes_s": inside["a_median"],
                                "bardflow_bytes_s": inside["b_median"], "bardflow_over_codelab": inside["ratio_median"]}}
+
+
+def bench_rotary_generate(cfg, pairs: int, new_bytes: int) -> dict:
+    """``ROMEO:`` + ``new_bytes`` at batch 1 on the same shape with rotary positions: the
+    cache wraps instead of the window being recomputed, against the codelab loop."""
+    from bench.codelab import codelab_generate
+    from model.sampling import generate
+    from model.transformer import build_model
+
+    model = build_model(cfg.model.model_copy(update={"positions": "rope"}), 1)
+    window = cfg.model.max_seq_len
+    a, b = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+                        timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)], pairs)
+    result = summary(a, b)
+    return {"codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
+            "bardflow_over_codelab": result["ratio_median"], "new_bytes": new_bytes, "raw": result}
 
 
 def timed_n(fn, count: int):
@@ -283,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate.batch8_codelab_bytes_s": report["generate"]["batch8"]["codelab_bytes_s"],
         "generate.batch8_bardflow_bytes_s": report["generate"]["batch8"]["bardflow_bytes_s"],
         "generate.within_context_over_codelab": report["generate"]["within_context"]["bardflow_over_codelab"],
+        "generate.rotary_over_codelab": report["generate"]["rotary"]["bardflow_over_codelab"],
         "train.mfu": report["train"]["mfu"],
         "precision.bf16_minus_f32_loss": report["precision"].get("loss_difference"),
         "pipeline.cpu_preset_s": report["pipeline"].get("fresh_s") if preset == "cpu" else None,

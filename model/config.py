@@ -42,6 +42,10 @@ class ModelConfig(_Section):
     ffn_dim: int = Field(1024, gt=0)
     num_layers: int = Field(4, gt=0)
     max_seq_len: int = Field(256, gt=0)
+    # learned: a table of absolute positions (the codelab). rope: rotary embeddings of the
+    # queries and keys, which see only relative positions, so a sampler's cached keys stay
+    # valid when its window slides.
+    positions: Literal["learned", "rope"] = Field("learned", description="learned | rope")
     # Which implementation computes attention and the dense layers. Both compute the same
     # function (tested against each other); they differ in speed, so neither enters a
     # version key. auto: the hand-written gradients of model/kernels.py on CPU, where they
@@ -56,13 +60,24 @@ class ModelConfig(_Section):
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
                 "pick a num_heads that divides d_model"
             )
+        if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"positions=rope rotates pairs of features, but the head width d_model/num_heads="
+                f"{self.d_model // self.num_heads} is odd; pick an even head width"
+            )
         return self
 
 
 class TrainConfig(_Section):
     steps: int = Field(500, gt=0, description="timed optimizer steps per training stage")
     per_device_batch: int = Field(32, gt=0)
-    learning_rate: float = Field(3e-4, gt=0.0)
+    learning_rate: float = Field(3e-4, gt=0.0, description="the peak learning rate")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
+        "min_learning_rate_fraction of the peak at the last step")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to learning_rate")
+    min_learning_rate_fraction: float = Field(0.1, ge=0.0, le=1.0, description="cosine's floor, as a fraction of the peak")
+    grad_clip: float = Field(0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
     weight_decay: float = Field(1e-4, ge=0.0)
     log_every: int = Field(100, gt=0, description="record loss every N steps")
     init_seed: int = 1
@@ -75,6 +90,13 @@ class TrainConfig(_Section):
         0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
         "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
         "on CPU, the whole per-device batch on GPU/TPU")
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} leaves no step of training after it (steps="
+                             f"{self.steps}); use fewer warmup steps")
+        return self
 
     @model_validator(mode="after")
     def _micro_batch_divides_batch(self) -> TrainConfig:

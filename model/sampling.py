@@ -1,8 +1,10 @@
 """Sampling bytes from a trained model, with the whole loop compiled.
 
-The context is a fixed ``max_seq_len`` buffer: while it has room the new byte is
-appended, once full it slides left by one. That is exactly "condition on the last
-``max_seq_len`` bytes", with one compilation for any prompt length.
+Each new byte is conditioned on the last ``max_seq_len`` bytes. While the context has
+room, each byte costs one position through the model's key/value cache. Once it is full:
+with rotary positions the cache is a ring (the newest key replaces the oldest, and the
+others stay valid, since attention sees only distances); with learned positions every
+position shifts, and each byte needs a forward pass over the whole window.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
     return jax.lax.fori_loop(0, count, one_byte, (context, keys, out))[2]
 
 
-@partial(jax.jit, static_argnums=0)  # graphdef
-def _cached_loop(graphdef, params, context, length, temperature, keys, count):
+@partial(jax.jit, static_argnums=(0, 7))  # graphdef, size
+def _cached_loop(graphdef, params, context, length, temperature, keys, count, size):
     """Feeds the context one byte at a time through the model with its key/value cache,
-    then samples ``count`` bytes at one position each: the work per byte is one token's,
-    not the whole window's. Requires ``length + count <= window``. ``length`` and
-    ``count`` are traced, so one compilation serves every prompt."""
+    then samples ``count`` (<= ``size``) bytes at one position each: the work per byte is
+    one token's, not the whole window's. With learned positions ``length + count <=
+    window``; with rotary ones the cache wraps around. ``length`` and ``count`` are traced,
+    so one compilation serves every prompt."""
     model = nnx.merge(graphdef, params)
     rows, window = context.shape
 
@@ -66,13 +69,13 @@ def _cached_loop(graphdef, params, context, length, temperature, keys, count):
         next_keys, token = _pick(logits[:, 0], keys, temperature)
         token = token.astype(context.dtype)
         keys = jnp.where(sampling, next_keys, keys)  # the same key sequence as the plain loop
-        at = jnp.minimum(pos + 1, window - 1)
+        at = jnp.minimum(pos + 1, window - 1)  # past the window: the last column feeds the next byte
         context = context.at[:, at].set(jnp.where(sampling, token, context[:, at]))
         slot = jnp.maximum(pos - (length - 1), 0)
         out = out.at[:, slot].set(jnp.where(sampling, token, out[:, slot]))
         return context, cache, keys, out
 
-    out = jnp.zeros((rows, window), context.dtype)  # the first ``count`` columns get filled
+    out = jnp.zeros((rows, size), context.dtype)  # the first ``count`` columns get filled
     carry = (context, model.init_cache(rows, window), keys, out)
     carry = jax.lax.fori_loop(0, length - 1 + count, position, carry)
     return carry[0], carry[2], carry[3]
@@ -112,14 +115,15 @@ def generate_batch(
     graphdef, params = nnx.split(model)
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
     length, temperature = jnp.int32(len(kept)), jnp.float32(temperature)
-    # While the context has room, each new byte costs one position (a KV cache); once it
-    # is full it slides, every learned position embedding shifts, and each byte needs a
-    # forward pass over the whole window (only the last position in the top layer).
-    cached = min(max_new_bytes, max_seq_len - len(kept))
+    # While the context has room, or always with rotary positions, each new byte costs one
+    # position (a KV cache); past that, every learned position embedding shifts, and each
+    # byte needs a forward pass over the whole window (only the last position in the top layer).
+    cached = max_new_bytes if model.rotary else min(max_new_bytes, max_seq_len - len(kept))
     pieces = []
     window = jnp.asarray(context)
     if cached > 0:
-        window, keys, new = _cached_loop(graphdef, params, window, length, temperature, keys, jnp.int32(cached))
+        window, keys, new = _cached_loop(graphdef, params, window, length, temperature, keys, jnp.int32(cached),
+                                         max(max_seq_len, cached))
         pieces.append(np.asarray(new)[:, :cached])
     if max_new_bytes > cached:
         rest = max_new_bytes - cached

@@ -55,11 +55,29 @@ def compiler_options(platform: str) -> dict[str, Any]:
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if platform == "cpu" else {}
 
 
+def learning_rate(cfg: TrainConfig) -> float | optax.Schedule:
+    """The learning rate by step: constant (after any warmup), or warmup then cosine decay
+    to the floor at the last step. The step count lives in the optimizer state, so a resumed
+    run continues the schedule where it stopped."""
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
+                                                  cfg.learning_rate * cfg.min_learning_rate_fraction)
+    if cfg.warmup_steps:
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+                                     optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+    return cfg.learning_rate
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW at ``learning_rate(cfg)``, after clipping the gradient's global norm if asked."""
+    tx = optax.adamw(learning_rate(cfg), weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
+
+
 def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
-    """(graphdef, state) of the model and its AdamW optimizer together."""
+    """(graphdef, state) of the model and its optimizer together."""
     model = build_model(model_cfg, train_cfg.init_seed)
-    tx = optax.adamw(train_cfg.learning_rate, weight_decay=train_cfg.weight_decay)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
     return nnx.split((model, optimizer))
 
 

@@ -42,9 +42,21 @@ class Linear(nnx.Linear):
         return x @ self.kernel[...] + self.bias[...]
 
 
+def rotate(x, positions, base: float = 10000.0):
+    """Rotary position embedding of (rows, t, heads, head_dim) at ``positions`` (t,): feature
+    pairs (i, i + head_dim/2) turn by ``position * base^(-i / (head_dim/2))``, so that a
+    query-key product depends on their distance only."""
+    half = x.shape[-1] // 2
+    angles = positions.astype(jnp.float32)[:, None] * base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.d_model // cfg.num_heads
+        self.rotary = cfg.positions == "rope"
         custom = use_custom(cfg.dense)
         self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, custom=custom, rngs=rngs)  # query, key, value in one product
         self.out = Linear(cfg.d_model, cfg.d_model, custom=custom, rngs=rngs)
@@ -60,19 +72,27 @@ class CausalSelfAttention(nnx.Module):
         x = x.reshape(-1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
         return x.reshape(-1, length, self.num_heads * self.head_dim)
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False):
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False,
+                 span: int | None = None):
+        q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in jnp.split(self.qkv(x), 3, axis=-1))
+        if self.rotary:
+            q, k = rotate(q, positions), rotate(k, positions)
         if cache is None and not last_only:  # every position attends to those before it
-            q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in (q, k, v))
-            if self.custom:
+            if span is not None and span < x.shape[1]:  # ... within ``span`` of it
+                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(span - 1, 0))
+            elif self.custom:
                 mixed = causal_attention(q, k, v)
             else:
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return self.out(mixed.reshape(x.shape)), None
+        q, k, v = (t.reshape(x.shape) for t in (q, k, v))
         k, v = self._heads_first(k), self._heads_first(v)
         if cache is not None:  # these positions' keys and values join the cache
-            k = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, positions[0], 0))
-            v = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, positions[0], 0))
+            # A ring: past the window, position p overwrites the key of p - window, which
+            # has left the context (rotary positions only: learned ones never get there).
+            slot = (0, positions[0] % cache.keys.shape[1], 0)
+            k = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), slot)
+            v = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), slot)
             cache = LayerCache(k, v)
         if last_only:
             q, positions = q[:, -1:], positions[-1:]
@@ -97,9 +117,10 @@ class Block(nnx.Module):
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False):
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False,
+                 span: int | None = None):
         # Pre-norm: normalise, attend (or feed forward), add back.
-        mixed, cache = self.attn(self.ln1(x), positions, cache, last_only)
+        mixed, cache = self.attn(self.ln1(x), positions, cache, last_only, span)
         x = (x[:, -1:] if last_only else x) + mixed
         return x + self.mlp(self.ln2(x)), cache
 
@@ -107,28 +128,35 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-        self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
+        self.rotary = cfg.positions == "rope"  # positions enter in attention, not here
+        self.pos_embed = None if self.rotary else nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False):
+    def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False,
+                 span: int | None = None):
         """(rows, t) token ids -> (logits, cache).
 
         ``positions`` (t,): where the tokens sit, by default 0..t-1. ``cache``: every layer's
         keys and values so far (``init_cache``); the tokens' own are written at ``positions``
-        and the tokens attend to everything cached up to them. ``last_only``: only the last
+        and the tokens attend to everything cached up to them (with rotary positions a
+        single token may sit past the cache's window: its key replaces the oldest). ``span``:
+        each position attends only to the last ``span`` positions up to it (what a wrapped
+        cache computes: past the window, every layer sees its last ``window`` keys, and the
+        lower layers' keys carry older context up, so for more than one layer that is not
+        the window recomputed from scratch). ``last_only``: only the last
         position's logits are wanted, (rows, 1, vocab): every layer below the top one still
         runs over all positions (they make the top layer's keys and values), the top layer's
         query, MLP and the head only over the last.
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
-        x = self.token_embed(tokens) + self.pos_embed(positions)
+        x = self.token_embed(tokens) if self.rotary else self.token_embed(tokens) + self.pos_embed(positions)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
         for depth, (block, layer) in enumerate(zip(self.blocks, layers)):
-            x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1)
+            x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
             updated.append(layer)
         return self.lm_head(self.final_norm(x)), (tuple(updated) if cache is not None else None)
 

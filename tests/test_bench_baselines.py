@@ -35,16 +35,45 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     assert float(fast) < 0.8 * float(np.log(256))  # it trained, so the match means something
 
 
-@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # one layer, and two: the cache of every layer
-def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset):
-    cfg = build_config(preset).model
+# One layer and two (the cache of every layer); learned positions (the cached loop, then
+# the sliding one) and rotary ones (the cache wraps around: never a whole-window pass).
+@pytest.mark.parametrize("preset, positions", [("tiny", "learned"), ("cpu", "learned"), ("tiny", "rope"),
+                                               ("cpu", "rope")])
+def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions):
+    cfg = build_config(preset).model.model_copy(update={"positions": positions})
     model = build_model(cfg, seed=5)
     window = cfg.max_seq_len
-    new = window + 13 - 5  # "KING:" + new > window: the cached loop, then the sliding one
+    new = 2 * window + 13 - 5  # "KING:" + new > window: slides for more than a window
     for temperature in (0.0, 0.8):
         ours = generate(model, "KING:", new, temperature, 42, window)
-        theirs = codelab_generate(model, b"KING:", new, temperature, 42, window)
+        if positions == "rope" and cfg.num_layers > 1:
+            # Past the window a cache's lower-layer keys carry older context up: the
+            # reference is the whole text's forward pass with each position attending to
+            # the last ``window`` (sliding-window attention), for every byte.
+            theirs = spanned_generate(model, b"KING:", new, temperature, 42, window)
+        else:
+            # The window recomputed for every byte; a rotary model's at the positions its
+            # cache holds (the same function as from 0; the float32 angles then agree too).
+            theirs = codelab_generate(model, b"KING:", new, temperature, 42, window, absolute=positions == "rope")
         assert ours == theirs, temperature
+
+
+def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: int, span: int) -> bytes:
+    import jax
+    import jax.numpy as jnp
+
+    graphdef, state = nnx.split(model)
+    logits_at = jax.jit(lambda tokens, at: nnx.merge(graphdef, state)(tokens, span=span)[0][0, at])
+    tokens, key = list(prompt), jax.random.key(seed)
+    total = len(prompt) + new
+    for _ in range(new):
+        last = logits_at(jnp.asarray([tokens + [0] * (total - len(tokens))], jnp.int32), len(tokens) - 1)
+        if temperature <= 0:
+            tokens.append(int(jnp.argmax(last)))
+        else:
+            key, sub = jax.random.split(key)
+            tokens.append(int(jax.random.categorical(sub, last / temperature)))
+    return bytes(tokens)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])

@@ -40,9 +40,12 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
         load_model(tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "cpu"])
-def test_the_last_position_forward_is_the_full_forward_at_the_last_position(preset):
-    cfg = build_config(preset).model
+SHAPES = [("tiny", "learned"), ("cpu", "learned"), ("cpu", "rope")]
+
+
+@pytest.mark.parametrize("preset, positions", SHAPES)
+def test_the_last_position_forward_is_the_full_forward_at_the_last_position(preset, positions):
+    cfg = build_config(preset).model.model_copy(update={"positions": positions})
     model = build_model(cfg, seed=3)
     probe = (np.arange(4 * cfg.max_seq_len).reshape(4, -1) * 7 % 256).astype(np.int32)
     full = np.asarray(model(jnp.asarray(probe))[0][:, -1])
@@ -52,11 +55,11 @@ def test_the_last_position_forward_is_the_full_forward_at_the_last_position(pres
     assert np.abs(full).max() > 0.1  # the logits are not all near zero, so the match means something
 
 
-@pytest.mark.parametrize("preset", ["tiny", "cpu"])
-def test_feeding_one_byte_at_a_time_through_the_cache_is_the_full_forward(preset):
+@pytest.mark.parametrize("preset, positions", SHAPES)
+def test_feeding_one_byte_at_a_time_through_the_cache_is_the_full_forward(preset, positions):
     """Every layer's cache is written and read: with two layers, the lower one's cached keys
     feed the upper one's."""
-    cfg = build_config(preset).model
+    cfg = build_config(preset).model.model_copy(update={"positions": positions})
     model = build_model(cfg, seed=3)
     length = 20
     tokens = jnp.asarray((np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32))
@@ -80,3 +83,31 @@ def test_sampling_is_reproducible_per_seed():
 def test_bad_prompts_are_refused(prompt, temperature, match):
     with pytest.raises(PromptError, match=match):
         generate(build_model(CFG, seed=3), prompt, 5, temperature, 0, CFG.max_seq_len)
+
+
+def test_with_rotary_positions_the_cache_wraps_and_still_equals_the_window_recomputed():
+    """One layer: past the window, the newest key replaces the oldest, and each position's
+    logits equal a forward pass over the window that ends there, positions from 0."""
+    cfg = build_config("tiny").model.model_copy(update={"positions": "rope"})
+    model, window, length = build_model(cfg, seed=3), cfg.max_seq_len, cfg.max_seq_len * 3
+    tokens = jnp.asarray((np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32))
+    cache = model.init_cache(2, window)
+    for pos in range(length):
+        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        if pos in (window - 1, window, 2 * window + 5, length - 1):
+            recomputed = model(tokens[:, max(0, pos - window + 1) : pos + 1])[0][:, -1]
+            np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(recomputed), atol=2e-5, err_msg=f"{pos}")
+
+
+def test_with_more_layers_the_wrapped_cache_is_sliding_window_attention():
+    """Two layers: the cache computes the whole text's forward pass with every position
+    attending to its last ``window`` (the lower layer's keys carry older context up)."""
+    cfg = build_config("cpu").model.model_copy(update={"positions": "rope", "max_seq_len": 16})
+    model, window, length = build_model(cfg, seed=3), 16, 50
+    tokens = jnp.asarray((np.arange(length)[None] * 11 % 256).astype(np.int32))
+    spanned = np.asarray(model(tokens, span=window)[0][0])
+    cache = model.init_cache(1, window)
+    for pos in range(length):
+        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        np.testing.assert_allclose(np.asarray(logits[0, 0]), spanned[pos], atol=2e-5, err_msg=f"{pos}")
+    assert np.abs(spanned[-1] - np.asarray(model(tokens[:, -window:])[0][0, -1])).max() > 1e-3  # not the recomputed window

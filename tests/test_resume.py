@@ -40,18 +40,24 @@ def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
                  on_step=on_step, checkpoints=checkpoints)
 
 
-def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches):
-    reference = run(batches)
+# The codelab's constant rate, and a schedule with clipping: its step count is optimizer
+# state, so the resumed run continues the schedule where it stopped.
+SCHEDULED = CFG.model_copy(update={"schedule": "cosine", "warmup_steps": 6, "grad_clip": 0.5})
+
+
+@pytest.mark.parametrize("cfg", [CFG, SCHEDULED], ids=["constant", "cosine+clip"])
+def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches, cfg):
+    reference = run(batches, cfg=cfg)
 
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
     with pytest.raises(Preempted):
-        run(batches, checkpoints, stop_at=13)
+        run(batches, checkpoints, stop_at=13, cfg=cfg)
     checkpoints.close()
     kept = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
     assert kept == [5, 10]  # the last two, every 5 steps
 
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
-    resumed = run(batches, checkpoints)
+    resumed = run(batches, checkpoints, cfg=cfg)
     checkpoints.close()
     assert resumed.resumed_from == 10 and reference.resumed_from is None
     assert resumed.history == reference.history

@@ -134,3 +134,29 @@ def test_auto_precision_is_float32_only_on_cpu():
     assert compute_dtype("auto", "cpu") == jnp.float32
     assert compute_dtype("auto", "gpu") == jnp.bfloat16
     assert compute_dtype("float32", "gpu") == jnp.float32
+
+
+def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step():
+    import optax
+
+    from model.train import learning_rate, make_optimizer
+
+    cfg = build_config("tiny").train.model_copy(update={"steps": 100, "learning_rate": 1e-2, "schedule": "cosine",
+                                                        "warmup_steps": 10, "min_learning_rate_fraction": 0.1})
+    rate = learning_rate(cfg)
+    assert float(rate(0)) == 0.0 and float(rate(10)) == pytest.approx(1e-2)
+    assert float(rate(55)) == pytest.approx(0.55e-2, rel=1e-3)  # halfway down the cosine
+    assert float(rate(100)) == pytest.approx(1e-3)  # the floor at the last step
+    assert learning_rate(cfg.model_copy(update={"schedule": "constant", "warmup_steps": 0})) == 1e-2
+    warm = learning_rate(cfg.model_copy(update={"schedule": "constant"}))
+    assert float(warm(5)) == pytest.approx(0.5e-2) and float(warm(90)) == pytest.approx(1e-2)
+
+    params, huge = {"w": jnp.ones(4)}, {"w": jnp.asarray([3e6, -4e6, 0.0, 0.0])}
+    clip_cfg = cfg.model_copy(update={"grad_clip": 1.0, "warmup_steps": 0})  # a step that moves
+    clipped = make_optimizer(clip_cfg)
+    ours, _ = clipped.update(huge, clipped.init(params), params)
+    by_hand = optax.adamw(learning_rate(clip_cfg), weight_decay=clip_cfg.weight_decay)
+    scaled = {"w": huge["w"] / 5e6}  # the same gradient, at global norm 1
+    theirs, _ = by_hand.update(scaled, by_hand.init(params), params)
+    np.testing.assert_allclose(np.asarray(ours["w"]), np.asarray(theirs["w"]), rtol=1e-6)
+    assert np.abs(np.asarray(ours["w"])).max() > 1e-4
