@@ -16,9 +16,12 @@ import os
 import time
 from typing import Any, Literal
 
-# Before JAX first touches a GPU: take memory as it is needed instead of 75 % of every GPU
-# up front, so that processes this run starts (one per GPU) find theirs free.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Before JAX starts (a deployment's flow run comes in here, not through the CLI): take GPU
+# memory as it is needed instead of 75 % of every GPU up front, so that processes this run
+# starts (one per GPU) find theirs free; on a CPU host, one emulated device per core.
+from flows.settings import prepare_environment  # noqa: E402
+
+prepare_environment()
 
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402

@@ -11,6 +11,7 @@ from model.config import PRESETS
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)
 DEBUG = "BARDFLOW_DEBUG"
+CPU_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def store_location(store: str | None = None) -> str:
@@ -49,6 +50,10 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    if cpu_devices:
-        flag = f"--xla_force_host_platform_device_count={cpu_devices}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if cpu_devices or CPU_DEVICE_FLAG not in flags:
+        # On a host without accelerators, emulate one device per core (at least 2) so that
+        # train_parallel really shards; on a GPU host the flag only adds CPU devices JAX
+        # does not use.
+        count = cpu_devices or max(2, os.cpu_count() or 1)
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={count}".strip()

@@ -29,8 +29,9 @@ TRAIN_SINGLE = Stage(
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="tasks.train:build_single")
+# "4": it reads train_single, whose version it takes over when it has one device only.
 TRAIN_PARALLEL = Stage(
-    "train_parallel", "3", reads=("encode",),
+    "train_parallel", "4", reads=("encode", "train_single"),
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),

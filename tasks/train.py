@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from typing import Any
 
 import jax
@@ -43,7 +44,9 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     _finish(TRAIN_SINGLE.name, out, summary)
 
 
-def build_parallel(settings: TrainingRequest, out: Builder, encode: Version) -> None:
+def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
+    if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
+        return _reuse(train_single, out)
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
         return _build_in_processes(settings, files, out, encode)
@@ -53,13 +56,24 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version) -> 
             f"this process sees {visible} {platform} device(s) but the run asked for "
             f"{settings.devices} {settings.platform}; start the run where those devices are visible"
         )
-    if visible == 1:
-        ui.log("train_parallel: only one device is visible, so this run is not data-parallel")
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
     with ui.Progress(TRAIN_PARALLEL.name, settings.train.steps, label) as progress:
         summary = run_training(settings, files, jax.devices(), parallel=True, on_step=progress)
     _finish(TRAIN_PARALLEL.name, out, summary)
+
+
+def _reuse(train_single: Version, out: Builder) -> None:
+    """One device, one process: data-parallel training would repeat train_single's
+    computation step for step, so its version is taken over instead of trained again."""
+    ui.log("train_parallel: only one device is visible, so data-parallel training would repeat train_single "
+           "exactly; reusing its version %s (on a CPU, emulate devices with --cpu-devices)", train_single.key)
+    shutil.copytree(train_single.file(STATE), out.path(STATE))
+    shutil.copyfile(train_single.file(HISTORY), out.path(HISTORY))
+    out.metrics.update({**train_single.metrics, "reused_from": train_single.key})
+    out.record.update({"devices": train_single.manifest.get("devices"), "resumed_from_step": None,
+                       "reused_from": train_single.key})
+    out.fingerprint = train_single.fingerprint
 
 
 def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder, encode: Version) -> None:

@@ -36,3 +36,24 @@ def test_servers_bind_to_this_machine_by_default():
 def test_every_command_has_help(command):
     done = bardflow(*command, "--help")
     assert done.stdout.startswith("usage: bardflow")
+
+
+def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
+    """So that train_parallel really shards on a laptop (at least 2 devices), and
+    --cpu-devices or a flag already set wins."""
+    import os
+
+    from flows.settings import prepare_environment
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    prepare_environment()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    monkeypatch.delenv("XLA_FLAGS")
+    prepare_environment()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=6"
+    prepare_environment()  # already set: left alone
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=6"
+    prepare_environment(3)  # asked for: the last flag wins in XLA
+    assert os.environ["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=3")

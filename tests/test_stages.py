@@ -85,7 +85,9 @@ def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_p
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
     data, _ = make(ENCODE, cfg.data, store, fetch=corpus)
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=len(jax.devices()), platform="cpu")
-    trained, _ = make(TRAIN_PARALLEL, request, store, encode=data)
+    single, _ = make(TRAIN_SINGLE, request.model_copy(update={"devices": 1}), store, encode=data)
+    trained, _ = make(TRAIN_PARALLEL, request, store, encode=data, train_single=single)
+    assert "reused_from" not in trained.metrics and trained.metrics["devices"] == 2
     saved, _ = make(CHECKPOINT, {}, store, train_parallel=trained)
     upstream = {"checkpoint": saved, "train_parallel": trained, "encode": data}
     verdict, _ = make(VERIFY, VerifyConfig(), store, **upstream)
@@ -99,6 +101,21 @@ def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_p
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
         make(VERIFY, VerifyConfig(), store, **{**upstream, "checkpoint": bad})
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
+
+
+def test_with_one_device_train_parallel_takes_over_train_single_instead_of_training_again(tmp_path, small_corpus):
+    path, md5 = small_corpus
+    store = tmp_path / "store"
+    cfg = build_config("tiny", {"train.steps": 3})
+    data, _ = make(ENCODE, cfg.data, store, fetch=fetch(DataConfig(corpus=str(path), md5=md5), store))
+    one = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
+    single, _ = make(TRAIN_SINGLE, one, store, encode=data)
+    parallel, built = make(TRAIN_PARALLEL, one, store, encode=data, train_single=single)
+    assert built and parallel.metrics["reused_from"] == single.key and parallel.fingerprint == single.fingerprint
+    assert parallel.file("history.json").read_text() == single.file("history.json").read_text()
+    from model.checkpoint import params_digest
+
+    assert params_digest(trained_model(parallel)[0]) == params_digest(trained_model(single)[0])
 
 
 def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
@@ -200,4 +217,4 @@ def test_the_kernel_choice_and_checkpoint_cadence_are_not_part_of_the_training_k
     upstream = {"encode": corpus}  # any version: only its fingerprint enters the key
     assert TRAIN_SINGLE.key(base, upstream) == TRAIN_SINGLE.key(faster, upstream)
     assert TRAIN_SINGLE.key(base, upstream) != TRAIN_SINGLE.key(other, upstream)
-    assert TRAIN_SINGLE.key(base, upstream) != TRAIN_PARALLEL.key(base, upstream)
+    assert TRAIN_SINGLE.key(base, upstream) != TRAIN_PARALLEL.key(base, {**upstream, "train_single": corpus})
