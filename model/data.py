@@ -23,14 +23,18 @@ class DataError(BardflowError, ValueError):
 
 @dataclass(frozen=True)
 class Split:
-    train: np.ndarray  # (num_train, seq_len) uint8, shuffled
-    val: np.ndarray  # (num_val, seq_len) uint8, in corpus order
+    train: np.ndarray  # (num_train, row) uint8, shuffled; row = seq_len, or seq_len + 1
+    val: np.ndarray  # (num_val, row) uint8, in corpus order
 
 
-def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int) -> Split:
-    """Bytes are token ids 0..255; cut into non-overlapping windows, split, shuffle train."""
+def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_position: bool = False) -> Split:
+    """Bytes are token ids 0..255; cut into windows every ``seq_len`` bytes, split, shuffle
+    train. A window is ``seq_len`` bytes (the codelab: the last has no target), or with
+    ``every_position`` ``seq_len + 1`` (it overlaps the next by one byte: that byte is the
+    last position's target)."""
     tokens = np.frombuffer(corpus, dtype=np.uint8)
-    num_sequences = len(tokens) // seq_len
+    extra = int(every_position)
+    num_sequences = (len(tokens) - extra) // seq_len
     num_train = int(train_fraction * num_sequences)
     if num_train < 1 or num_sequences - num_train < 1:
         raise DataError(
@@ -38,7 +42,8 @@ def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int) -> Spl
             f"{seq_len} bytes: too few for a train and a validation split; use a longer "
             "corpus or a smaller data.seq_len"
         )
-    windows = tokens[: num_sequences * seq_len].reshape(num_sequences, seq_len)
+    starts = np.arange(num_sequences)[:, None] * seq_len
+    windows = tokens[starts + np.arange(seq_len + extra)[None, :]]
     train = windows[:num_train][np.random.default_rng(seed).permutation(num_train)]
     return Split(train=train, val=windows[num_train:].copy())
 

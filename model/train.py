@@ -29,9 +29,14 @@ class TrainingError(BardflowError, RuntimeError):
 
 
 def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
-    logits, _ = model(tokens)
-    logits = logits.astype(jnp.float32)  # the loss is always taken in float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+    """Mean loss of predicting each byte of the rows but the first from those before it.
+    A row one byte longer than the model's context (``data.every_position``) is read
+    without its last byte, which is only a target; otherwise the row is read whole and the
+    last position's prediction dropped (causal: the same function, one shape for both)."""
+    inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
+    logits, _ = model(inputs)
+    logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def compute_dtype(precision: str, platform: str):

@@ -128,6 +128,7 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.max_seq_len = cfg.max_seq_len
         self.rotary = cfg.positions == "rope"  # positions enter in attention, not here
         self.pos_embed = None if self.rotary else nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])

@@ -15,7 +15,7 @@ TRAIN, VAL = ENCODE.builds
 
 def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
     raw = fetch.file(CORPUS).read_bytes()
-    split = encode(raw, settings.seq_len, settings.train_fraction, settings.shuffle_seed)
+    split = encode(raw, settings.seq_len, settings.train_fraction, settings.shuffle_seed, settings.every_position)
     counts = {"train_sequences": len(split.train), "val_sequences": len(split.val)}
     for name, rows, part in ((TRAIN, split.train, "train"), (VAL, split.val, "val")):
         write_sequences(

@@ -20,7 +20,8 @@ ENCODE = Stage(
     "encode", "1", reads=("fetch",),
     settings=lambda run: run.config.data,
     recipe=lambda data: {"seq_len": data.seq_len, "train_fraction": data.train_fraction,
-                         "shuffle_seed": data.shuffle_seed},
+                         "shuffle_seed": data.shuffle_seed,
+                         **({"every_position": True} if data.every_position else {})},  # codelab keys unchanged
     builds=("train.arrow", "val.arrow"), headline=("train_sequences", "val_sequences", "seq_len"))
 # "3": the MLP is a module of its own (mlp.up, mlp.down), so a state of "2" has other names.
 TRAIN_SINGLE = Stage(

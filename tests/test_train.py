@@ -160,3 +160,28 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
     theirs, _ = by_hand.update(scaled, by_hand.init(params), params)
     np.testing.assert_allclose(np.asarray(ours["w"]), np.asarray(theirs["w"]), rtol=1e-6)
     assert np.abs(np.asarray(ours["w"])).max() > 1e-4
+
+
+def test_with_every_position_the_last_position_learns_too():
+    """Rows of seq_len + 1 bytes: the loss has a target at each of the model's positions,
+    so the last position's embedding gets a gradient; the codelab's rows leave it at zero."""
+    from flax import nnx
+
+    from model.train import next_byte_loss
+    from model.transformer import build_model
+    from tests.conftest import play_text
+
+    cfg = build_config("tiny")
+    seq_len = cfg.model.max_seq_len
+    codelab = encode(play_text(8_000), seq_len, 0.9, 0)
+    every = encode(play_text(8_000), seq_len, 0.9, 0, every_position=True)
+    assert codelab.train.shape[1] == seq_len and every.train.shape[1] == seq_len + 1
+    np.testing.assert_array_equal(every.val[:-1, seq_len], every.val[1:, 0])  # the extra byte: the next window's first
+    model = build_model(cfg.model, 0)
+
+    def last_position_gradient(rows):
+        grads = nnx.grad(lambda m: next_byte_loss(m, jnp.asarray(rows[:8], jnp.int32)))(model)
+        return float(jnp.abs(grads.pos_embed.embedding[...][seq_len - 1]).max())
+
+    assert last_position_gradient(codelab.train) == 0.0
+    assert last_position_gradient(every.train) > 0.0
