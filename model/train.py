@@ -28,15 +28,19 @@ class TrainingError(BardflowError, RuntimeError):
     """Training cannot go on; the message names the step and the cause."""
 
 
-def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
-    """Mean loss of predicting each byte of the rows but the first from those before it.
-    A row one byte longer than the model's context (``data.every_position``) is read
-    without its last byte, which is only a target; otherwise the row is read whole and the
-    last position's prediction dropped (causal: the same function, one shape for both)."""
+def target_losses(model: Transformer, tokens: jax.Array) -> jax.Array:
+    """(rows, length - 1): the loss of predicting each byte of the rows but the first from
+    those before it. A row one byte longer than the model's context (``data.every_position``)
+    is read without its last byte, which is only a target; otherwise the row is read whole
+    and the last position's prediction dropped (causal: the same function, one shape for both)."""
     inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
     logits, _ = model(inputs)
     logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
+def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
+    return target_losses(model, tokens).mean()
 
 
 def compute_dtype(precision: str, platform: str):
@@ -166,12 +170,13 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
     )
 
 
-def make_eval_loss(graphdef):
+def make_eval_sum(graphdef):
+    """``(state, tokens, weights) -> sum of weight x row loss``: rows of weight 0 pad the last batch."""
     @jax.jit
-    def eval_loss(state, tokens):
-        return next_byte_loss(model_from_state(graphdef, state), tokens)
+    def eval_sum(state, tokens, weights):
+        return jnp.sum(target_losses(model_from_state(graphdef, state), tokens).mean(axis=1) * weights)
 
-    return eval_loss
+    return eval_sum
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,8 @@ class TrainResult:
             "tokens_per_s": round(self.tokens_per_s, 1),
             "ms_per_step": round(self.ms_per_step, 3),
             "final_loss": round(last["loss"], 4),
-            "val_loss": round(self.val_loss, 4),
+            "val_loss": round(self.val_loss, 4),  # the whole validation split
+            "val_bpb": round(self.val_loss / math.log(2), 4),  # bits per byte
             "steps": self.steps,
             "global_batch": self.global_batch,
             "devices": self.devices,
@@ -296,6 +302,20 @@ def train(
     of time and is timed apart: it never counts against throughput or consumes a step.
     """
     start, history, prior_elapsed, resumed_from, resume_s = 0, [], 0.0, None, 0.0
+    eval_sum, evaluating_s = make_eval_sum(graphdef), 0.0
+
+    def evaluate(state) -> float | None:
+        """The loss on the whole validation split: every row once, the same rows every time
+        (None without one)."""
+        total = sum(eval_sum(state, placement.put_batch(rows), placement.put_batch(weights))
+                    for rows, weights in val_batches)
+        count = sum(float(weights.sum()) for _, weights in val_batches)
+        if jax.process_count() > 1:  # each process holds its own rows' weights
+            from jax.experimental import multihost_utils
+
+            count = float(multihost_utils.process_allgather(np.float32(count)).sum())
+        return float(total) / count if count else None
+
     state = placement.put_state(state)
     if checkpoints is not None:
         started = time.perf_counter()
@@ -325,8 +345,14 @@ def train(
         pending = (step, loss)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             value = _check_loss(step, loss, last_saved)
+            paused = time.perf_counter()  # evaluating is not training: its time is left out
+            trained_s = prior_elapsed + paused - started - evaluating_s
+            val_loss = evaluate(state)
+            evaluating_s += time.perf_counter() - paused
             history.append({"step": step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
-                            "tokens": (step + 1) * global_batch * (seq_len - 1)})
+                            "tokens": (step + 1) * global_batch * (seq_len - 1), "val_loss": val_loss,
+                            "val_bpb": None if val_loss is None else val_loss / math.log(2),
+                            "seconds": round(trained_s, 3)})
         done = step + 1
         if checkpoints is not None and done % cfg.checkpoint_every == 0 and done < cfg.steps:
             _check_loss(step, loss, last_saved)
@@ -335,7 +361,7 @@ def train(
                     f"parameters became non-finite at step {step}; the checkpoint of step "
                     f"{last_saved} is kept; lower train.learning_rate"
                 )
-            elapsed = prior_elapsed + time.perf_counter() - started
+            elapsed = prior_elapsed + time.perf_counter() - started - evaluating_s
             # A copy: the save is asynchronous and the loop keeps appending to history.
             checkpoints.save(done, state, {"step": done, "history": list(history), "elapsed_s": elapsed,
                                            "data_position": done})
@@ -345,10 +371,7 @@ def train(
     if pending is not None:
         _check_loss(*pending, last_saved)
     jax.block_until_ready(state)
-    elapsed_s = prior_elapsed + time.perf_counter() - started
-
-    eval_loss = make_eval_loss(graphdef)
-    losses = [float(eval_loss(state, placement.put_batch(b))) for b in val_batches]
+    elapsed_s = prior_elapsed + time.perf_counter() - started - evaluating_s
     return TrainResult(
         state=state,
         history=history,
@@ -357,7 +380,7 @@ def train(
         steps=cfg.steps,
         global_batch=global_batch,
         seq_len=seq_len,
-        val_loss=float(np.mean(losses)) if losses else math.nan,
+        val_loss=math.nan if history[-1]["val_loss"] is None else history[-1]["val_loss"],  # the last step's
         devices=len(placement.devices),
         resumed_from=resumed_from,
         resume_s=resume_s,
@@ -366,10 +389,17 @@ def train(
     )
 
 
-def val_batches(val: np.ndarray, batch_size: int, multiple: int = 1, limit: int = 50) -> list[np.ndarray]:
-    """Up to ``limit`` whole batches of the validation split, each a multiple of
-    ``multiple`` rows (the device count) so they shard evenly; shrunk to fit a small split."""
-    size = min(batch_size, len(val)) // multiple * multiple
-    if size == 0:
-        return []
-    return [val[i : i + size].astype(np.int32) for i in range(0, len(val) - size + 1, size)][:limit]
+def val_batches(val: np.ndarray, batch_size: int, multiple: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The whole validation split in batches of ``batch_size`` rows rounded to a multiple of
+    ``multiple`` (the device count, so they shard evenly): (rows, weights) pairs, the last
+    batch padded with rows of weight 0, so every row counts exactly once."""
+    size = max(multiple, batch_size // multiple * multiple)
+    batches = []
+    for start in range(0, len(val), size):
+        rows = val[start : start + size].astype(np.int32)
+        weights = np.ones(size, np.float32)
+        if len(rows) < size:
+            weights[len(rows):] = 0.0
+            rows = np.concatenate([rows, np.zeros((size - len(rows), val.shape[1]), np.int32)])
+        batches.append((rows, weights))
+    return batches

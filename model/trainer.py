@@ -35,8 +35,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     train_rows, _ = read_sequences(files.train)
     val_rows, _ = read_sequences(files.val)
     # Only this process's rows of every batch are read (memory-mapped) and placed.
-    val = [batch[slice(*placement.rows(len(batch)))]
-           for batch in val_batches(val_rows, global_batch, multiple=len(devices))]
+    val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
+           for rows, weights in val_batches(val_rows, global_batch, multiple=len(devices))]
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "

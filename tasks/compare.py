@@ -56,19 +56,27 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Pa
     fig.savefig(throughput_png, dpi=100, metadata={"Software": None})
     plt.close(fig)
 
-    fig, (loss_ax, ppl_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for label, history, _ in runs:
-        millions = [h["tokens"] / 1e6 for h in history]
-        loss_ax.plot(millions, [h["loss"] for h in history], "o-", markersize=3, label=label)
-        ppl_ax.plot(millions, [h["perplexity"] for h in history], "o-", markersize=3, label=label)
-    ppl_ax.set_yscale("log")  # from ~256 at initialisation down to single digits
-    for ax, name in ((loss_ax, "Loss"), (ppl_ax, "Perplexity")):
-        ax.set_xlabel("Tokens processed (millions)")
-        ax.set_ylabel(name)
-        ax.set_title(f"Training {name.lower()}")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
+    panels = [  # (axes, x of a record, y of a record, x label, title)
+        (axes[0, 0], lambda h: h["tokens"] / 1e6, lambda h: h["loss"], "Tokens processed (millions)", "Training loss"),
+        (axes[0, 1], lambda h: h["tokens"] / 1e6, lambda h: h["perplexity"], "Tokens processed (millions)",
+         "Training perplexity"),
+        (axes[1, 0], lambda h: h["tokens"] / 1e6, lambda h: h.get("val_loss"), "Tokens processed (millions)",
+         "Validation loss (whole split) vs tokens"),
+        (axes[1, 1], lambda h: h.get("seconds"), lambda h: h.get("val_loss"), "Training seconds (evaluation excluded)",
+         "Validation loss vs seconds"),
+    ]
+    for ax, x_of, y_of, xlabel, title in panels:
+        for label, history, _ in runs:
+            points = [(x_of(h), y_of(h)) for h in history if x_of(h) is not None and y_of(h) is not None]
+            if points:
+                ax.plot(*zip(*points), "o-", markersize=3, label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
         ax.grid(True, alpha=0.25)
         ax.legend()
-    fig.suptitle("Training curves vs tokens processed")
+    axes[0, 1].set_yscale("log")  # from ~256 at initialisation down to single digits
+    fig.suptitle("Training curves: one per training stage")
     fig.tight_layout()
     fig.savefig(curves_png, dpi=100, metadata={"Software": None})
     plt.close(fig)

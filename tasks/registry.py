@@ -37,8 +37,9 @@ TRAIN_PARALLEL = Stage(
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="tasks.train:build_parallel")
+# "2": its curves include validation loss against tokens and against seconds.
 COMPARE = Stage(
-    "compare", "1", reads=("train_single", "train_parallel"),
+    "compare", "2", reads=("train_single", "train_parallel"),
     settings=lambda run: {},
     builds=("comparison.json", "throughput.png", "curves.png"), headline=("speedup", "devices"))
 CHECKPOINT = Stage(

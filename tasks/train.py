@@ -118,14 +118,16 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
         ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
                stage, metrics["resumed_from_step"], metrics["resume_s"])
     rows = [{"step": h["step"], "loss": round(h["loss"], 4), "perplexity": round(h["perplexity"], 2),
-             "tokens": h["tokens"]} for h in history]
+             "val_loss": None if h.get("val_loss") is None else round(h["val_loss"], 4),
+             "tokens": h["tokens"], "seconds": h.get("seconds")} for h in history]
     ui.table(
         stage,
         rows,
         description=(
             f"{stage}: {metrics['tokens_per_s']:,.0f} tokens/s, {metrics['ms_per_step']:.1f} ms/step, "
             f"{metrics['devices']} device(s), global batch {metrics['global_batch']}, "
-            f"val loss {metrics['val_loss']:.4f}, compile {metrics['compile_s']:.1f} s"
+            f"val loss {metrics['val_loss']:.4f} ({metrics.get('val_bpb', float('nan')):.3f} bits/byte, whole split), "
+            f"compile {metrics['compile_s']:.1f} s"
             + (f", resumed from step {metrics['resumed_from_step']}" if metrics["resumed_from_step"] else "")
         ),
     )

@@ -29,13 +29,23 @@ def split():
 def test_loss_falls_on_tiny(split):
     cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10})
     graphdef, state = init_state(TINY.model, cfg)
-    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8),
+    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 6),
                    Placement.single(jax.devices()[0]), cfg)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert first > 5.0  # about ln(256) at initialisation
     assert last < first - 1.5
     assert np.isfinite(result.val_loss) and result.val_loss < first
     assert [h["step"] for h in result.history] == [0, 10, 20, 30, 40, 50, 59]
+    # Evaluated at every record, on the whole validation split (here 6 does not divide it).
+    from model.train import model_from_state, target_losses
+
+    assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
+    whole = float(target_losses(model_from_state(graphdef, result.state), jnp.asarray(split.val, jnp.int32)).mean())
+    assert result.val_loss == pytest.approx(whole, rel=1e-5)
+    assert result.history[0]["val_loss"] > result.val_loss and result.history[-1]["val_bpb"] == pytest.approx(
+        result.val_loss / np.log(2))
+    seconds = [h["seconds"] for h in result.history]
+    assert seconds == sorted(seconds) and seconds[-1] <= result.elapsed_s + 1e-3  # rounded to ms
     assert result.tokens_per_s > 0 and result.compile_s > 0
 
 
@@ -107,9 +117,17 @@ def test_a_diverging_loss_stops_with_the_step(split):
 
 def test_val_batches_shard_evenly():
     val = np.zeros((7, 4), np.uint8)
-    assert [b.shape for b in val_batches(val, 4, multiple=2)] == [(4, 4)]
-    assert [b.shape for b in val_batches(val[:3], 4, multiple=2)] == [(2, 4)]
-    assert val_batches(val[:1], 4, multiple=2) == []
+    batches = val_batches(val, 4, multiple=2)
+    assert [(rows.shape, weights.tolist()) for rows, weights in batches] == [((4, 4), [1, 1, 1, 1]),
+                                                                            ((4, 4), [1, 1, 1, 0])]
+    # Every row once, whatever the sizes: the weights count each real row, the padding none.
+    val = (np.arange(40).reshape(10, 4) + 1).astype(np.uint8)
+    for size, multiple, count in [(4, 2, 3), (5, 2, 9), (8, 4, 1), (3, 1, 10)]:
+        batches = val_batches(val[:count], size, multiple)
+        assert all(len(rows) % multiple == 0 for rows, _ in batches)
+        assert sum(w.sum() for _, w in batches) == count
+        kept = np.concatenate([rows[w > 0] for rows, w in batches])
+        np.testing.assert_array_equal(kept, val[:count])
 
 
 def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss(split):
