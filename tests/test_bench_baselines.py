@@ -43,7 +43,7 @@ def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions
     cfg = build_config(preset).model.model_copy(update={"positions": positions})
     model = build_model(cfg, seed=5)
     window = cfg.max_seq_len
-    new = 2 * window + 13 - 5  # "KING:" + new > window: slides for more than a window
+    new = window + 13 - 5  # "KING:" + new > window: slides (or wraps) for 13 bytes
     for temperature in (0.0, 0.8):
         ours = generate(model, "KING:", new, temperature, 42, window)
         if positions == "rope" and cfg.num_layers > 1:
