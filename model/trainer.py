@@ -15,6 +15,9 @@ from model.data import Batches, read_sequences
 from model.train import Placement, init_state, model_from_state, train, val_batches
 
 
+EVAL_TOKENS = 1 << 16
+
+
 @dataclass(frozen=True)
 class RunFiles:
     train: Path  # Arrow files of the encode stage
@@ -35,8 +38,11 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     train_rows, _ = read_sequences(files.train)
     val_rows, _ = read_sequences(files.val)
     # Only this process's rows of every batch are read (memory-mapped) and placed.
+    # Evaluation batches of about EVAL_TOKENS tokens (at least the training batch): the whole
+    # split is evaluated at every record, and fewer, larger calls cost less than many.
+    eval_rows = max(global_batch, EVAL_TOKENS // val_rows.shape[1])
     val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
-           for rows, weights in val_batches(val_rows, global_batch, multiple=len(devices))]
+           for rows, weights in val_batches(val_rows, eval_rows, multiple=len(devices))]
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "

@@ -133,7 +133,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = tmp_path / "store"
-    long = ("--processes", "2", "--set", "train.steps=150", "--set", "train.checkpoint_every=20")
+    long = ("--processes", "2", "--set", "train.steps=100", "--set", "train.checkpoint_every=20")
     run = start(base_args(corpus, store, *long), tmp_path / "killed.log", run_env)
     deadline = time.monotonic() + 300
     while not [s for s in checkpoint_steps(store, "train_parallel") if s >= 40]:
@@ -155,7 +155,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log", run_env))
     metrics = summary["stages"]["train_parallel"]["metrics"]
     assert summary["stages"]["train_parallel"]["state"] == "ran"
-    assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 150
+    assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 100
     assert summary["stages"]["verify"]["metrics"]["passed"] is True
     assert not list(store.glob("train_parallel/.resume-*"))  # resume state is removed once published
 
