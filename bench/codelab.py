@@ -26,24 +26,34 @@ def _logits(graphdef, state, tokens, first=0):
     return nnx.merge(graphdef, state)(tokens, first + jnp.arange(tokens.shape[1]))[0]
 
 
-def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int,
-                     absolute: bool = False) -> bytes:
-    """``absolute``: the window's positions are where its bytes sit in the whole text, not
-    0.. (for a rotary model the same function, computed with the sampler's angles)."""
-    graphdef, state = nnx.split(model)
+def host_sampling_loop(last_logits, prompt: bytes, max_new: int, temperature: float, seed: int) -> bytes:
+    """The codelab's loop: one forward pass per new byte, ``last_logits(tokens)`` giving the
+    logits that follow ``tokens``; greedy at temperature 0, else a fresh key split per byte."""
     tokens = list(prompt)
     key = jax.random.key(seed)
     for _ in range(max_new):
-        context = tokens[-window:]
-        first = len(tokens) - len(context) if absolute else 0
-        logits = _logits(graphdef, state, jnp.array([context + [0] * (window - len(context))], jnp.int32), first)
-        last = logits[0, len(context) - 1]
+        last = last_logits(tokens)
         if temperature <= 0:
             tokens.append(int(jnp.argmax(last)))
         else:
             key, sub = jax.random.split(key)
             tokens.append(int(jax.random.categorical(sub, last / temperature)))
     return bytes(tokens)
+
+
+def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int,
+                     absolute: bool = False) -> bytes:
+    """``absolute``: the window's positions are where its bytes sit in the whole text, not
+    0.. (for a rotary model the same function, computed with the sampler's angles)."""
+    graphdef, state = nnx.split(model)
+
+    def last_logits(tokens):
+        context = tokens[-window:]
+        first = len(tokens) - len(context) if absolute else 0
+        logits = _logits(graphdef, state, jnp.array([context + [0] * (window - len(context))], jnp.int32), first)
+        return logits[0, len(context) - 1]
+
+    return host_sampling_loop(last_logits, prompt, max_new, temperature, seed)
 
 
 def codelab_generate_batch(model, prompt: bytes, max_new: int, temperature: float, seeds: list[int],

@@ -62,18 +62,14 @@ def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: i
     import jax
     import jax.numpy as jnp
 
+    from bench.codelab import host_sampling_loop
+
     graphdef, state = nnx.split(model)
     logits_at = jax.jit(lambda tokens, at: nnx.merge(graphdef, state)(tokens, span=span)[0][0, at])
-    tokens, key = list(prompt), jax.random.key(seed)
     total = len(prompt) + new
-    for _ in range(new):
-        last = logits_at(jnp.asarray([tokens + [0] * (total - len(tokens))], jnp.int32), len(tokens) - 1)
-        if temperature <= 0:
-            tokens.append(int(jnp.argmax(last)))
-        else:
-            key, sub = jax.random.split(key)
-            tokens.append(int(jax.random.categorical(sub, last / temperature)))
-    return bytes(tokens)
+    return host_sampling_loop(
+        lambda tokens: logits_at(jnp.asarray([tokens + [0] * (total - len(tokens))], jnp.int32), len(tokens) - 1),
+        prompt, new, temperature, seed)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])

@@ -158,6 +158,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 100
     assert summary["stages"]["verify"]["metrics"]["passed"] is True
     assert not list(store.glob("train_parallel/.resume-*"))  # resume state is removed once published
+    assert not list(store.glob("*/.build-*")), "no half-built version is left behind"
 
 
 @pytest.mark.processes

@@ -129,7 +129,9 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
     assert fs.cat_file(fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")[0]) == corpus.read_bytes()
 
 
-def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_env, object_server):
+def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_env, object_server, monkeypatch):
+    """kill -9 (the machine and its disk gone), then the same run elsewhere: it resumes from
+    the last checkpoint in the bucket and ends bitwise where a run never interrupted does."""
     store = object_server.prefix("resume")
     long = ("--set", "train.steps=300", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
     victim = start(args(corpus, store, "--cpu-devices", "2", *long), tmp_path / "victim.log",
@@ -150,6 +152,32 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
                            machine(run_env, object_server, tmp_path / "replacement")))
     single = resumed["stages"]["train_single"]
     assert single["state"] == "ran" and single["metrics"]["resumed_from_step"] == saved >= 100
+
+    # Same loss history and bitwise the same parameters as the run never interrupted: the
+    # same request trained here, in one go, by the code the stage runs.
+    import jax
+
+    from artifacts.objects import open_store
+    from model.checkpoint import params_digest
+    from model.config import TrainingRequest
+    from model.trainer import RunFiles, run_training
+    from tasks.train import trained_model
+    from tests.test_resume import without_seconds
+
+    for name, value in object_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = open_store(store, tmp_path / "checker")
+    version = bucket.lookup("train_single", single["key"])
+    assert version.manifest["resumed_from_step"] == saved
+    data = bucket.lookup("encode", resumed["stages"]["encode"]["key"])
+    files = RunFiles(train=data.file("train.arrow"), val=data.file("val.arrow"), resume=tmp_path / "ref-resume",
+                     state=tmp_path / "ref-state")
+    reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
+                             [jax.devices()[0]], parallel=False)
+    assert reference["metrics"]["resumed_from_step"] is None
+    assert without_seconds(json.loads(version.file("history.json").read_text())) == \
+        without_seconds(reference["history"])
+    assert params_digest(trained_model(version)[0]) == reference["params_digest"]
     left = [p for p, info in fs.find(f"{store[5:]}/train_single", detail=True).items()
             if info["type"] == "file" and "/.resume-" in p]
     assert not left, "the checkpoints go once the version is in"

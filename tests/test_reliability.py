@@ -4,11 +4,8 @@ store, and bad input gets one clear error, a non-zero exit and loses nothing."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,7 @@ from artifacts.store import Store
 from model.config import DataConfig
 from tasks.registry import FETCH
 from tasks.stage import produce
-from tests.conftest import OUTPUT, REPO, md5_bytes, play_text
-from tests.test_resume import without_seconds
+from tests.conftest import REPO, md5_bytes, play_text
 
 pytestmark = pytest.mark.flow
 
@@ -52,52 +48,6 @@ def base_args(corpus: Path, store: Path, *extra: str) -> list[str]:
 
 def checkpoint_steps(store: Path, stage: str) -> list[int]:
     return sorted(int(p.name) for p in store.glob(f"{stage}/.resume-*/*") if p.name.isdigit())
-
-
-def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, run_env):
-    long = ("--set", "train.steps=600", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
-    store = tmp_path / "store"
-    victim = start(base_args(corpus, store, *long), tmp_path / "victim.log", run_env)
-    deadline = time.monotonic() + 300
-    while not any(step >= 300 for step in checkpoint_steps(store, "train_single")):
-        assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # a preempted machine: no cleanup runs
-    victim.wait()
-    saved = max(checkpoint_steps(store, "train_single"))
-
-    started = time.monotonic()
-    resumed = finish(start(base_args(corpus, store, *long), tmp_path / "resumed.log", run_env))
-    rerun_s = time.monotonic() - started
-    single = resumed["stages"]["train_single"]
-    assert single["state"] == "ran"
-    assert single["metrics"]["resumed_from_step"] == saved >= 300
-    manifest = json.loads((Path(single["path"]) / "manifest.json").read_text())
-    assert manifest["resumed_from_step"] == saved
-
-    # Same loss history and bitwise the same parameters as the run never interrupted: the
-    # same request trained here, in one go, by the code the stage runs.
-    import jax
-
-    from model.checkpoint import params_digest
-    from model.config import TrainingRequest
-    from model.trainer import RunFiles, run_training
-    from tasks.train import trained_model
-
-    version = Store(store).lookup("train_single", single["key"])
-    data = Store(store).lookup("encode", resumed["stages"]["encode"]["key"])
-    files = RunFiles(train=data.file("train.arrow"), val=data.file("val.arrow"), resume=tmp_path / "ref-resume",
-                     state=tmp_path / "ref-state")
-    reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
-                             [jax.devices()[0]], parallel=False)
-    assert reference["metrics"]["resumed_from_step"] is None
-    assert without_seconds(json.loads(version.file("history.json").read_text())) == without_seconds(reference["history"])
-    assert params_digest(trained_model(version)[0]) == reference["params_digest"]
-    assert not list(store.glob("train_single/.resume-*")), "the resume folder is removed once published"
-    assert not list(store.glob("*/.build-*")), "no half-built version is left behind"
-    (OUTPUT / "resume.json").write_text(json.dumps({
-        "checkpoint_every": 100, "resumed_from_step": saved,
-        "resume_restore_s": single["metrics"]["resume_s"], "rerun_wall_s": round(rerun_s, 1)}, indent=1))
 
 
 def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
