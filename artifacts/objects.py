@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, file_digest, valid_key,
-                             valid_stage)
+from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, describe_files,
+                             valid_key, valid_stage)
 
 SCHEMES = ("s3", "gs", "gcs")
 REMOTE = "remote.json"  # in a mirrored version: the URI and the ETags it was downloaded with
@@ -206,12 +206,6 @@ class Bucket:
             return [p[len(base):] for p in self.fs.glob(self.path(pattern))]
 
 
-def _sealed(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``folder``, by relative name."""
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _fetch_verified(bucket: Bucket, prefix: str, files: Mapping[str, Mapping[str, Any]], into: Path) -> bool:
     """Downloads ``files`` (name -> bytes, sha256) from ``prefix`` into ``into``; False if any is
     missing or differs from what ``files`` says."""
@@ -267,7 +261,7 @@ class RemoteResumeFolder(ResumeFolder):
             if self.path.is_dir() else []
         for step in local:
             if step not in committed:
-                files = _sealed(self.path / str(step))
+                files = describe_files(self.path / str(step))
                 bucket.upload({f"{step}/{name}": self.path / str(step) / name for name in files})
                 bucket.write(f"{step}.json", json.dumps({"files": files}).encode())
         for step in committed:
@@ -352,12 +346,7 @@ class ObjectStore:
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
 
-    def require(self, handed: Version) -> Version:
-        version = self.lookup(handed.stage, handed.key)
-        if version is None or version.fingerprint != handed.fingerprint:
-            raise StoreError(f"the {handed.stage} version {handed.key} in {self.location} is missing or damaged; "
-                             f"rerun with --refresh {handed.stage}")
-        return version
+    require = Store.require  # the same check: looked up again, the same output as handed over
 
     def produce(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
                 work: Callable[[Builder], None], force: bool = False,

@@ -63,6 +63,12 @@ def file_digest(path: Path, algorithm: str = "sha256") -> str:
         return hashlib.file_digest(handle, algorithm).hexdigest()
 
 
+def describe_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def library_versions() -> dict[str, str]:
     found = {}
     for name in _LIBRARIES:
@@ -172,7 +178,7 @@ class Store:
         version = self.lookup(handed.stage, handed.key)
         if version is None or version.fingerprint != handed.fingerprint:
             raise StoreError(
-                f"the {handed.stage} version {handed.key} in {self.root} is "
+                f"the {handed.stage} version {handed.key} in {self.location} is "
                 f"missing or damaged; rerun with --refresh {handed.stage}"
             )
         return version
@@ -272,10 +278,7 @@ class Store:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _seal(self, builder: Builder, params: Any, inputs: Mapping[str, Version]) -> None:
-        files = {}
-        for file in sorted(p for p in builder.dir.rglob("*") if p.is_file()):
-            name = file.relative_to(builder.dir).as_posix()
-            files[name] = {"bytes": file.stat().st_size, "sha256": file_digest(file)}
+        files = describe_files(builder.dir)
         fingerprint = builder.fingerprint or hashlib.sha256(
             canonical_json({n: f["sha256"] for n, f in files.items()}).encode()
         ).hexdigest()

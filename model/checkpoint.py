@@ -140,12 +140,11 @@ class TrainingCheckpoints:
     """
 
     def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None):
-        self.directory, self.saved = Path(directory).absolute(), saved
-        self.leader, self.manager = jax.process_index() == 0, None
+        self.directory, self.saved, self.manager = Path(directory).absolute(), saved, None
         shared = {"create": True}
         if jax.process_count() > 1:
             shared = {"create": False, "multiprocessing_options": _leader_only()}
-        if self.leader:
+        if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
                 preservation_policy=ocp.checkpoint_managers.LatestN(keep), enable_async_checkpointing=True,

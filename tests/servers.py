@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,8 +139,6 @@ class ObjectServer:
 
     def prefix(self, name: str) -> str:
         """A fresh ``s3://`` location in the session's bucket."""
-        import uuid
-
         return f"s3://{self.BUCKET}/{name}-{uuid.uuid4().hex[:10]}"
 
     def stop(self) -> None:
