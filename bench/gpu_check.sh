@@ -11,3 +11,6 @@ print("devices:", jax.devices(), "backend:", jax.default_backend())
 PY
 # The codelab step is dominated by dispatch on a GPU: time enough steps to see it.
 python3 -m bench --steps "${BENCH_STEPS:-100}" --pairs "${BENCH_PAIRS:-3}" --out "$out"
+# Time to quality: the `quality` preset against nanoGPT's 1.4697 (target: 1.47 within 60 s).
+timeout "${QUALITY_TIMEOUT_S:-300}" python3 -m bench.quality --preset quality --target 1.47 --out "$out" \
+  || echo "bench.quality: failed or timed out (exit $?)"

@@ -64,22 +64,46 @@ def compiler_options(platform: str) -> dict[str, Any]:
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if platform == "cpu" else {}
 
 
-def learning_rate(cfg: TrainConfig) -> float | optax.Schedule:
+def learning_rate(cfg: TrainConfig, peak: float | None = None) -> float | optax.Schedule:
     """The learning rate by step: constant (after any warmup), or warmup then cosine decay
     to the floor at the last step. The step count lives in the optimizer state, so a resumed
-    run continues the schedule where it stopped."""
+    run continues the schedule where it stopped. ``peak``: another peak, same shape."""
+    peak = cfg.learning_rate if peak is None else peak
     if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
-                                                  cfg.learning_rate * cfg.min_learning_rate_fraction)
+        return optax.warmup_cosine_decay_schedule(0.0, peak, cfg.warmup_steps, cfg.steps,
+                                                  peak * cfg.min_learning_rate_fraction)
     if cfg.warmup_steps:
-        return optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-                                     optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
-    return cfg.learning_rate
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps),
+                                     optax.constant_schedule(peak)], [cfg.warmup_steps])
+    return peak
+
+
+# Muon orthogonalises the update of a weight matrix that maps features to features; the
+# embedding tables and the head map ids to features and back, and stay with AdamW.
+_NOT_MUON = ("token_embed", "pos_embed", "lm_head")
+
+
+def _muon_matrices(params):
+    from optax.contrib import MuonDimensionNumbers
+
+    def choose(path, leaf):
+        names = {str(getattr(key, "key", getattr(key, "name", key))) for key in path}
+        return MuonDimensionNumbers(0, 1) if leaf.ndim == 2 and not names & set(_NOT_MUON) else None
+
+    return jax.tree_util.tree_map_with_path(choose, params)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW at ``learning_rate(cfg)``, after clipping the gradient's global norm if asked."""
-    tx = optax.adamw(learning_rate(cfg), weight_decay=cfg.weight_decay)
+    """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
+    gradient's global norm if asked."""
+    if cfg.optimizer == "muon":
+        from optax.contrib import muon
+
+        tx = muon(learning_rate(cfg, cfg.muon_learning_rate), weight_decay=cfg.weight_decay,
+                  adam_learning_rate=learning_rate(cfg), adam_b2=cfg.beta2, adam_weight_decay=cfg.weight_decay,
+                  muon_weight_dimension_numbers=_muon_matrices)
+    else:
+        tx = optax.adamw(learning_rate(cfg), b2=cfg.beta2, weight_decay=cfg.weight_decay)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
 
 
@@ -293,8 +317,9 @@ def train(
     cfg: TrainConfig,
     on_step: Callable[[int, int], None] | None = None,
     checkpoints=None,
+    stop_after: int | None = None,
 ) -> TrainResult:
-    """Runs steps until ``cfg.steps``, first resuming from the newest checkpoint in
+    """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first resuming from the newest checkpoint in
     ``checkpoints`` if there is one, and saving one every ``cfg.checkpoint_every`` steps.
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
@@ -302,6 +327,7 @@ def train(
     of time and is timed apart: it never counts against throughput or consumes a step.
     """
     start, history, prior_elapsed, resumed_from, resume_s = 0, [], 0.0, None, 0.0
+    last = min(stop_after or cfg.steps, cfg.steps)
     eval_sum, evaluating_s = make_eval_sum(graphdef), 0.0
 
     def evaluate(state) -> float | None:
@@ -337,13 +363,13 @@ def train(
     last_saved = start or None
     pending = None  # the previous step's loss, checked once the next step is queued
     started = time.perf_counter()
-    for step in range(start, cfg.steps):
+    for step in range(start, last):
         tokens = first if step == start else placement.put_batch(batch_at(step))
         state, loss = compiled(state, tokens)
         if pending is not None:
             _check_loss(*pending, last_saved)
         pending = (step, loss)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+        if step % cfg.log_every == 0 or step == last - 1:
             value = _check_loss(step, loss, last_saved)
             paused = time.perf_counter()  # evaluating is not training: its time is left out
             trained_s = prior_elapsed + paused - started - evaluating_s
@@ -354,7 +380,7 @@ def train(
                             "val_bpb": None if val_loss is None else val_loss / math.log(2),
                             "seconds": round(trained_s, 3)})
         done = step + 1
-        if checkpoints is not None and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        if checkpoints is not None and done % cfg.checkpoint_every == 0 and done < last:
             _check_loss(step, loss, last_saved)
             if not bool(_all_finite(state)):
                 raise TrainingError(
@@ -367,7 +393,7 @@ def train(
                                            "data_position": done})
             last_saved = done
         if on_step is not None:
-            on_step(done, cfg.steps)
+            on_step(done, last)
     if pending is not None:
         _check_loss(*pending, last_saved)
     jax.block_until_ready(state)
@@ -377,7 +403,7 @@ def train(
         history=history,
         compile_s=compile_s,
         elapsed_s=elapsed_s,
-        steps=cfg.steps,
+        steps=last,
         global_batch=global_batch,
         seq_len=seq_len,
         val_loss=math.nan if history[-1]["val_loss"] is None else history[-1]["val_loss"],  # the last step's

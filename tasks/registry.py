@@ -26,13 +26,15 @@ ENCODE = Stage(
 # "3": the MLP is a module of its own (mlp.up, mlp.down), so a state of "2" has other names.
 TRAIN_SINGLE = Stage(
     "train_single", "3", reads=("encode",),
-    settings=lambda run: run.training(devices=1),
+    settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="tasks.train:build_single")
-# "4": it reads train_single, whose version it takes over when it has one device only.
+# "5": it reads train_single, whose version it takes over when it has one device only:
+# the same recipe on the same data, so train_single's own version adds nothing to the key,
+# and a shorter or longer train_single (train.single_device_steps) leaves it cached.
 TRAIN_PARALLEL = Stage(
-    "train_parallel", "4", reads=("encode", "train_single"),
+    "train_parallel", "5", reads=("encode", "train_single"), keyed_by=("encode",),
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),

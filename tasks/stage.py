@@ -38,9 +38,13 @@ class RunPlan:
     platform: str
     processes: int = 1
 
-    def training(self, devices: int, processes: int = 1) -> TrainingRequest:
+    def training(self, devices: int, processes: int = 1, stop_after: int | None = None) -> TrainingRequest:
         return TrainingRequest(model=self.config.model, train=self.config.train, devices=devices,
-                               platform=self.platform, processes=processes)
+                               platform=self.platform, processes=processes, stop_after=stop_after)
+
+    def single_device_training(self) -> TrainingRequest:
+        """train_single: the first ``train.single_device_steps`` steps (all when 0) on one device."""
+        return self.training(devices=1, stop_after=self.config.train.single_device_steps or None)
 
     def parallel_training(self) -> TrainingRequest:
         """Every device of this host, shared out among ``processes`` local processes, or,
@@ -70,11 +74,15 @@ class Stage:
     headline: tuple[str, ...]  # the metrics worth a glance in a summary row
     recipe: Callable[[Any], Any] = jsonable  # what of ``settings`` enters the version key
     function: str = ""  # "module:function" of its build; default tasks.<name>:build
+    # The read versions whose fingerprints enter the key (default: all it reads). A stage
+    # may read one only to save work: what it builds does not depend on it.
+    keyed_by: tuple[str, ...] | None = None
 
     def key(self, settings: Any, upstream: Mapping[str, Version]) -> str:
         """The version key: the only place one is computed."""
+        keyed = self.reads if self.keyed_by is None else self.keyed_by
         return version_key(self.name, self.code_version, self.recipe(settings),
-                           {name: version.fingerprint for name, version in upstream.items()})
+                           {name: version.fingerprint for name, version in upstream.items() if name in keyed})
 
     def build(self) -> Callable[..., None]:
         module, _, function = (self.function or f"tasks.{self.name}:build").partition(":")

@@ -39,7 +39,9 @@ def _files(encode: Version, out: Builder) -> RunFiles:
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
     device = jax.devices()[0]
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
-    with ui.Progress(TRAIN_SINGLE.name, settings.train.steps, label) as progress:
+    if settings.steps < settings.train.steps:
+        label += f", the first {settings.steps} of {settings.train.steps} steps"
+    with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress)
     _finish(TRAIN_SINGLE.name, out, summary)
 
@@ -58,7 +60,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
         )
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
-    with ui.Progress(TRAIN_PARALLEL.name, settings.train.steps, label) as progress:
+    with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
         summary = run_training(settings, files, jax.devices(), parallel=True, on_step=progress)
     _finish(TRAIN_PARALLEL.name, out, summary)
 
@@ -91,7 +93,7 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
     label = (f"train_parallel ({settings.processes if group is None else group.num_processes} processes, "
              f"{settings.devices} {settings.platform} devices, batch {settings.train.per_device_batch * settings.devices})")
     try:
-        with ui.Progress(TRAIN_PARALLEL.name, settings.train.steps, label) as progress:
+        with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
                 launch_local(launch / "spec.json", settings.processes, settings.devices // settings.processes,
                              settings.platform, on_step=progress)

@@ -77,7 +77,8 @@ def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(prese
     from bench.codelab import codelab_generate_batch
     from model.sampling import generate_batch
 
-    cfg = build_config(preset).model
+    # Learned positions: past the window the codelab batch recomputes it, as the sampler does.
+    cfg = build_config(preset).model.model_copy(update={"positions": "learned"})
     model = build_model(cfg, seed=5)
     window, seeds = cfg.max_seq_len, list(range(3, 11))  # a batch of 8
     new = window + 13 - 5

@@ -9,8 +9,28 @@ def test_presets_validate_and_codelab_is_the_codelab():
     assert (cfg.train.steps, cfg.train.per_device_batch, cfg.train.learning_rate) == (500, 32, 3e-4)
     assert cfg.data.seq_len == 256 and cfg.data.md5 == "6fb458f1232090904fb40fe944165e91"
     assert [(p.text, p.temperature) for p in cfg.generate.prompts] == [("ROMEO:", 0.8), ("To be, or not", 0.6)]
-    for name in ("cpu", "tiny"):
+    for name in ("cpu", "tiny", "quality"):
         assert build_config(name).data.seq_len <= build_config(name).model.max_seq_len
+    assert cfg.train.single_device_steps == 0 and cfg.model.positions == "learned" and not cfg.data.every_position
+
+
+def test_train_single_keys_its_short_run_and_train_parallel_ignores_it():
+    """The length of train_single's throughput run decides train_single's version, not
+    train_parallel's; a full-length train_single keys as it always did."""
+    from tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
+    from tasks.stage import RunPlan
+
+    def keys(**train):
+        plan = RunPlan(build_config("cpu", {f"train.{k}": v for k, v in train.items()}), devices=2, platform="cpu")
+        single, parallel = TRAIN_SINGLE.settings(plan), TRAIN_PARALLEL.settings(plan)
+        return TRAIN_SINGLE.key(single, {}), TRAIN_PARALLEL.key(parallel, {}), single, parallel
+
+    short_single, parallel, single, request = keys(single_device_steps=50)
+    long_single, same_parallel, full, _ = keys(single_device_steps=0)
+    assert (single.steps, request.steps, full.steps) == (50, request.train.steps, request.train.steps)
+    assert parallel == same_parallel and short_single != long_single
+    assert "stop_after" not in full.recipe() and single.recipe()["stop_after"] == 50
+    assert "single_device_steps" not in request.recipe()["train"]
 
 
 def test_overrides_are_typed():
@@ -30,6 +50,8 @@ def test_overrides_are_typed():
         ({"train.micro_batch": 3}, ["micro_batch=3", "does not divide per_device_batch=4", "divisor"]),
         ({"model.vocab_size": 128}, ["model.vocab_size=128", "smaller than the 256 byte values", "vocab_size=256"]),
         ({"model.attention": "flash"}, ["model.attention", "'auto', 'xla' or 'custom'"]),
+        ({"train.single_device_steps": 21}, ["single_device_steps=21", "more than steps=20", "0 for all"]),
+        ({"train.beta2": 1.0}, ["train.beta2", "less than 1"]),
     ],
 )
 def test_bad_settings_name_the_problem_and_the_fix(overrides, words):

@@ -35,7 +35,8 @@ def workspace(tmp_path_factory):
     corpus = root / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     common = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(root / "store"),
-              "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", "2", "--json"]
+              "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=10",
+              "--cpu-devices", "2", "--json"]
     return root / "store", common
 
 
@@ -59,6 +60,8 @@ def test_a_fresh_run_builds_every_stage(workspace, first_run):
     stages = first_run["stages"]
     assert {name: stage["state"] for name, stage in stages.items()} == only(*STAGES)
     assert stages["train_parallel"]["metrics"]["devices"] == 2
+    # train_single measures throughput on the first 10 of the schedule's 20 steps.
+    assert (stages["train_single"]["metrics"]["steps"], stages["train_parallel"]["metrics"]["steps"]) == (10, 20)
     assert stages["train_parallel"]["metrics"]["global_batch"] == 2 * stages["train_single"]["metrics"]["global_batch"]
     assert stages["verify"]["metrics"]["passed"] is True
     for name in ("throughput.png", "curves.png", "comparison.json"):
@@ -79,12 +82,14 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     store, common = workspace
     stages = first_run["stages"]
     assert run(common, env=run_env)[1] == only()  # identical rerun: everything cached
-    assert run(common, "--refresh", "generate", env=run_env)[1] == only("generate")
+    # A refreshed stage reruns alone, and a shorter throughput run reruns train_single and
+    # the comparison only (one run for both).
+    refreshed = run(common, "--refresh", "generate", "--set", "train.single_device_steps=5", env=run_env)[1]
+    assert refreshed == only("generate", "train_single", "compare")
     # (A changed generation setting reruns only generate too: the `bardflow/generate`
     # deployment in test_deployment.py.)
-
     # A model or training change reruns training and all after it; data stays cached.
-    assert run(common, "--set", "train.steps=6", env=run_env)[1] == only(*STAGES[2:])
+    assert run(common, "--set", "train.steps=12", env=run_env)[1] == only(*STAGES[2:])
 
     # A version folder deleted by hand is rebuilt, and so is one with a damaged file (caught
     # by its checksum); the rebuilt data is identical, so what reads it stays cached.

@@ -48,9 +48,12 @@ def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
 # The codelab's constant rate, and a schedule with clipping: its step count is optimizer
 # state, so the resumed run continues the schedule where it stopped.
 SCHEDULED = CFG.model_copy(update={"schedule": "cosine", "warmup_steps": 6, "grad_clip": 0.5})
+# Muon's state (momentum of the matrices, AdamW moments of the rest, masked nodes between
+# them) goes through the checkpoint as well.
+MUON = SCHEDULED.model_copy(update={"optimizer": "muon", "beta2": 0.99})
 
 
-@pytest.mark.parametrize("cfg", [CFG, SCHEDULED], ids=["constant", "cosine+clip"])
+@pytest.mark.parametrize("cfg", [CFG, SCHEDULED, MUON], ids=["constant", "cosine+clip", "muon"])
 def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches, cfg):
     reference = run(batches, cfg=cfg)
 

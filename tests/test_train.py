@@ -203,3 +203,37 @@ def test_with_every_position_the_last_position_learns_too():
 
     assert last_position_gradient(codelab.train) == 0.0
     assert last_position_gradient(every.train) > 0.0
+
+
+def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
+    """train_single's short run: the first steps of the full run's schedule, step for step."""
+    cfg = TINY.train.model_copy(update={"steps": 12, "log_every": 1, "schedule": "cosine", "warmup_steps": 3,
+                                        "beta2": 0.99})
+    graphdef, state = init_state(TINY.model, cfg)
+    place = Placement.single(jax.devices()[0])
+    full = train(graphdef, state, Batches(split.train, 4), [], place, cfg)
+    graphdef, state = init_state(TINY.model, cfg)
+    short = train(graphdef, state, Batches(split.train, 4), [], place, cfg, stop_after=5)
+    assert short.steps == 5 and [h["step"] for h in short.history] == [0, 1, 2, 3, 4]
+    assert [h["loss"] for h in short.history] == [h["loss"] for h in full.history[:5]]
+    assert full.history[5]["loss"] != full.history[4]["loss"]  # the full run went on
+
+
+def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_adamw(split):
+    from flax import nnx
+
+    from model.train import _muon_matrices
+    from model.transformer import build_model
+
+    model = build_model(TINY.model, 0)
+    chosen = _muon_matrices(nnx.state(model, nnx.Param))
+    flat = jax.tree_util.tree_flatten_with_path(chosen, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis"))[0]
+    muon = sorted(jax.tree_util.keystr(path) for path, leaf in flat if leaf is not None)
+    assert len(muon) == 4 * TINY.model.num_layers and all(".kernel" in p or "['kernel']" in p for p in muon)
+    assert not any(name in p for p in muon for name in ("embed", "lm_head"))
+
+    cfg = TINY.train.model_copy(update={"steps": 40, "log_every": 39, "optimizer": "muon", "schedule": "cosine",
+                                        "warmup_steps": 4})
+    graphdef, state = init_state(TINY.model, cfg)
+    result = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg)
+    assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
