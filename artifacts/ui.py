@@ -19,7 +19,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.context import TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 
 
 def artifact_key(stage: str, what: str = "") -> str:
@@ -27,7 +27,7 @@ def artifact_key(stage: str, what: str = "") -> str:
 
 
 def _in_run() -> bool:
-    return TaskRunContext.get() is not None
+    return TaskRunContext.get() is not None or FlowRunContext.get() is not None
 
 
 def log(message: str, *args: Any) -> None:

@@ -9,9 +9,31 @@ import os
 import sys
 from typing import Any
 
+from flows.server import use_running_server
 from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_location
 from model.errors import BardflowError
 from tasks.registry import BY_NAME, NAMES
+
+
+def _pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """What `run` and `sweep` share."""
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="auto",
+                        help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
+                             "on a GPU), tiny (seconds); auto picks codelab on a GPU, else cpu")
+    parser.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
+                                         "or the public TinyShakespeare URL)")
+    parser.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
+                                        "or ./store)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                        help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
+    parser.add_argument("--cpu-devices", type=int, metavar="N",
+                        help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="run train_parallel as N processes of this host sharing its devices (default 1). "
+                             "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
+                             "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
+                             "runs the pipeline, the others join its train_parallel")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,28 +48,32 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the pipeline (stages already in the store come back cached)",
                               description="Run the whole pipeline on Prefect's embedded server "
                                           "(or the server PREFECT_API_URL points at).")
-    run.add_argument("--preset", choices=PRESET_NAMES, default="auto",
-                     help="codelab (the codelab exactly), cpu (minutes on a laptop), tiny (seconds); "
-                          "auto picks codelab on a GPU, else cpu")
-    run.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
-                                      "or the public TinyShakespeare URL)")
-    run.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
-                                     "or ./store)")
+    _pipeline_options(run)
     run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
                      help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                     help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
-    run.add_argument("--cpu-devices", type=int, metavar="N",
-                     help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
-    run.add_argument("--processes", type=int, default=1, metavar="N",
-                     help="run train_parallel as N processes of this host sharing its devices (default 1). "
-                          "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
-                          "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
-                          "runs the pipeline, the others join its train_parallel")
     run.add_argument("--join-timeout", type=int, default=3600, metavar="S",
                      help="cluster processes other than 0: seconds to wait for process 0 to reach "
                           "train_parallel (default 3600)")
-    run.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
+
+    sweep = commands.add_parser(
+        "sweep", help="run the pipeline once per configuration of a grid, and compare the runs",
+        description="Run one pipeline per configuration (child flow runs of one parent flow, on one store, so "
+                    "stages the configurations share are built once) and compare them in one table.")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
+                       help="a setting and its values; several --grid make every combination")
+    sweep.add_argument("--list", action="append", default=[], metavar="JSON", dest="listed",
+                       help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
+    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
+                       help="refuse sweeps of more than N runs (default 32)")
+    _pipeline_options(sweep)
+
+    runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
+                               description="List the trained versions in the store with the settings in which "
+                                           "they differ; --diff A B compares two of them in full.")
+    runs.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
+                                      "or ./store)")
+    runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="two version keys (or unique key prefixes)")
+    runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     presets = commands.add_parser("presets", help="show each preset's full configuration",
                                   description="Print the configuration of each preset (or one) as JSON.")
@@ -64,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
                                          "(bound to 127.0.0.1, no telemetry) in the foreground.")
     ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ui.add_argument("--port", type=int, default=4200)
+    server = commands.add_parser(
+        "server", help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
+        description="start: a Prefect server in the background, bound to 127.0.0.1, which `run` and `sweep` "
+                    "use while it runs (unless PREFECT_API_URL names another); stop: stop it; status: say "
+                    "whether it runs (exit 3 if not).")
+    server.add_argument("action", choices=("start", "stop", "status"))
+    server.add_argument("--port", type=int, default=4200)
     return parser
 
 
@@ -100,6 +133,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--processes must be at least 1")
     root = store_location(args.store)
     prepare_environment(args.cpu_devices)
+    use_running_server()
 
     from artifacts.objects import open_store
     from model.config import build_config, parse_assignment
@@ -111,6 +145,50 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
                     processes=args.processes)
+
+
+def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UsageError("--cpu-devices must be at least 1")
+    if args.processes < 1:
+        raise UsageError("--processes must be at least 1")
+    root = store_location(args.store)
+    prepare_environment(args.cpu_devices)
+    use_running_server()
+
+    from artifacts.objects import open_store
+    from model.config import MAX_SWEEP_RUNS, build_config, parse_assignment, sweep_configurations
+
+    base = dict(parse_assignment(text) for text in args.settings)
+    preset = pick_preset(args.preset)
+    build_config(preset, base)
+    configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
+    open_store(root).check()
+    from flows.sweep import sweep
+
+    return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
+                 processes=args.processes)
+
+
+def _print_sweep(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = result["rows"]
+    table = Table(title=f"bardflow sweep: {len(rows)} runs, preset {result['preset']}, store {result['store']}")
+    for column in rows[0]:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        cells = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
+                 f"{v:,.0f}" if isinstance(v, float) and k == "tokens_per_s" else
+                 f"{v:.1f}" if isinstance(v, float) else "—" if v is None else str(v) for k, v in row.items()]
+        if row["status"] != "completed":
+            cells[list(row).index("status")] = f"[red]{row['status']}"
+        table.add_row(*cells)
+    Console().print(table)
+    for number, run in enumerate(result["runs"], 1):
+        if run.get("error"):
+            print(f"run {number} failed: {run['error']}", file=sys.stderr)
 
 
 def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
@@ -193,8 +271,24 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
         elif args.command == "artifacts":
             _artifacts(args)
+        elif args.command == "runs":
+            from flows.runs import show_runs
+
+            show_runs(store_location(args.store), args.diff, args.json)
+        elif args.command == "sweep":
+            result = _sweep(args)
+            if args.json:
+                print(json.dumps(result, indent=1))
+            else:
+                _print_sweep(result)
+            if all(run["status"] != "completed" for run in result["runs"]):
+                return 1
         elif args.command == "ui":
             _ui(args)
+        elif args.command == "server":
+            from flows.server import command
+
+            command(args.action, args.port)
         elif args.command == "run" and (follower := _cluster_follower()) is not None:
             _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
         elif args.command == "run":

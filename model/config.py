@@ -277,3 +277,56 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     except json.JSONDecodeError:
         value = raw
     return key.strip(), value
+
+
+MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
+
+
+def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], listed: list[str],
+                         max_runs: int = MAX_SWEEP_RUNS) -> list[dict[str, Any]]:
+    """The settings that vary between a sweep's runs, one dict per run: every combination of
+    the ``grid`` (``key=v1,v2,…``, each value JSON when it parses as JSON), then each ``listed``
+    configuration (a JSON object of ``key: value``). Each is validated together with the
+    preset and ``base`` (the sweep's ``--set``), so a bad one is refused before any work."""
+    import itertools
+    import json
+
+    axes: dict[str, list[Any]] = {}
+    for text in grid:
+        key, values = parse_assignment(text)
+        raw = text.partition("=")[2]
+        if not raw.strip():
+            raise ConfigError(f"--grid {key}= lists no values; give them comma-separated, e.g. --grid {key}=1,2")
+        if key in axes:
+            raise ConfigError(f"--grid names {key} twice; give all its values in one --grid {key}=a,b,c")
+        axes[key] = values if isinstance(values, list) else [parse_assignment(f"{key}={part}")[1]
+                                                               for part in raw.split(",")]
+        if not axes[key]:
+            raise ConfigError(f"--grid {key} lists no values; give at least one")
+    runs = [dict(zip(axes, combination)) for combination in itertools.product(*axes.values())] if axes else []
+    for text in listed:
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--list expects a JSON object of settings, e.g. '{{\"train.steps\": 100}}'; "
+                              f"got {text!r} ({error.msg})") from error
+        if not isinstance(entry, dict) or not entry:
+            raise ConfigError(f"--list expects a non-empty JSON object of settings, got {text!r}")
+        runs.append(entry)
+    if not runs:
+        raise ConfigError("a sweep needs at least one --grid key=v1,v2 or --list '{\"key\": value}'")
+    if len(runs) > max_runs:
+        raise ConfigError(f"the sweep has {len(runs)} runs, more than the maximum of {max_runs}; "
+                          f"narrow the grid, or raise the limit with --max-runs {len(runs)}")
+    seen: dict[str, int] = {}
+    for number, varying in enumerate(runs, 1):
+        try:
+            config = build_config(preset, {**base, **varying})
+        except ConfigError as error:
+            shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in varying.items())
+            raise ConfigError(f"sweep run {number} ({shown}): {error}") from error
+        digest = config.model_dump_json()
+        if digest in seen:
+            raise ConfigError(f"sweep runs {seen[digest]} and {number} are the same configuration; drop one")
+        seen[digest] = number
+    return runs

@@ -61,24 +61,47 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Pa
         (axes[0, 0], lambda h: h["tokens"] / 1e6, lambda h: h["loss"], "Tokens processed (millions)", "Training loss"),
         (axes[0, 1], lambda h: h["tokens"] / 1e6, lambda h: h["perplexity"], "Tokens processed (millions)",
          "Training perplexity"),
-        (axes[1, 0], lambda h: h["tokens"] / 1e6, lambda h: h.get("val_loss"), "Tokens processed (millions)",
-         "Validation loss (whole split) vs tokens"),
-        (axes[1, 1], lambda h: h.get("seconds"), lambda h: h.get("val_loss"), "Training seconds (evaluation excluded)",
-         "Validation loss vs seconds"),
     ]
+    _draw(panels, [(label, history) for label, history, _ in runs])
+    _validation_panels(axes[1, 0], axes[1, 1], [(label, history) for label, history, _ in runs])
+    axes[0, 1].set_yscale("log")  # from ~256 at initialisation down to single digits
+    fig.suptitle("Training curves: one per training stage")
+    fig.tight_layout()
+    fig.savefig(curves_png, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _draw(panels, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
     for ax, x_of, y_of, xlabel, title in panels:
-        for label, history, _ in runs:
+        for label, history in runs:
             points = [(x_of(h), y_of(h)) for h in history if x_of(h) is not None and y_of(h) is not None]
             if points:
                 ax.plot(*zip(*points), "o-", markersize=3, label=label)
         ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(True, alpha=0.25)
-        ax.legend()
-    axes[0, 1].set_yscale("log")  # from ~256 at initialisation down to single digits
-    fig.suptitle("Training curves: one per training stage")
+        ax.legend(fontsize="small")
+
+
+def _validation_panels(by_tokens, by_seconds, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    _draw([(by_tokens, lambda h: h["tokens"] / 1e6, lambda h: h.get("val_loss"), "Tokens processed (millions)",
+            "Validation loss (whole split) vs tokens"),
+           (by_seconds, lambda h: h.get("seconds"), lambda h: h.get("val_loss"),
+            "Training seconds (evaluation excluded)", "Validation loss vs seconds")], runs)
+
+
+def plot_validation_curves(runs: list[tuple[str, list[dict[str, Any]]]], png: Path, title: str) -> None:
+    """Validation loss of each (label, history) against tokens and against seconds, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_tokens, by_seconds) = plt.subplots(1, 2, figsize=(11, 4))
+    _validation_panels(by_tokens, by_seconds, runs)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(curves_png, dpi=100, metadata={"Software": None})
+    fig.savefig(png, dpi=100, metadata={"Software": None})
     plt.close(fig)
 
 

@@ -102,6 +102,7 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
 
     def work(out: Builder) -> None:
         stage.build()(settings, out, **checked)  # imported only when it has work to do
+        out.record["code_version"] = stage.code_version  # for `bardflow runs --diff`
         missing = [name for name in stage.builds if not (out.dir / name).exists()]
         if missing:  # a broken contract, not bad input: a bug in the stage
             raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")

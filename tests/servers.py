@@ -60,22 +60,20 @@ class Server:
     def run(self, *command: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def api(self, path: str, body: dict) -> list[dict]:
-        request = urllib.request.Request(f"{self.url}/api{path}", data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})
+    def api(self, path: str, body: dict | None = None) -> list[dict] | dict:
+        """POST ``body`` (a filter) to the API, or GET ``path`` without one."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}/api{path}", data=data, headers={"content-type": "application/json"})
         return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
     def serve(self, timeout_s: float = 240) -> Server:
-        self.start("server", sys.executable, "-m", "flows.cli", "ui", "--port", str(self.port))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if urllib.request.urlopen(f"{self.url}/api/health", timeout=2).read() == b"true":
-                    return self
-            except OSError:
-                assert self.processes[0].poll() is None, (self.home / "server.log").read_text()[-2000:]
-                time.sleep(0.5)
-        raise AssertionError(f"the server did not come up: {(self.home / 'server.log').read_text()[-2000:]}")
+        """``bardflow server start``: the background server users keep running."""
+        self.env["BARDFLOW_SERVER_FILE"] = str(self.home / "server.json")
+        done = self.run(sys.executable, "-m", "flows.cli", "server", "start", "--port", str(self.port),
+                        timeout=timeout_s)
+        log = self.home / "server.log"
+        assert done.returncode == 0, done.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
+        return self
 
     def stop(self, process: subprocess.Popen) -> None:
         stop(process)
@@ -84,6 +82,8 @@ class Server:
     def stop_all(self) -> None:
         for process in reversed(self.processes):
             stop(process)
+        done = self.run(sys.executable, "-m", "flows.cli", "server", "stop", timeout=60)
+        assert done.stdout.strip() == "stopped", done.stdout + done.stderr
 
 
 class ObjectServer:

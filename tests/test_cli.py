@@ -57,3 +57,16 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=6"
     prepare_environment(3)  # asked for: the last flag wins in XLA
     assert os.environ["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=3")
+
+
+def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
+    from flows import server
+
+    monkeypatch.setenv("BARDFLOW_SERVER_FILE", str(tmp_path / "server.json"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert server.running() is None and server.stop() is False and server.use_running_server() is None
+    (tmp_path / "server.json").write_text('{"pid": 999999999, "url": "http://127.0.0.1:9"}')  # a stale record
+    assert server.running() is None and server.use_running_server() is None
+    import os
+
+    assert "PREFECT_API_URL" not in os.environ

@@ -1,0 +1,115 @@
+"""``bardflow runs``: the trained versions in a store and how they differ, read from their
+manifests alone (no server, no JAX)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from artifacts.objects import open_store
+from artifacts.store import Version
+from model.errors import BardflowError
+
+TRAINED = ("train_single", "train_parallel")
+FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
+
+
+class RunsError(BardflowError, ValueError):
+    """A version asked for is not in the store, or the prefix names several."""
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"steps": 5}} -> {"train.steps": 5}; lists stay values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return flat
+
+
+def describe(version: Version) -> dict[str, Any]:
+    """Everything a comparison looks at, flat: settings, code, data, libraries, hardware."""
+    manifest = version.manifest
+    encode = manifest.get("inputs", {}).get("encode", {})
+    return {
+        **{f"settings.{k}": v for k, v in flatten(manifest.get("params", {})).items()},
+        "code_version": manifest.get("code_version", "(not recorded)"),
+        "data.encode_fingerprint": encode.get("fingerprint"),
+        **{f"libraries.{k}": v for k, v in manifest.get("libraries", {}).items()},
+        "hardware.devices": ", ".join(manifest.get("devices") or []),
+        "hardware.host": manifest.get("host"),
+    }
+
+
+def differing(described: list[dict[str, Any]]) -> list[str]:
+    """The keys whose values are not the same in every description."""
+    keys = list(dict.fromkeys(key for d in described for key in d))
+    return [key for key in keys if len({json.dumps(d.get(key), sort_keys=True) for d in described}) > 1]
+
+
+def trained_versions(root: str) -> list[Version]:
+    store = open_store(root)
+    return [v for stage in TRAINED for v in store.versions(stage)]
+
+
+def find(versions: list[Version], prefix: str) -> Version:
+    matches = [v for v in versions if v.key.startswith(prefix)]
+    if len(matches) != 1:
+        known = ", ".join(f"{v.stage}/{v.key}" for v in versions[:6]) or "none"
+        problem = "no trained version" if not matches else f"{len(matches)} trained versions"
+        raise RunsError(f"{problem} with a key starting {prefix!r}; give more of the key (trained versions: {known})")
+    return matches[0]
+
+
+def listing(versions: list[Version]) -> list[dict[str, Any]]:
+    described = [describe(v) for v in versions]
+    varying = [key for key in differing(described) if key.startswith("settings.")]
+    return [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
+             "differs": {key.removeprefix("settings."): d.get(key) for key in varying},
+             **{name: v.metrics.get(name) for name in FIGURES}} for v, d in zip(versions, described)]
+
+
+def diff(a: Version, b: Version) -> dict[str, Any]:
+    da, db = describe(a), describe(b)
+    figures = {}
+    for name in FIGURES:
+        x, y = a.metrics.get(name), b.metrics.get(name)
+        figures[name] = {"a": x, "b": y, "b_minus_a": (y - x) if isinstance(x, (int, float)) and isinstance(y, (int, float)) else None}
+    return {"a": f"{a.stage}/{a.key}", "b": f"{b.stage}/{b.key}",
+            "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
+            "figures": figures}
+
+
+def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
+    versions = trained_versions(root)
+    if keys:
+        result: Any = diff(find(versions, keys[0]), find(versions, keys[1]))
+    else:
+        result = listing(versions)
+    if as_json:
+        print(json.dumps(result, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    if keys:
+        table = Table(title=f"{result['a']} (A) against {result['b']} (B)")
+        for column in ("", "A", "B", "B − A"):
+            table.add_column(column, overflow="fold")
+        for key, pair in result["differences"].items():
+            table.add_row(key, json.dumps(pair["a"]), json.dumps(pair["b"]), "")
+        for name, figure in result["figures"].items():
+            delta = figure["b_minus_a"]
+            table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
+    else:
+        table = Table(title=f"trained versions in {root}, newest first")
+        for column in ("stage", "key", "created", "settings that differ", "val loss", "tokens/s", "training s"):
+            table.add_column(column, overflow="fold")
+        for row in result:
+            table.add_row(row["stage"], row["key"], row["created"] or "",
+                          ", ".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
+                          "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
+                          "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+                          "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}")
+    Console().print(table)

@@ -1,0 +1,129 @@
+"""``bardflow sweep`` and ``bardflow runs``: a grid refused before any work when it is bad;
+a small sweep end to end on the session's Prefect server (child flow runs of one parent,
+shared stages built once, a failed run failing its row only, one comparison artifact whose
+plots render in a browser); the trained versions listed and diffed from the store alone."""
+
+import json
+
+import pytest
+
+from model.config import ConfigError, sweep_configurations
+from tests.conftest import OUTPUT
+from tests.test_flow import bardflow
+
+
+@pytest.mark.parametrize("grid, listed, max_runs, words", [
+    (["train.steps="], [], 32, ["lists no values"]),
+    (["train.stepz=1,2"], [], 32, ["sweep run 1", "unknown setting 'train.stepz'"]),
+    (["train.steps=5,0"], [], 32, ["sweep run 2 (train.steps=0)", "greater than 0"]),
+    (["train.steps=5,6", "train.steps=7"], [], 32, ["names train.steps twice"]),
+    (["train.steps=5,5"], [], 32, ["runs 1 and 2 are the same configuration"]),
+    (["train.steps=1,2,3", "model.num_layers=1,2"], [], 5, ["6 runs", "maximum of 5", "--max-runs 6"]),
+    ([], ["[1]"], 32, ["JSON object"]),
+    ([], [], 32, ["at least one --grid"]),
+])
+def test_a_bad_sweep_is_refused_with_what_and_how(grid, listed, max_runs, words):
+    with pytest.raises(ConfigError) as error:
+        sweep_configurations("tiny", {}, grid, listed, max_runs)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_a_grid_is_every_combination_then_the_listed_ones():
+    runs = sweep_configurations("tiny", {"train.steps": 8}, ["train.learning_rate=0.001,0.01", "model.num_layers=1,2"],
+                                ['{"train.per_device_batch": 2}'])
+    assert runs == [{"train.learning_rate": 0.001, "model.num_layers": 1}, {"train.learning_rate": 0.001, "model.num_layers": 2},
+                    {"train.learning_rate": 0.01, "model.num_layers": 1}, {"train.learning_rate": 0.01, "model.num_layers": 2},
+                    {"train.per_device_batch": 2}]
+
+
+def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
+    done = bardflow("sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), "--grid", "train.steps=0,5",
+                    check=False)
+    assert done.returncode != 0 and "bardflow: error: sweep run 1 (train.steps=0)" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "store").exists()
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, prefect_server):
+    """A sweep that finds the session's server as users find theirs: the background server
+    `bardflow server start` left running (no PREFECT_API_URL)."""
+    import os
+
+    from tests.conftest import md5_bytes, play_text
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(BARDFLOW_SERVER_FILE=prefect_server.env["BARDFLOW_SERVER_FILE"], PYTHONUNBUFFERED="1")
+    status = bardflow("server", "status", env=env)
+    assert status.stdout.startswith(f"running at {prefect_server.url}")
+
+    root = tmp_path_factory.mktemp("sweep")
+    corpus = root / "corpus.txt"
+    corpus.write_bytes(play_text(64_000))
+    store = root / "store"
+    done = bardflow("sweep", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "2",
+                    "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5",
+                    "--grid", "train.learning_rate=0.003,0.01", "--list", '{"train.learning_rate": 1e30}', "--json",
+                    env=env)
+    return store, json.loads(done.stdout)
+
+
+@pytest.mark.flow
+def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept, prefect_server):
+    store, result = swept
+    rows, runs = result["rows"], result["runs"]
+    assert [list(row)[:3] for row in rows] == [["run", "train.learning_rate", "status"]] * 3  # what differs first
+    assert [row["status"] for row in rows] == ["completed", "completed", "failed"]
+    assert "loss became nan" in runs[2]["error"]  # the failed run fails its row, not the sweep
+    # Shared stages are built once: the second run finds fetch and encode cached.
+    assert runs[0]["stages"]["encode"]["state"] == "ran" and runs[1]["stages"]["encode"]["state"] == "cached"
+    assert runs[0]["stages"]["encode"]["key"] == runs[1]["stages"]["encode"]["key"]
+    assert rows[0]["train_parallel"] != rows[1]["train_parallel"] and rows[0]["val_loss"] > 0
+
+    children = prefect_server.api("/flow_runs/filter", {"flow_runs": {"name": {"like_": "sweep-run-"}}})
+    ours = [run for run in children if run["parameters"].get("store") == str(store)]
+    assert len(ours) == 3
+    parents = {prefect_server.api(f"/task_runs/{run['parent_task_run_id']}")["flow_run_id"] for run in ours}
+    assert parents == {result["flow_run"]}
+
+    artifact = prefect_server.api("/artifacts/filter", {"artifacts": {
+        "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [result["flow_run"]]}}})[0]
+    assert "train.learning_rate" in artifact["data"] and "failed" in artifact["data"]
+    assert artifact["data"].count("data:image/png;base64,") == 1
+
+    from tests.cdp import Browser, chromium_binary
+
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    browser = Browser(binary)
+    try:
+        browser.open(f"{prefect_server.url}/artifacts/artifact/{artifact['id']}",
+                     "document.images.length >= 1 && [...document.images].every(i => i.complete)")
+        (OUTPUT / "sweep").mkdir(parents=True, exist_ok=True)
+        browser.screenshot(OUTPUT / "sweep" / "sweep-artifact.png")
+        assert all(w > 0 for w in browser.evaluate("[...document.images].map(i => i.naturalWidth)"))
+        assert "0.003" in browser.text() and "0.01" in browser.text()
+    finally:
+        browser.close()
+
+
+@pytest.mark.flow
+def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
+    store, result = swept
+    env = {"PREFECT_API_URL": "http://127.0.0.1:9/api"}  # no server is needed (none answers there)
+    import os
+
+    listing = json.loads(bardflow("runs", "--store", str(store), "--json", env={**os.environ, **env}).stdout)
+    parallel = [row for row in listing if row["stage"] == "train_parallel"]
+    assert {row["differs"]["train.learning_rate"] for row in parallel} == {0.003, 0.01}
+    assert all(row["val_loss"] > 0 for row in parallel)
+    a, b = result["rows"][0]["train_parallel"], result["rows"][1]["train_parallel"]
+    diff = json.loads(bardflow("runs", "--store", str(store), "--diff", a[:8], b[:8], "--json",
+                               env={**os.environ, **env}).stdout)
+    assert diff["differences"]["settings.train.learning_rate"] == {"a": 0.003, "b": 0.01}
+    assert not any(key.startswith(("libraries.", "data.")) for key in diff["differences"])  # same data, same libraries
+    assert diff["figures"]["val_loss"]["b_minus_a"] == pytest.approx(
+        result["rows"][1]["val_loss"] - result["rows"][0]["val_loss"])
+    missing = bardflow("runs", "--store", str(store), "--diff", "zzzz", b, check=False)
+    assert missing.returncode == 1 and "no trained version with a key starting 'zzzz'" in missing.stderr
