@@ -123,10 +123,9 @@ def headline(stage: str, metrics: dict[str, Any]) -> str:
     return known.headline_of(metrics) if known else ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:4])
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    unknown = [s for s in args.refresh if s not in NAMES]
-    if unknown:
-        raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
+def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """What `run` and `sweep` check and set before anything heavy: the store's location and
+    the --set overrides; the environment (devices, a background server) for Prefect and JAX."""
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError("--cpu-devices must be at least 1")
     if args.processes < 1:
@@ -134,11 +133,19 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     root = store_location(args.store)
     prepare_environment(args.cpu_devices)
     use_running_server()
+    from model.config import parse_assignment
 
+    return root, dict(parse_assignment(text) for text in args.settings)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    unknown = [s for s in args.refresh if s not in NAMES]
+    if unknown:
+        raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
+    root, overrides = _prepare(args)
     from artifacts.objects import open_store
-    from model.config import build_config, parse_assignment
+    from model.config import build_config
 
-    overrides = dict(parse_assignment(text) for text in args.settings)
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
     open_store(root).check()  # so is a store that cannot be reached
     from flows.pipeline import pipeline
@@ -148,18 +155,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise UsageError("--cpu-devices must be at least 1")
-    if args.processes < 1:
-        raise UsageError("--processes must be at least 1")
-    root = store_location(args.store)
-    prepare_environment(args.cpu_devices)
-    use_running_server()
-
+    root, base = _prepare(args)
     from artifacts.objects import open_store
-    from model.config import MAX_SWEEP_RUNS, build_config, parse_assignment, sweep_configurations
+    from model.config import MAX_SWEEP_RUNS, build_config, sweep_configurations
 
-    base = dict(parse_assignment(text) for text in args.settings)
     preset = pick_preset(args.preset)
     build_config(preset, base)
     configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
@@ -259,6 +258,13 @@ def _artifacts(args: argparse.Namespace) -> None:
     Console().print(table)
 
 
+def _show(result: dict[str, Any], as_json: bool, table) -> None:
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        table(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.debug:
@@ -277,10 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             show_runs(store_location(args.store), args.diff, args.json)
         elif args.command == "sweep":
             result = _sweep(args)
-            if args.json:
-                print(json.dumps(result, indent=1))
-            else:
-                _print_sweep(result)
+            _show(result, args.json, _print_sweep)
             if all(run["status"] != "completed" for run in result["runs"]):
                 return 1
         elif args.command == "ui":
@@ -292,11 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "run" and (follower := _cluster_follower()) is not None:
             _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
         elif args.command == "run":
-            summary = _run(args)
-            if args.json:
-                print(json.dumps(summary, indent=1))
-            else:
-                _print_summary(summary)
+            _show(_run(args), args.json, _print_summary)
         return 0
     except BardflowError as error:
         if debugging():
