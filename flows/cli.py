@@ -113,6 +113,10 @@ def _ui(args: argparse.Namespace) -> None:
     os.execv(sys.executable, command)
 
 
+EMPTY_CORPUS = ("--corpus is empty; give an https URL, a file:// URL or a path, or leave it out for the public "
+                "TinyShakespeare URL")
+
+
 class UsageError(BardflowError, ValueError):
     """The command line asks for something that does not exist."""
 
@@ -130,12 +134,26 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         raise UsageError("--cpu-devices must be at least 1")
     if args.processes < 1:
         raise UsageError("--processes must be at least 1")
+    if args.corpus is not None and not args.corpus.strip():
+        raise UsageError(EMPTY_CORPUS)
     root = store_location(args.store)
     prepare_environment(args.cpu_devices)
     use_running_server()
-    from model.config import parse_assignment
+    from model.config import ConfigError, build_config, parse_assignment
 
-    return root, dict(parse_assignment(text) for text in args.settings)
+    overrides = dict(parse_assignment(text) for text in args.settings)
+    # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
+    # here when no preset `auto` may become accepts it, checked again once it is chosen.
+    candidates = ("codelab", "cpu") if args.preset == "auto" else (args.preset,)
+    errors = []
+    for candidate in candidates:
+        try:
+            build_config(candidate, overrides)
+        except ConfigError as error:
+            errors.append(error)
+    if len(errors) == len(candidates):
+        raise errors[0]
+    return root, overrides
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,25 +237,35 @@ def _cluster_follower():
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    """The stages (readable at 80 columns: short keys, one figure a line) and the samples."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    root = summary["store"]
-    table = Table(title=f"bardflow run: preset {summary['preset']}, store {root}")
-    for column in ("stage", "state", "version (path under the store)", "key metrics"):
+    table = Table(title=f"bardflow run: preset {summary['preset']}, store {summary['store']}")
+    for column in ("stage", "state", "version", "key figures"):
         table.add_column(column, overflow="fold")
     for name, stage in summary["stages"].items():
-        metrics = headline(name, stage["metrics"])
         style = "green" if stage["state"] == "ran" else "cyan"
-        path = stage["path"].removeprefix(root).lstrip("/")
-        table.add_row(name, f"[{style}]{stage['state']}", path, metrics)
-    Console().print(table)
+        figures = headline(name, stage["metrics"]).replace(", ", "\n")
+        table.add_row(name, f"[{style}]{stage['state']}", stage["key"][:SHORT_KEY], figures)
+    console = Console()
+    console.print(table)
+    console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
+    for sample in summary.get("samples", []):
+        prompt, text = sample["prompt"], sample["text"]
+        rest = text[len(prompt):] if text.startswith(prompt) else text
+        console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
+        console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
+
+
+SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
 
 
 def _artifacts(args: argparse.Namespace) -> None:
-    from artifacts.objects import open_store
+    from flows.runs import readable_store
 
-    versions = open_store(store_location(args.store)).versions(args.stage)
+    versions = readable_store(store_location(args.store)).versions(args.stage)
     rows = []
     for v in versions:
         size = sum(f["bytes"] for f in v.manifest.get("files", {}).values())

@@ -11,6 +11,7 @@ when the store answered, and the run summary, ``--json`` and the UI all show tha
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -82,6 +83,9 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     logger = get_run_logger()
     chosen = pick_preset(preset)
     config = config or build_config(chosen)
+    if corpus is not None and not corpus.strip():
+        raise ConfigError("corpus is empty; give an https URL, a file:// URL or a path, or leave it out for "
+                          "the public TinyShakespeare URL")
     corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
     if corpus:
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
@@ -103,7 +107,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
                                "seconds": round(time.perf_counter() - started, 3)}
     from prefect.runtime import flow_run
 
-    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary}
+    samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
+    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples}
 
 
 @flow(name="bardflow", log_prints=True, persist_result=False)

@@ -4,9 +4,10 @@ manifests alone (no server, no JAX)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from artifacts.objects import open_store
+from artifacts.objects import is_remote, open_store
 from artifacts.store import Version
 from model.errors import BardflowError
 
@@ -15,7 +16,7 @@ FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
 
 
 class RunsError(BardflowError, ValueError):
-    """A version asked for is not in the store, or the prefix names several."""
+    """The store is not there, or a version asked for is not in it (or the prefix names several)."""
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -48,8 +49,18 @@ def differing(described: list[dict[str, Any]]) -> list[str]:
     return [key for key in keys if len({json.dumps(d.get(key), sort_keys=True) for d in described}) > 1]
 
 
-def trained_versions(root: str) -> list[Version]:
+def readable_store(root: str):
+    """The store at ``root`` for reading: one that does not exist is an error, not an empty list."""
+    if not is_remote(root) and not Path(root).is_dir():
+        raise RunsError(f"there is no store at {root}; pass --store with the folder a run wrote (or set "
+                        "BARDFLOW_STORE)")
     store = open_store(root)
+    store.check()
+    return store
+
+
+def trained_versions(root: str) -> list[Version]:
+    store = readable_store(root)
     return [v for stage in TRAINED for v in store.versions(stage)]
 
 

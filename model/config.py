@@ -24,11 +24,15 @@ class ConfigError(BardflowError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity anywhere: a temperature or learning rate of Infinity is a typo.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+SEED_RANGE = {"ge": 0, "lt": 2**32}  # what numpy's and JAX's generators take without complaint
 
 
 class DataConfig(_Section):
-    corpus: str = Field(TINYSHAKESPEARE_URL, description="https URL, file:// URL or local path")
+    corpus: str = Field(TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local path")
     md5: str = Field(TINYSHAKESPEARE_MD5, pattern=r"^[0-9a-f]{32}$")
     seq_len: int = Field(256, gt=1, description="bytes per training sequence")
     every_position: bool = Field(
@@ -36,7 +40,7 @@ class DataConfig(_Section):
         "positions learns to predict the next byte; the codelab's windows of seq_len bytes leave the last "
         "position without a target, and sampling from a full context suffers")
     train_fraction: float = Field(0.9, gt=0.0, lt=1.0)
-    shuffle_seed: int = 0
+    shuffle_seed: int = Field(0, **SEED_RANGE)
 
 
 class ModelConfig(_Section):
@@ -93,7 +97,7 @@ class TrainConfig(_Section):
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
     log_every: int = Field(100, gt=0, description="record loss every N steps")
-    init_seed: int = 1
+    init_seed: int = Field(1, **SEED_RANGE)
     checkpoint_every: int = Field(100, gt=0, description="save a resumable checkpoint every N steps")
     keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
@@ -130,17 +134,17 @@ class Prompt(_Section):
 
 
 class GenerateConfig(_Section):
-    prompts: tuple[Prompt, ...] = (
+    prompts: tuple[Prompt, ...] = Field(min_length=1, default=(
         Prompt(text="ROMEO:", temperature=0.8),
         Prompt(text="To be, or not", temperature=0.6),
-    )
+    ))
     max_new_bytes: int = Field(300, gt=0)
-    seed: int = 42
+    seed: int = Field(42, **SEED_RANGE)
 
 
 class VerifyConfig(_Section):
     tolerance: float = Field(1e-5, gt=0, description="largest |trained - restored| logit difference that passes")
-    init_seed: int = Field(99, description="seed of the fresh model; differs from training's")
+    init_seed: int = Field(99, **SEED_RANGE, description="seed of the fresh model; differs from training's")
     probe_sequences: int = Field(4, gt=0, description="validation sequences in the probe batch")
 
 
@@ -162,6 +166,11 @@ class PipelineConfig(_Section):
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is smaller than the {BYTE_VALUES} byte values "
                 f"the data holds; set model.vocab_size={BYTE_VALUES}"
+            )
+        if self.model.vocab_size > BYTE_VALUES:  # ids past 255 never occur, and sampling could not print them
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is larger than the {BYTE_VALUES} byte values the data "
+                f"can hold; set model.vocab_size={BYTE_VALUES}"
             )
         return self
 

@@ -114,8 +114,10 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
     out.metrics.update(metrics)
     out.record["devices"] = summary["devices"]
     out.record["resumed_from_step"] = metrics["resumed_from_step"]
-    out.fingerprint = hashlib.sha256(
-        (summary["params_digest"] + canonical_json(history) + canonical_json(metrics)).encode()).hexdigest()
+    # What was trained, not how fast: the weights and the loss record without its clock. The
+    # same weights retrained (say --refresh train_parallel) leave every reader of them cached.
+    outcome = [{k: v for k, v in h.items() if k != "seconds"} for h in history]
+    out.fingerprint = hashlib.sha256((summary["params_digest"] + canonical_json(outcome)).encode()).hexdigest()
     if metrics["resumed_from_step"] is not None:
         ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
                stage, metrics["resumed_from_step"], metrics["resume_s"])

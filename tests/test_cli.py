@@ -1,8 +1,11 @@
 """The command line's own behaviour, without running the pipeline."""
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import md5_bytes, play_text
+from tests.conftest import REPO, md5_bytes, play_text
 from tests.test_flow import bardflow
 
 
@@ -70,3 +73,50 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
     import os
 
     assert "PREFECT_API_URL" not in os.environ
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "generate.prompts=[]"], ["generate.prompts"]),
+    (["--set", "generate.seed=100000000000000000000000"], ["generate.seed"]),
+    (["--set", "data.shuffle_seed=-1"], ["data.shuffle_seed"]),
+    (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
+    (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
+    (["--corpus", ""], ["--corpus is empty"]),
+    (["--processes", "0"], ["--processes must be at least 1"]),
+])
+def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
+    """Checked in the CLI before anything heavy: refused in well under a second of work."""
+    code = ("import sys; from flows.cli import main; rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
+            "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
+            "print('imported:', heavy); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode in (1, 2) and "imported: []" in done.stdout, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("bardflow: error:") and "\n" not in line and all(w in line for w in words), line
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypatch):
+    from flows.cli import _print_summary
+
+    monkeypatch.setenv("COLUMNS", "80")
+    metrics = {"fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
+               "train_parallel": {"devices": 2, "tokens_per_s": 21925.7, "ms_per_step": 186.813, "final_loss": 1.4895,
+                                  "val_loss": 1.6869}}
+    summary = {"preset": "cpu", "store": "/home/me/bardflow/store", "stages": {
+        name: {"state": "ran", "key": "ddc481f338a28f94d7e5", "path": "", "metrics": m} for name, m in metrics.items()},
+        "samples": [{"prompt": "ROMEO:", "temperature": 0.8, "seed": 42, "text": "ROMEO:\nIn must thou [warrant]"}]}
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "ddc481f338a2" in out and "ddc481f338a28f94d7e5" not in out  # short keys
+    for figure in ("1115394", "21925.7", "1.6869"):
+        assert figure in out  # numbers are never split across lines
+    assert out.rstrip().endswith("In must thou [warrant]") and "seed 42" in out
+
+
+def test_listing_a_store_that_does_not_exist_says_so(tmp_path):
+    for command in (["artifacts"], ["runs"]):
+        done = bardflow(*command, "--store", str(tmp_path / "nothing"), check=False)
+        assert done.returncode == 1 and f"there is no store at {tmp_path / 'nothing'}" in done.stderr

@@ -52,6 +52,15 @@ def test_overrides_are_typed():
         ({"model.attention": "flash"}, ["model.attention", "'auto', 'xla' or 'custom'"]),
         ({"train.single_device_steps": 21}, ["single_device_steps=21", "more than steps=20", "0 for all"]),
         ({"train.beta2": 1.0}, ["train.beta2", "less than 1"]),
+        ({"generate.prompts": []}, ["generate.prompts", "at least 1 item"]),
+        ({"generate.seed": 10**23}, ["generate.seed", "less than 4294967296"]),
+        ({"train.init_seed": -1}, ["train.init_seed", "greater than or equal to 0"]),
+        ({"data.shuffle_seed": -1}, ["data.shuffle_seed", "greater than or equal to 0"]),
+        ({"verify.init_seed": 2**40}, ["verify.init_seed", "less than 4294967296"]),
+        ({"model.vocab_size": 300}, ["model.vocab_size=300", "larger than the 256 byte values", "vocab_size=256"]),
+        ({"generate.prompts": [{"text": "ROMEO:", "temperature": float("inf")}]}, ["temperature", "finite number"]),
+        ({"train.learning_rate": float("nan")}, ["train.learning_rate", "finite number"]),
+        ({"data.corpus": ""}, ["data.corpus", "at least 1 character"]),
     ],
 )
 def test_bad_settings_name_the_problem_and_the_fix(overrides, words):
