@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, describe_files,
+from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, describe_files, manifest_intact,
                              valid_key, valid_stage)
 
 SCHEMES = ("s3", "gs", "gcs")
@@ -302,7 +302,7 @@ class ObjectStore:
     def lookup(self, stage: str, key: str) -> Version | None:
         """The version, mirrored here and verified, if the bucket holds it intact; else None."""
         manifest = self._manifest(stage, key)
-        if not manifest or manifest.get("key") != key or "objects" not in manifest:
+        if not manifest or manifest.get("key") != key or "objects" not in manifest or not manifest_intact(manifest):
             return None
         prefix = f"{stage}/{key}/{manifest['objects']}"
         listed = self.bucket.listing(prefix)
@@ -363,9 +363,13 @@ class ObjectStore:
             resume = self.resume(stage, key)
             resume.pull()
             build = f"build-{uuid.uuid4().hex[:12]}"
-            with self.mirror.build(stage, key, params, inputs, resume=resume,
-                                   commit=lambda folder: self._commit(stage, key, folder, build, replace)) as builder:
-                work(builder)
+            try:
+                with self.mirror.build(stage, key, params, inputs, resume=resume,
+                                       commit=lambda folder: self._commit(stage, key, folder, build, replace)) as builder:
+                    work(builder)
+            except BaseException:
+                resume.drop_if_empty()
+                raise
             version = self.lookup(stage, key)
             if version is None:
                 raise StoreError(f"the {stage} version {key} did not verify after it was written to {self.location}")
@@ -401,6 +405,8 @@ class ObjectStore:
                 valid_stage(stage_name), valid_key(key)
                 manifest = json.loads(self.bucket.read(name) or b"")
             except (StoreError, ValueError):
+                continue
+            if not isinstance(manifest, dict) or not manifest_intact(manifest):
                 continue
             found.append(Version(stage_name, key, self.mirror.path(stage_name, key), manifest,
                                  uri=self.bucket.uri(stage_name, key), store=self.location))

@@ -51,6 +51,22 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# Fields a manifest's digest leaves out: the digest itself, and where an object store put
+# the files (added when the build is committed to the bucket).
+_UNDIGESTED = ("digest", "objects")
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of a manifest's content as it reads back from JSON."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in _UNDIGESTED}, default=str))
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def manifest_intact(manifest: dict[str, Any]) -> bool:
+    """False when a manifest was edited after it was sealed (older manifests carry no digest)."""
+    return "digest" not in manifest or manifest["digest"] == manifest_digest(manifest)
+
+
 def version_key(stage: str, code_version: str, params: Any, inputs: dict[str, str]) -> str:
     """The name of a stage's version: a hash of everything that decides its output —
     the stage, its code version, its own parameters and the fingerprints of its inputs."""
@@ -123,6 +139,12 @@ class ResumeFolder:
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def drop_if_empty(self) -> None:
+        """Removes the folder if no file was written in it (a run that failed before its first
+        checkpoint); anything a rerun could resume from, or a log, stays."""
+        if self.path.is_dir() and not any(p.is_file() for p in self.path.rglob("*")):
+            shutil.rmtree(self.path, ignore_errors=True)
+
 
 class Builder:
     """Collects what a stage writes into its build folder."""
@@ -168,7 +190,7 @@ class Store:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if manifest.get("key") != key or self.damage(path, manifest):
+        if manifest.get("key") != key or not manifest_intact(manifest) or self.damage(path, manifest):
             return None
         return Version(stage, key, path, manifest, store=self.location)
 
@@ -208,12 +230,22 @@ class Store:
                 f"cannot write to the store at {self.root} ({error.strerror}); "
                 "make it writable or pick another with --store / BARDFLOW_STORE"
             ) from error
-        with handle:
+        path = stage_dir / f".lock-{key}"
+        while True:  # the holder before us may have removed the file we waited on: lock a fresh one
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()
+            handle = open(path, "a+")
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # no lock file outlives its holder
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
     def produce(
         self,
@@ -235,8 +267,12 @@ class Store:
             if existing is None and notice is not None and self.path(stage, key).exists():
                 notice(f"{stage} version {key} is damaged or incomplete: rebuilding it")
             self.clear_leftovers(stage, key)
-            with self.build(stage, key, params, inputs) as builder:
-                work(builder)
+            try:
+                with self.build(stage, key, params, inputs) as builder:
+                    work(builder)
+            except BaseException:
+                self.resume(stage, key).drop_if_empty()  # a failed run leaves only what a rerun needs
+                raise
             version = self.lookup(stage, key)
             if version is None:
                 raise StoreError(f"the {stage} version {key} did not verify after it was written")
@@ -297,6 +333,7 @@ class Store:
             "host": socket.gethostname(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        manifest["digest"] = manifest_digest(manifest)  # a hand edit of any figure is noticed
         manifest_path = builder.dir / MANIFEST
         with open(manifest_path, "w") as handle:
             json.dump(manifest, handle, indent=2, sort_keys=True, default=str)
@@ -330,5 +367,6 @@ class Store:
                     manifest = json.loads((path / MANIFEST).read_text())
                 except (OSError, ValueError):
                     continue
-                found.append(Version(name, path.name, path, manifest, store=self.location))
+                if manifest_intact(manifest):  # an edited manifest's figures are not shown as the stage's
+                    found.append(Version(name, path.name, path, manifest, store=self.location))
         return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)

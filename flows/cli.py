@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from flows.server import use_running_server
+from flows.server import check_chosen_server, use_running_server
 from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_location
 from model.errors import BardflowError
 from tasks.registry import BY_NAME, NAMES
@@ -139,6 +139,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     root = store_location(args.store)
     prepare_environment(args.cpu_devices)
     use_running_server()
+    check_chosen_server()
     from model.config import ConfigError, build_config, parse_assignment
 
     overrides = dict(parse_assignment(text) for text in args.settings)

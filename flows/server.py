@@ -41,6 +41,20 @@ def running() -> dict | None:
     return record if healthy(record["url"]) else None
 
 
+def check_chosen_server() -> None:
+    """A server named by PREFECT_API_URL must answer before a run starts: otherwise Prefect
+    fails deep in its client with a long traceback."""
+    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    if not api or not api.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{api}/health", timeout=5).read()
+    except OSError as error:
+        reason = getattr(error, "reason", None) or error
+        raise ServerError(f"cannot reach the Prefect server at {api} ({reason}); start it (`bardflow server "
+                          "start`), or unset PREFECT_API_URL to run on an embedded server") from error
+
+
 def use_running_server() -> str | None:
     """Points this process's runs at the background server when one is up and the user has
     not chosen a server already (PREFECT_API_URL); returns its API URL."""

@@ -120,3 +120,14 @@ def test_listing_a_store_that_does_not_exist_says_so(tmp_path):
     for command in (["artifacts"], ["runs"]):
         done = bardflow(*command, "--store", str(tmp_path / "nothing"), check=False)
         assert done.returncode == 1 and f"there is no store at {tmp_path / 'nothing'}" in done.stderr
+
+
+def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
+    import os
+
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = bardflow("run", "--preset", "tiny", "--store", str(tmp_path / "store"), env=env, check=False)
+    assert done.returncode == 1 and not (tmp_path / "store").exists()
+    line = done.stderr.strip()
+    assert line.startswith("bardflow: error: cannot reach the Prefect server at http://127.0.0.1:9/api") \
+        and "bardflow server start" in line and "\n" not in line, line

@@ -54,8 +54,32 @@ def test_a_failing_stage_leaves_nothing_and_keeps_the_earlier_version(tmp_path):
     other = version_key("demo", "1", {"x": 1}, {})
     with pytest.raises(RuntimeError):
         store.produce("demo", other, {}, {}, crash)
-    assert sorted(p.name for p in (tmp_path / "demo").iterdir() if not p.name.startswith(".lock")) == [key]
+    # No lock file, build folder or empty resume folder is left behind.
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [key]
     assert (store.lookup("demo", key).path / "a.txt").read_text() == "first"
+
+    def crash_after_a_checkpoint(out):
+        (out.resume.path / "10").mkdir(parents=True)
+        (out.resume.path / "10" / "state").write_text("resumable")
+        raise RuntimeError("preempted")
+
+    with pytest.raises(RuntimeError):
+        store.produce("demo", other, {}, {}, crash_after_a_checkpoint)
+    assert (tmp_path / "demo" / f".resume-{other}" / "10" / "state").exists()  # what a rerun resumes from stays
+
+
+def test_a_hand_edited_manifest_is_noticed_and_the_version_rebuilt(tmp_path):
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    version, _ = store.produce("demo", key, {}, {}, write("hello"))
+    manifest = json.loads((version.path / MANIFEST).read_text())
+    assert store.lookup("demo", key) is not None and manifest["digest"]
+    manifest["metrics"]["n"] = 999  # a figure changed by hand; every file is untouched
+    (version.path / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    assert store.lookup("demo", key) is None and not store.versions("demo")  # nor listed with the edited figure
+    notices = []
+    rebuilt, ran = store.produce("demo", key, {}, {}, write("hello"), notice=notices.append)
+    assert ran and rebuilt.metrics["n"] == 5 and "damaged or incomplete" in notices[0]
 
 
 def test_damaged_or_missing_files_make_a_version_invisible(tmp_path):
