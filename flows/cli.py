@@ -10,9 +10,13 @@ import sys
 from typing import Any
 
 from flows.server import check_chosen_server, use_running_server
-from flows.settings import DEBUG, PRESET_NAMES, debugging, pick_preset, prepare_environment, store_location
+from flows.settings import (AUTO_CHOICES, DEBUG, PRESET_NAMES, debugging, empty_corpus, pick_preset,
+                            prepare_environment, store_location)
 from model.errors import BardflowError
 from tasks.registry import BY_NAME, NAMES
+
+
+STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE or ./store)"
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +26,7 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
                              "on a GPU), tiny (seconds); auto picks codelab on a GPU, else cpu")
     parser.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
                                          "or the public TinyShakespeare URL)")
-    parser.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
-                                        "or ./store)")
+    parser.add_argument("--store", help=STORE_HELP)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                         help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
     parser.add_argument("--cpu-devices", type=int, metavar="N",
@@ -70,8 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
                                description="List the trained versions in the store with the settings in which "
                                            "they differ; --diff A B compares two of them in full.")
-    runs.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
-                                      "or ./store)")
+    runs.add_argument("--store", help=STORE_HELP)
     runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="two version keys (or unique key prefixes)")
     runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -82,8 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
                                   description="List the stage versions in the store, newest first.")
     listing.add_argument("stage", nargs="?", choices=NAMES)
-    listing.add_argument("--store", help="store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE "
-                                         "or ./store)")
+    listing.add_argument("--store", help=STORE_HELP)
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
                              description="Start `prefect server start` with bardflow's settings "
@@ -113,10 +114,6 @@ def _ui(args: argparse.Namespace) -> None:
     os.execv(sys.executable, command)
 
 
-EMPTY_CORPUS = ("--corpus is empty; give an https URL, a file:// URL or a path, or leave it out for the public "
-                "TinyShakespeare URL")
-
-
 class UsageError(BardflowError, ValueError):
     """The command line asks for something that does not exist."""
 
@@ -135,7 +132,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.processes < 1:
         raise UsageError("--processes must be at least 1")
     if args.corpus is not None and not args.corpus.strip():
-        raise UsageError(EMPTY_CORPUS)
+        raise UsageError(empty_corpus("--corpus"))
     root = store_location(args.store)
     prepare_environment(args.cpu_devices)
     use_running_server()
@@ -145,7 +142,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     overrides = dict(parse_assignment(text) for text in args.settings)
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
     # here when no preset `auto` may become accepts it, checked again once it is chosen.
-    candidates = ("codelab", "cpu") if args.preset == "auto" else (args.preset,)
+    candidates = AUTO_CHOICES if args.preset == "auto" else (args.preset,)
     errors = []
     for candidate in candidates:
         try:
@@ -176,10 +173,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     root, base = _prepare(args)
     from artifacts.objects import open_store
-    from model.config import MAX_SWEEP_RUNS, build_config, sweep_configurations
+    from model.config import MAX_SWEEP_RUNS, sweep_configurations
 
     preset = pick_preset(args.preset)
-    build_config(preset, base)
     configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
     open_store(root).check()
     from flows.sweep import sweep

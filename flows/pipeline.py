@@ -32,7 +32,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from artifacts.objects import open_store  # noqa: E402
 from artifacts.store import Version  # noqa: E402
-from flows.settings import PRESET_NAMES, debugging, pick_preset, store_location  # noqa: E402
+from flows.settings import PRESET_NAMES, debugging, empty_corpus, pick_preset, store_location  # noqa: E402
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
 from model.errors import BardflowError  # noqa: E402
 from model.distributed import hardware  # noqa: E402
@@ -84,8 +84,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     chosen = pick_preset(preset)
     config = config or build_config(chosen)
     if corpus is not None and not corpus.strip():
-        raise ConfigError("corpus is empty; give an https URL, a file:// URL or a path, or leave it out for "
-                          "the public TinyShakespeare URL")
+        raise ConfigError(empty_corpus("corpus"))
     corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
     if corpus:
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})

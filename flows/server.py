@@ -24,9 +24,14 @@ def state_file() -> Path:
     return Path(os.environ.get("BARDFLOW_SERVER_FILE", "~/.cache/bardflow/server.json")).expanduser()
 
 
+def _health(api: str, timeout_s: float) -> bool:
+    """Whether the Prefect API at ``api`` (…/api) says it is healthy; OSError if nothing answers."""
+    return urllib.request.urlopen(f"{api}/health", timeout=timeout_s).read() == b"true"
+
+
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        return urllib.request.urlopen(f"{url}/api/health", timeout=timeout_s).read() == b"true"
+        return _health(f"{url}/api", timeout_s)
     except OSError:
         return False
 
@@ -48,7 +53,7 @@ def check_chosen_server() -> None:
     if not api or not api.startswith(("http://", "https://")):
         return
     try:
-        urllib.request.urlopen(f"{api}/health", timeout=5).read()
+        _health(api, 5.0)
     except OSError as error:
         reason = getattr(error, "reason", None) or error
         raise ServerError(f"cannot reach the Prefect server at {api} ({reason}); start it (`bardflow server "

@@ -22,13 +22,23 @@ def store_location(store: str | None = None) -> str:
     return str(Path(location).expanduser().resolve())
 
 
+AUTO_CHOICES = ("codelab", "cpu")  # what ``auto`` becomes: on a GPU, elsewhere
+
+
 def pick_preset(preset: str) -> str:
     """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
     if preset != "auto":
         return preset
     import jax  # only now: XLA_FLAGS and friends are set by then
 
-    return "codelab" if jax.default_backend() == "gpu" else "cpu"
+    on_gpu, elsewhere = AUTO_CHOICES
+    return on_gpu if jax.default_backend() == "gpu" else elsewhere
+
+
+def empty_corpus(name: str) -> str:
+    """The refusal of an empty corpus source, named as the user gave it."""
+    return (f"{name} is empty; give an https URL, a file:// URL or a path, or leave it out for the public "
+            "TinyShakespeare URL")
 
 
 def debugging() -> bool:

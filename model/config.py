@@ -274,18 +274,22 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None) -> Pipeli
         raise ConfigError(f"invalid configuration: {_describe(error)}") from error
 
 
-def parse_assignment(text: str) -> tuple[str, Any]:
-    """``key=value`` from the command line; the value is JSON when it parses as JSON."""
+def parse_value(raw: str) -> Any:
+    """A value from the command line: JSON when it parses as JSON, else the text itself."""
     import json
 
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``key=value`` from the command line."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set expects key=value, got {text!r}; e.g. --set train.steps=100")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return key.strip(), value
+    return key.strip(), parse_value(raw)
 
 
 MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
@@ -308,8 +312,7 @@ def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], lis
             raise ConfigError(f"--grid {key}= lists no values; give them comma-separated, e.g. --grid {key}=1,2")
         if key in axes:
             raise ConfigError(f"--grid names {key} twice; give all its values in one --grid {key}=a,b,c")
-        axes[key] = values if isinstance(values, list) else [parse_assignment(f"{key}={part}")[1]
-                                                               for part in raw.split(",")]
+        axes[key] = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
         if not axes[key]:
             raise ConfigError(f"--grid {key} lists no values; give at least one")
     runs = [dict(zip(axes, combination)) for combination in itertools.product(*axes.values())] if axes else []
