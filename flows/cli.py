@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
     sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
                        help="refuse sweeps of more than N runs (default 32)")
+    sweep.add_argument("--pool", metavar="NAME",
+                       help="run each configuration as a run of the `bardflow/sweep` deployment on this work pool, "
+                            "all at once: every worker of the pool trains one (needs a running server)")
     _pipeline_options(sweep)
 
     runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
@@ -175,13 +178,16 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     from artifacts.objects import open_store
     from model.config import MAX_SWEEP_RUNS, sweep_configurations
 
+    if args.pool and not os.environ.get("PREFECT_API_URL"):
+        raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
+                         "(`bardflow server start`) or set PREFECT_API_URL")
     preset = pick_preset(args.preset)
     configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
     open_store(root).check()
     from flows.sweep import sweep
 
     return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
-                 processes=args.processes)
+                 processes=args.processes, pool=args.pool)
 
 
 def _print_sweep(result: dict[str, Any]) -> None:
@@ -189,7 +195,8 @@ def _print_sweep(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     rows = result["rows"]
-    table = Table(title=f"bardflow sweep: {len(rows)} runs, preset {result['preset']}, store {result['store']}")
+    where = f", work pool {result['pool']}" if result.get("pool") else ""
+    table = Table(title=f"bardflow sweep: {len(rows)} runs, preset {result['preset']}{where}, store {result['store']}")
     for column in rows[0]:
         table.add_column(column, overflow="fold")
     for row in rows:

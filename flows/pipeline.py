@@ -30,6 +30,7 @@ from prefect.logging import get_run_logger  # noqa: E402
 from prefect.states import Completed  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
+from artifacts import ui  # noqa: E402
 from artifacts.objects import open_store  # noqa: E402
 from artifacts.store import Version  # noqa: E402
 from flows.settings import PRESET_NAMES, debugging, empty_corpus, pick_preset, store_location  # noqa: E402
@@ -39,6 +40,7 @@ from model.distributed import hardware  # noqa: E402
 from tasks.registry import NAMES, STAGES  # noqa: E402
 from tasks.stage import RunPlan, Stage, produce  # noqa: E402
 
+RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 StageName = Literal[NAMES]  # typed parameters: the UI's form offers exactly these
 Preset = Literal[PRESET_NAMES]
 
@@ -104,6 +106,10 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
         summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
                                "path": version.location, "metrics": version.metrics,
                                "seconds": round(time.perf_counter() - started, 3)}
+    # The run's summary in the UI, which is also how a sweep's parent learns, from another
+    # machine, what a child it ran on a worker produced.
+    ui.table(RUN_ARTIFACT, [{"stage": name, "state": row["state"], "key": row["key"], "seconds": row["seconds"]}
+                            for name, row in summary.items()], description=f"bardflow run, preset {chosen}")
     from prefect.runtime import flow_run
 
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last

@@ -4,12 +4,18 @@ Every child asks the same store, so what configurations share (the corpus, its e
 a model trained with the same settings) is built once and comes back cached for the rest.
 The parent ends with one comparison: a table whose first columns are the settings that
 differ, and the validation-loss curves of every run overlaid (artifact ``bardflow-sweep``).
+
+With a work pool (``pool``), each configuration is a run of the ``bardflow/sweep``
+deployment on that pool instead, all submitted at once, so N workers train N
+configurations at the same time; the parent waits for them, and reads each child's
+summary from its ``bardflow-run`` artifact and the store they share.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +24,14 @@ from prefect.logging import get_run_logger
 
 from artifacts import ui
 from artifacts.objects import open_store
-from flows.pipeline import Preset, pipeline, quiet_explained_errors
+from flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
 from flows.settings import pick_preset, store_location
-from model.config import build_config
+from model.config import ConfigError, build_config
 from tasks.compare import plot_validation_curves
 
 SWEEP = "sweep"
+DEPLOYMENT = "bardflow/sweep"  # prefect.yaml's `sweep`: the pipeline, one configuration per run
+POLL_S = 2.0
 
 
 def _shown(value: Any) -> str:
@@ -72,34 +80,131 @@ def sweep(
     corpus: str | None = None,
     store: str | None = None,
     processes: int = 1,
+    pool: str | None = None,
 ) -> dict[str, Any]:
     """One pipeline per configuration (its ``section.field`` settings over ``settings`` and the
-    preset), run in turn as child flow runs; a failed run fails its row, not the sweep."""
+    preset): in turn as child flow runs here, or, with ``pool``, all at once as runs of the
+    ``bardflow/sweep`` deployment on that work pool. A failed run fails its row, not the sweep."""
     quiet_explained_errors()
-    logger = get_run_logger()
     chosen, root = pick_preset(preset), store_location(store)
-    total = len(configurations)
-    runs: list[dict[str, Any]] = []
-    with ui.Progress(SWEEP, total, f"sweep of {total} runs, preset {chosen}") as progress:
-        for number, varying in enumerate(configurations, 1):
-            config = build_config(chosen, {**settings, **varying})
-            child = pipeline.with_options(flow_run_name=f"sweep-run-{number}-of-{total}")
-            state = child(preset=chosen, config=config, corpus=corpus, store=root, processes=processes,
-                          return_state=True)
-            run = {"varying": varying, "status": "completed"}
-            if state.is_completed():
-                run.update(state.result())
-            else:
-                run.update(status="failed", error=state.message or state.name)
-                logger.warning("sweep run %d of %d failed: %s", number, total, run["error"])
-            runs.append(run)
-            progress(number)
-            logger.info("sweep: %d of %d done", number, total)
+    configs = [build_config(chosen, {**settings, **varying}) for varying in configurations]
+    total = len(configs)
+    where = f" on work pool {pool}" if pool else ""
+    with ui.Progress(SWEEP, total, f"sweep of {total} runs, preset {chosen}{where}") as progress:
+        if pool:
+            runs = _on_pool(pool, configurations, configs, chosen, corpus, root, processes, progress)
+        else:
+            runs = _here(configurations, configs, chosen, corpus, root, processes, progress)
     rows = comparison_rows(runs)
     publish(rows, _histories(runs, root), chosen)
     from prefect.runtime import flow_run
 
-    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "rows": rows, "runs": runs}
+    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs}
+
+
+def _child_name(number: int, total: int) -> str:
+    return f"sweep-run-{number}-of-{total}"
+
+
+def _failed(number: int, total: int, run: dict[str, Any], why: str) -> None:
+    run.update(status="failed", error=why)
+    get_run_logger().warning("sweep run %d of %d failed: %s", number, total, why)
+
+
+def _here(configurations, configs, preset, corpus, root, processes, progress) -> list[dict[str, Any]]:
+    """Each configuration in turn, as a child flow run of this process."""
+    total, runs = len(configs), []
+    for number, (varying, config) in enumerate(zip(configurations, configs), 1):
+        child = pipeline.with_options(flow_run_name=_child_name(number, total))
+        state = child(preset=preset, config=config, corpus=corpus, store=root, processes=processes,
+                      return_state=True)
+        run = {"varying": varying, "status": "completed"}
+        if state.is_completed():
+            run.update(state.result())
+        else:
+            _failed(number, total, run, state.message or state.name)
+        runs.append(run)
+        progress(number)
+        get_run_logger().info("sweep: %d of %d done", number, total)
+    return runs
+
+
+def check_pool(pool: str) -> None:
+    """The deployment the children run as must exist on ``pool``: one line with the fix
+    before anything is submitted. A pool without a worker only gets a warning (workers
+    may start later; the runs wait for them)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            deployment = client.read_deployment_by_name(DEPLOYMENT)
+        except ObjectNotFound:
+            raise ConfigError(f"there is no deployment {DEPLOYMENT} on this server; from the repository folder run "
+                              f"`prefect --no-prompt deploy --name sweep --pool {pool}`") from None
+        if deployment.work_pool_name != pool:
+            raise ConfigError(f"deployment {DEPLOYMENT} runs on work pool {deployment.work_pool_name!r}, not {pool!r}; "
+                              f"pass --pool {deployment.work_pool_name} or deploy it on {pool}: "
+                              f"`prefect --no-prompt deploy --name sweep --pool {pool}`")
+        workers = client.read_workers_for_work_pool(pool)
+    if not any(worker.status == "ONLINE" for worker in workers):
+        get_run_logger().warning("no worker is polling work pool %s; the sweep's runs wait until one starts "
+                                 "(`prefect worker start --pool %s`)", pool, pool)
+
+
+def _on_pool(pool, configurations, configs, preset, corpus, root, processes, progress) -> list[dict[str, Any]]:
+    """Every configuration submitted at once as a run of the ``sweep`` deployment, then
+    waited for: the workers that poll ``pool`` take them as they free up."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    check_pool(pool)
+    logger, total = get_run_logger(), len(configs)
+    submitted = []
+    for number, config in enumerate(configs, 1):
+        child = run_deployment(DEPLOYMENT, timeout=0, flow_run_name=_child_name(number, total), parameters={
+            "preset": preset, "config": config.model_dump(mode="json"), "corpus": corpus, "store": root,
+            "processes": processes})
+        submitted.append(child.id)
+    logger.info("sweep: %d runs submitted to work pool %s", total, pool)
+    runs = [{"varying": varying, "status": "running", "flow_run_id": str(run_id)}
+            for varying, run_id in zip(configurations, submitted)]
+    done = 0
+    with get_client(sync_client=True) as client:
+        while done < total:
+            time.sleep(POLL_S)
+            for number, (run, run_id) in enumerate(zip(runs, submitted), 1):
+                if run["status"] != "running":
+                    continue
+                state = client.read_flow_run(run_id).state
+                if state is None or not state.is_final():
+                    continue
+                if state.is_completed():
+                    run.update(status="completed", **_child_summary(client, run_id, root))
+                else:
+                    _failed(number, total, run, state.message or state.name)
+                done += 1
+                progress(done)
+                logger.info("sweep: %d of %d done (run %d: %s)", done, total, number, run["status"])
+    return runs
+
+
+def _child_summary(client, run_id, root: str) -> dict[str, Any]:
+    """What a child run here returns, rebuilt from its ``bardflow-run`` artifact (stage,
+    state, version key, seconds) and the shared store (each version's metrics)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ui.artifact_key(RUN_ARTIFACT)])),
+                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    rows = json.loads(artifacts[0].data) if artifacts else []
+    store = open_store(root)
+    stages = {}
+    for row in rows:
+        version = store.lookup(row["stage"], row["key"])
+        stages[row["stage"]] = {"state": row["state"], "key": row["key"], "seconds": row["seconds"],
+                                "path": version.location if version else None,
+                                "metrics": version.metrics if version else {}}
+    return {"stages": stages, "flow_run": str(run_id)}
 
 
 def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str) -> None:

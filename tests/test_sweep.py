@@ -1,9 +1,11 @@
 """``bardflow sweep`` and ``bardflow runs``: a grid refused before any work when it is bad;
 a small sweep end to end on the session's Prefect server (child flow runs of one parent,
 shared stages built once, a failed run failing its row only, one comparison artifact whose
-plots render in a browser); the trained versions listed and diffed from the store alone."""
+plots render in a browser); the same sweep fanned out over two workers of a work pool; the
+trained versions listed and diffed from the store alone."""
 
 import json
+import os
 
 import pytest
 
@@ -48,8 +50,6 @@ def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
 def swept(tmp_path_factory, prefect_server):
     """A sweep that finds the session's server as users find theirs: the background server
     `bardflow server start` left running (no PREFECT_API_URL)."""
-    import os
-
     from tests.conftest import md5_bytes, play_text
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -112,8 +112,6 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
 def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
     store, result = swept
     env = {"PREFECT_API_URL": "http://127.0.0.1:9/api"}  # no server is needed (none answers there)
-    import os
-
     listing = json.loads(bardflow("runs", "--store", str(store), "--json", env={**os.environ, **env}).stdout)
     parallel = [row for row in listing if row["stage"] == "train_parallel"]
     assert {row["differs"]["train.learning_rate"] for row in parallel} == {0.003, 0.01}
@@ -127,3 +125,70 @@ def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
         result["rows"][1]["val_loss"] - result["rows"][0]["val_loss"])
     missing = bardflow("runs", "--store", str(store), "--diff", "zzzz", b, check=False)
     assert missing.returncode == 1 and "no trained version with a key starting 'zzzz'" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def pool_workers(prefect_server):
+    """The README's pool of workers, on this machine: a process pool, the `sweep` deployment
+    on it, and two workers that each take one flow run at a time."""
+    import sys
+    from pathlib import Path
+
+    prefect = str(Path(sys.executable).parent / "prefect")
+    for command in (["work-pool", "create", "--overwrite", "--type", "process", "sweepers"],
+                    ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"]):
+        done = prefect_server.run(prefect, *command)
+        assert done.returncode == 0, done.stdout + done.stderr
+    workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,
+                                          "--limit", "1")
+               for name in ("sweeper-a", "sweeper-b")}
+    try:
+        yield workers
+    finally:
+        for worker in workers.values():
+            prefect_server.stop(worker)
+        assert all(worker.poll() is not None for worker in workers.values()), "a worker was left running"
+
+
+@pytest.mark.flow
+def test_a_sweep_fans_out_over_the_workers_of_a_pool(tmp_path, prefect_server, pool_workers):
+    from tests.conftest import md5_bytes, play_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(play_text(64_000, seed=3))
+    store = tmp_path / "store"
+    done = bardflow("sweep", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--pool", "sweepers",
+                    "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5",
+                    "--grid", "train.learning_rate=0.003,0.01,0.03", "--list", '{"train.learning_rate": 1e30}',
+                    "--json", env={**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]})
+    result = json.loads(done.stdout)
+    rows = result["rows"]
+    assert [row["train.learning_rate"] for row in rows] == ["0.003", "0.01", "0.03", "1e+30"]  # all four named
+    assert [row["status"] for row in rows] == ["completed"] * 3 + ["failed"]
+    assert "loss became nan" in result["runs"][3]["error"]  # its row says why; the sweep went on
+    assert all(row["val_loss"] > 0 for row in rows[:3]) and len({row["train_parallel"] for row in rows[:3]}) == 3
+
+    # Each child is a deployment run linked to the parent, and both workers took some.
+    children = [run["flow_run_id"] for run in result["runs"]]
+    for child in children:
+        run = prefect_server.api(f"/flow_runs/{child}")
+        assert run["deployment_id"] and run["parameters"]["store"] == str(store)
+        assert prefect_server.api(f"/task_runs/{run['parent_task_run_id']}")["flow_run_id"] == result["flow_run"]
+    taken = {name: {child for child in children if child in (prefect_server.home / f"{name}.log").read_text()}
+             for name in pool_workers}
+    assert all(taken.values()) and set().union(*taken.values()) == set(children), taken
+
+    elsewhere = bardflow("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
+                         "--grid", "train.steps=1,2", env={**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]},
+                         check=False)
+    assert elsewhere.returncode == 1 and "bardflow: error: deployment bardflow/sweep runs on work pool 'sweepers', " \
+        "not 'elsewhere'" in elsewhere.stderr and "Traceback" not in elsewhere.stderr
+
+
+def test_a_pool_without_a_server_is_refused_before_any_work(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["BARDFLOW_SERVER_FILE"] = str(tmp_path / "no-server.json")
+    done = bardflow("sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), "--pool", "gpu",
+                    "--grid", "train.steps=1,2", env=env, check=False)
+    assert done.returncode == 2 and "--pool gpu needs a Prefect server" in done.stderr
+    assert not (tmp_path / "store").exists()
