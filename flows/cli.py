@@ -9,13 +9,15 @@ import os
 import sys
 from typing import Any
 
-from flows.server import check_chosen_server, use_running_server
+from flows.server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
 from flows.settings import (AUTO_CHOICES, DEBUG, PRESET_NAMES, debugging, empty_corpus, pick_preset,
                             prepare_environment, store_location)
+from model import stopping
 from model.errors import BardflowError
 from tasks.registry import BY_NAME, NAMES
 
 
+_embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
 STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE or ./store)"
 
 
@@ -140,6 +142,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     prepare_environment(args.cpu_devices)
     use_running_server()
     check_chosen_server()
+    global _embedded
     from model.config import ConfigError, build_config, parse_assignment
 
     overrides = dict(parse_assignment(text) for text in args.settings)
@@ -154,6 +157,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             errors.append(error)
     if len(errors) == len(candidates):
         raise errors[0]
+    _embedded = start_embedded()  # comes up while Prefect and JAX load
     return root, overrides
 
 
@@ -167,6 +171,8 @@ def _terminal_run():
 
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+    if _embedded is not None:
+        _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
     if any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
         return nullcontext()
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
@@ -318,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.debug:
         os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
+    if args.command in ("run", "sweep"):
+        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/stopping.py)
     try:
         if args.command == "presets":
             from model.config import PRESETS as CONFIGS, build_config
@@ -346,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "run":
             _show(_run(args), args.json, _print_summary)
         return 0
+    except stopping.Stopped as stop:
+        print(f"bardflow: {stop}", file=sys.stderr)
+        return stop.exit_code
     except BardflowError as error:
         if debugging():
             import traceback
@@ -353,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"bardflow: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
+    except Exception:
+        signum = stopping.requested()
+        if signum is None or debugging():
+            raise
+        # What a stop breaks on its way out (a client call cut short) is not news.
+        print(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
+              file=sys.stderr)
+        return 128 + signum
 
 
 def exit_now(code: int) -> None:

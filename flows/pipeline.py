@@ -35,6 +35,7 @@ from artifacts.objects import open_store  # noqa: E402
 from artifacts.store import Version  # noqa: E402
 from flows.settings import PRESET_NAMES, debugging, empty_corpus, pick_preset, store_location  # noqa: E402
 from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
+from model import stopping  # noqa: E402
 from model.errors import BardflowError  # noqa: E402
 from model.distributed import hardware  # noqa: E402
 from tasks.registry import NAMES, STAGES  # noqa: E402
@@ -82,6 +83,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
                refresh: list[str], processes: int = 1) -> dict[str, Any]:
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
+    stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
     logger = get_run_logger()
     chosen = pick_preset(preset)
     config = config or build_config(chosen)
@@ -99,6 +101,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
+        stopping.check(f"before {stage.name}")
+        stopping.at(f"during {stage.name}")
         started = time.perf_counter()
         state = STAGE_TASKS[stage.name](settings[stage.name], {name: versions[name] for name in stage.reads},
                                         root, stage.name in refresh, return_state=True)

@@ -133,3 +133,80 @@ def command(action: str, port: int) -> None:
         print(f"running at {record['url']} (pid {record['pid']})" if record else "not running")
         if record is None:
             raise SystemExit(3)
+
+
+class EmbeddedServer:
+    """The temporary Prefect server of one `bardflow run` or `sweep` when no server is
+    chosen: what Prefect's client would start by itself (the same app, UI off, 127.0.0.1),
+    but started here, before Prefect and JAX are imported, so it comes up while they load;
+    in a session of its own, so a Ctrl-C to the terminal's process group reaches this
+    process alone and the run can stop in order and still report it; and tied to this
+    process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
+
+    def __init__(self) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        from importlib.util import find_spec
+
+        app_dir = str(Path(find_spec("prefect").origin).parent.parent)  # found, not imported (that takes a second)
+        command = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory",
+                   "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--log-level", "error", "--lifespan", "on"]
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        from model import stopping
+
+        while not healthy(self.url, timeout_s=1.0):
+            stopping.check("before the run started")
+            if self.process.poll() is not None:
+                raise ServerError(f"the embedded Prefect server exited with status {self.process.returncode} while "
+                                  "starting; run `bardflow ui` to see why, or start one with `bardflow server start`")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"the embedded Prefect server did not answer within {timeout_s:.0f} s; raise "
+                                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or keep one running with "
+                                  "`bardflow server start`")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the parent dies (Linux prctl; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start_embedded() -> EmbeddedServer | None:
+    """Starts the run's own server when none is chosen (PREFECT_API_URL), and points this
+    process at it; ``None`` when a server is chosen. Stopped at exit, or by a forced stop."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    import atexit
+
+    from model import stopping
+
+    server = EmbeddedServer()
+    os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+    atexit.register(server.stop)
+    stopping.on_force(server.stop)
+    return server

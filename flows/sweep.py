@@ -26,6 +26,7 @@ from artifacts import ui
 from artifacts.objects import open_store
 from flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
 from flows.settings import pick_preset, store_location
+from model import stopping
 from model.config import ConfigError, build_config
 from tasks.compare import plot_validation_curves
 
@@ -118,6 +119,7 @@ def _here(configurations, configs, preset, corpus, root, processes, progress) ->
         child = pipeline.with_options(flow_run_name=_child_name(number, total))
         state = child(preset=preset, config=config, corpus=corpus, store=root, processes=processes,
                       return_state=True)
+        stopping.check(f"during sweep run {number} of {total}")  # a stopped child stops the sweep
         run = {"varying": varying, "status": "completed"}
         if state.is_completed():
             run.update(state.result())
@@ -173,6 +175,13 @@ def _on_pool(pool, configurations, configs, preset, corpus, root, processes, pro
     with get_client(sync_client=True) as client:
         while done < total:
             time.sleep(POLL_S)
+            if stopping.requested() is not None:  # the runs on workers are cancelled with the sweep
+                from prefect.states import Cancelling
+
+                for run, run_id in zip(runs, submitted):
+                    if run["status"] == "running":
+                        client.set_flow_run_state(run_id, Cancelling(message="the sweep was stopped"), force=True)
+                stopping.check(f"with {total - done} of {total} sweep runs unfinished (cancelled)")
             for number, (run, run_id) in enumerate(zip(runs, submitted), 1):
                 if run["status"] != "running":
                     continue

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from model import stopping
 from model.distributed import NUM_PROCESSES, ProcessGroup
 from model.errors import BardflowError
 
@@ -88,11 +89,25 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
                                                 stdout=sink, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True))
             log.with_suffix(".pid").write_text(str(running[-1].pid))
-        seen = 0
+            stopping.track(running[-1])
+        seen, forwarded = 0, False
         while True:
             codes = [p.poll() for p in running]
             if on_step is not None:
                 seen = _follow_progress(logs[0], seen, on_step)
+            if stopping.requested() is not None:
+                # Each process has a session of its own, out of reach of a terminal's Ctrl-C:
+                # told here, they agree on a step, save its checkpoint together and exit.
+                if not forwarded:
+                    for process in running:
+                        if process.poll() is None:
+                            os.killpg(process.pid, signal.SIGTERM)
+                    forwarded = True
+                if all(code is not None for code in codes):
+                    signum = stopping.requested()
+                    raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)}")
+                time.sleep(poll_s)
+                continue
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
                 raise ProcessFailure(
@@ -104,6 +119,8 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
             time.sleep(poll_s)
     finally:
         stop(running)
+        for process in running:
+            stopping.untrack(process)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -7,6 +7,7 @@ so no NNX graph traversal happens per step.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -19,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from model import stopping
 from model.config import ModelConfig, TrainConfig
 from model.errors import BardflowError
 from model.transformer import Transformer, build_model
@@ -300,6 +302,17 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves))
 
 
+def _stop_agreed(step: int) -> bool:
+    """Whether to stop before ``step``: asked here (SIGINT, SIGTERM), or, with several
+    processes, when JAX's preemption service says so: it catches SIGTERM in any process and
+    has them all agree on one step, so that they save its checkpoint together."""
+    if jax.process_count() == 1:
+        return stopping.requested() is not None
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
 def _check_loss(step: int, loss: jax.Array, last_saved: int | None) -> float:
     value = float(loss)
     if not math.isfinite(value):
@@ -364,6 +377,19 @@ def train(
     pending = None  # the previous step's loss, checked once the next step is queued
     started = time.perf_counter()
     for step in range(start, last):
+        if _stop_agreed(step):  # SIGINT or SIGTERM: keep what was done, then stop (model/stopping.py)
+            if pending is not None:
+                _check_loss(*pending, last_saved)
+            if checkpoints is not None and step > (last_saved or 0):
+                elapsed = prior_elapsed + time.perf_counter() - started - evaluating_s
+                checkpoints.save(step, state, {"step": step, "history": list(history), "elapsed_s": elapsed,
+                                               "data_position": step})
+                last_saved = step
+            signum = stopping.requested() or signal.SIGTERM  # a peer process's signal
+            kept = (f"the checkpoint of step {last_saved} is saved: rerun the same command to resume from it"
+                    if last_saved else "no checkpoint was saved, so a rerun starts from step 0")
+            raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)} {stopping.where()} at step {step} "
+                                           f"of {last}; {kept}")
         tokens = first if step == start else placement.put_batch(batch_at(step))
         state, loss = compiled(state, tokens)
         if pending is not None:

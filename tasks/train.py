@@ -16,6 +16,7 @@ import jax
 
 from artifacts import ui
 from artifacts.store import Builder, Version, canonical_json
+from model import stopping
 from model.checkpoint import TrainingCheckpoints, load_train_state
 from model.config import TrainingRequest
 from model.launch import ProcessFailure, launch_leader, launch_local
@@ -99,10 +100,12 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
                              settings.platform, on_step=progress)
             else:
                 launch_leader(launch / "spec.json", on_step=progress)
-    except ProcessFailure as failure:
+    except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
         resume = (f"rerun to resume from the checkpoint of step {kept[-1]}" if kept
                   else "no checkpoint was written yet, so a rerun starts from step 0")
+        if isinstance(failure, stopping.Stopped):
+            raise stopping.Stopped(failure.exit_code - 128, f"{failure} during train_parallel; {resume}") from None
         raise TrainingError(f"train_parallel failed: {failure}\n{resume}") from failure
     _finish(TRAIN_PARALLEL.name, out, json.loads((launch / RESULT).read_text()))
 

@@ -50,10 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-timeout", type=int, default=300, metavar="S",
                         help="seconds to wait for every process to join (default 300)")
     args = parser.parse_args(argv)
+    from model import stopping
     from model.multiprocess import run_process
 
+    stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
+    stopping.at("in a train_parallel process")
     try:
         run_process(None if args.follow else args.spec, args.join_timeout, files_of)
+    except stopping.Stopped as stop:
+        print(f"bardflow: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     except BardflowError as error:
         print(f"bardflow: error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -133,3 +133,47 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
         assert len(widths) >= 2 and all(w > 0 for w in widths), widths
     finally:
         browser.close()
+
+
+def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deployed):
+    """`prefect flow-run cancel` (what the UI's Cancel does): the worker sends SIGTERM, the
+    flow run's process saves a checkpoint of the step it reached and exits well within the
+    worker's grace period, the run ends Cancelled, and the rerun resumes from that step."""
+    from model.config import build_config
+
+    server, _, bucket = deployed
+    store = bucket.prefix("cancelled")
+    config = build_config("tiny", {"train.steps": 4000, "train.log_every": 400, "train.checkpoint_every": 4000})
+    params = ["preset=tiny", f"store={store}", f"config={json.dumps(config.model_dump(mode='json'))}"]
+    done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow/pipeline",
+                      *[arg for p in params for arg in ("--param", p)])
+    run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+
+    def messages() -> list[str]:
+        return [log["message"] for log in server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})]
+
+    deadline = time.monotonic() + 300
+    while not any(m.startswith("train_single (") and "/4000" in m for m in messages()):
+        assert time.monotonic() < deadline, "the run never reached training"
+        time.sleep(0.5)
+    pid = int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+    cancelled = time.monotonic()
+    assert server.run(str(BIN / "prefect"), "flow-run", "cancel", run_id).returncode == 0
+    while (state := server.api(f"/flow_runs/{run_id}")["state"])["type"] not in ("CANCELLED", "FAILED", "COMPLETED",
+                                                                                   "CRASHED"):
+        assert time.monotonic() - cancelled < 30, "not stopped within the worker's grace period"
+        time.sleep(0.3)
+    assert state["type"] == "CANCELLED", state
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    stopped = [m for m in messages() if "stopped by SIGTERM during train_single at step" in m]
+    assert stopped and "checkpoint of step" in stopped[-1]
+    step = int(re.search(r"at step (\d+)", stopped[-1]).group(1))
+
+    rerun, _ = deployment_run(server, "bardflow/pipeline", *params)
+    resumed = [m for m in messages_of(server, rerun) if "train_single resumed from its checkpoint at step" in m]
+    assert resumed and f"at step {step} " in resumed[0]
+
+
+def messages_of(server: Server, run_id: str) -> list[str]:
+    return [log["message"] for log in server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
+                                                                  "limit": 200})]

@@ -1,0 +1,117 @@
+"""Ctrl-C and SIGTERM, as a terminal, a scheduler or a worker sends them: the run stops
+within 10 s, saves a checkpoint of the step it reached, exits 130 or 143 with one line,
+leaves no process behind, and the rerun resumes to exactly the weights of a run never
+interrupted.
+
+One store is stopped four times in a row (SIGINT and SIGTERM, to the process group and to
+the main process alone; in train_single and in a two-process train_parallel), then run to
+the end, and compared with an uninterrupted run. The first two stops use the run's own
+embedded Prefect server (the one a group Ctrl-C used to kill first, and the one a SIGTERM to
+the main process used to orphan); the others use the session's server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.servers import REPO
+
+pytestmark = pytest.mark.flow
+STEPS = 1000
+
+
+def descendants(pid: int) -> list[int]:
+    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in found] + [grand for child in found for grand in descendants(int(child))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, prefect_server):
+    from tests.conftest import md5_bytes, play_text
+
+    root = tmp_path_factory.mktemp("signals")
+    corpus = root / "corpus.txt"
+    corpus.write_bytes(play_text(64_000, seed=5))
+    args = ["--preset", "tiny", "--corpus", str(corpus), "--processes", "2", "--cpu-devices", "2",
+            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", f"train.steps={STEPS}",
+            "--set", f"train.log_every={STEPS // 10}", "--set", f"train.checkpoint_every={STEPS}"]
+    own_server = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    own_server.update(BARDFLOW_SERVER_FILE=str(root / "no-server.json"), PREFECT_HOME=str(root / "prefect"))
+    shared = {**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]}
+    return {"args": args, "store": root / "store", "reference": root / "reference", "own_server": own_server,
+            "shared": shared}
+
+
+def stop_run(chain, env, stage: str, sig: signal.Signals, group: bool) -> dict:
+    """Starts `bardflow run`, sends ``sig`` once ``stage`` reports training progress, and
+    waits for the exit."""
+    command = [sys.executable, "-m", "flows.cli", "run", *chain["args"], "--store", str(chain["store"])]
+    process = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if f"{stage} (" in line and f"/{STEPS} (" in line:  # a progress line: training is under way
+            break
+    else:
+        pytest.fail("the run ended before training:\n" + "".join(seen[-30:]))
+    children = descendants(process.pid)
+    sent = time.monotonic()
+    if group:
+        os.killpg(process.pid, sig)
+    else:
+        os.kill(process.pid, sig)
+    rest = process.stderr.read()
+    process.wait(timeout=60)
+    return {"code": process.returncode, "seconds": time.monotonic() - sent, "children": children,
+            "last_line": rest.strip().splitlines()[-1], "stderr": rest}
+
+
+@pytest.mark.parametrize("server, stage, sig, group", [
+    ("own_server", "train_single", signal.SIGINT, True),
+    ("own_server", "train_single", signal.SIGTERM, False),
+    ("shared", "train_parallel", signal.SIGTERM, True),
+    ("shared", "train_parallel", signal.SIGINT, False),
+], ids=["group-SIGINT", "main-SIGTERM", "group-SIGTERM-processes", "main-SIGINT-processes"])
+def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, server, stage, sig, group):
+    stopped = stop_run(chain, chain[server], stage, sig, group)
+    assert stopped["code"] == 128 + sig, stopped["stderr"][-3000:]
+    assert stopped["seconds"] < 10, stopped["seconds"]
+    assert stopped["last_line"].startswith(f"bardflow: stopped by {sig.name} during {stage}")
+    assert "checkpoint of step" in stopped["last_line"] and "resume" in stopped["last_line"]
+    assert "Traceback" not in stopped["stderr"]
+    if server == "own_server":  # the embedded server was among them
+        assert stopped["children"], "the run had no child process (its embedded server)"
+    time.sleep(0.5)
+    assert not [pid for pid in stopped["children"] if alive(pid)], "a process was left behind"
+
+
+def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain):
+    from tests.test_flow import bardflow
+
+    resumed = json.loads(bardflow("run", *chain["args"], "--store", str(chain["store"]), "--json",
+                                  env=chain["shared"]).stdout)["stages"]
+    assert resumed["train_parallel"]["metrics"]["resumed_from_step"] > 0
+    whole = json.loads(bardflow("run", *chain["args"], "--store", str(chain["reference"]), "--json",
+                                env=chain["shared"]).stdout)["stages"]
+    assert whole["train_single"]["metrics"]["resumed_from_step"] is None
+    from artifacts.store import Store
+
+    for stage in ("train_single", "train_parallel"):
+        a = Store(chain["store"]).lookup(stage, resumed[stage]["key"])
+        b = Store(chain["reference"]).lookup(stage, whole[stage]["key"])
+        assert a.fingerprint == b.fingerprint  # the same weights and the same losses, bit for bit
