@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The one GPU check: run from the repository root on a GPU machine that has jax, flax,
-# optax, orbax-checkpoint and pyarrow (it downloads nothing). Prints a short table and
-# writes the JSON under $OUT (or bench/results).
+# The one GPU check (bench/gpu_check.py says what it runs): from the repository root, on a
+# GPU host that has the JAX stack but not Prefect and no internet. The wheel kit (.whl/, made
+# by bench/gpu_wheels.sh) is installed first; results go under $OUT (or bench/results).
+#   bash bench/gpu_check.sh            # on the GPU host, at most 8 minutes
+#   bash bench/gpu_check.sh --dry-run  # the same commands on CPU: tiny preset, a few steps
 set -euo pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
-out="${OUT:-bench/results}"
-python3 - <<'PY'
-import jax
-print("devices:", jax.devices(), "backend:", jax.default_backend())
-PY
-# The codelab step is dominated by dispatch on a GPU: time enough steps to see it.
-python3 -m bench --steps "${BENCH_STEPS:-100}" --pairs "${BENCH_PAIRS:-3}" --out "$out"
-# Time to quality: the `quality` preset against nanoGPT's 1.4697 (target: 1.47 within 60 s).
-timeout "${QUALITY_TIMEOUT_S:-300}" python3 -m bench.quality --preset quality --target 1.47 --out "$out" \
-  || echo "bench.quality: failed or timed out (exit $?)"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false DO_NOT_TRACK=1
+python="${PYTHON:-python3}"
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$python" -c "import prefect" 2>/dev/null; then
+  site="$(mktemp -d)/site"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+exec "$python" -m bench.gpu_check --out "${OUT:-bench/results}" "$@"

@@ -142,6 +142,9 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     prepare_environment(args.cpu_devices)
     use_running_server()
     check_chosen_server()
+    if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
+        raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
+                         "(`bardflow server start`) or set PREFECT_API_URL")
     global _embedded
     from model.config import ConfigError, build_config, parse_assignment
 
@@ -200,9 +203,6 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     from artifacts.objects import open_store
     from model.config import MAX_SWEEP_RUNS, sweep_configurations
 
-    if args.pool and not os.environ.get("PREFECT_API_URL"):
-        raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
-                         "(`bardflow server start`) or set PREFECT_API_URL")
     preset = pick_preset(args.preset)
     configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
     open_store(root).check()

@@ -207,6 +207,8 @@ def start_embedded() -> EmbeddedServer | None:
 
     server = EmbeddedServer()
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+    print(f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running with "
+          "`bardflow server start` to skip this)", file=sys.stderr, flush=True)
     atexit.register(server.stop)
     stopping.on_force(server.stop)
     return server

@@ -110,6 +110,13 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
     _finish(TRAIN_PARALLEL.name, out, json.loads((launch / RESULT).read_text()))
 
 
+def training_fingerprint(summary: dict[str, Any]) -> str:
+    """What was trained, not how fast: the weights and the loss record without its clock. The
+    same weights retrained (say --refresh train_parallel) leave every reader of them cached."""
+    outcome = [{k: v for k, v in h.items() if k != "seconds"} for h in summary["history"]]
+    return hashlib.sha256((summary["params_digest"] + canonical_json(outcome)).encode()).hexdigest()
+
+
 def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
     """Everything of a training version but its state: history, metrics, fingerprint, UI."""
     metrics, history = summary["metrics"], summary["history"]
@@ -117,10 +124,7 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
     out.metrics.update(metrics)
     out.record["devices"] = summary["devices"]
     out.record["resumed_from_step"] = metrics["resumed_from_step"]
-    # What was trained, not how fast: the weights and the loss record without its clock. The
-    # same weights retrained (say --refresh train_parallel) leave every reader of them cached.
-    outcome = [{k: v for k, v in h.items() if k != "seconds"} for h in history]
-    out.fingerprint = hashlib.sha256((summary["params_digest"] + canonical_json(outcome)).encode()).hexdigest()
+    out.fingerprint = training_fingerprint(summary)
     if metrics["resumed_from_step"] is not None:
         ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
                stage, metrics["resumed_from_step"], metrics["resume_s"])

@@ -66,7 +66,7 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
         assert Store(store).lookup(stage, versions[0].name) is not None
         # Built once: each stage ran in one of the two runs, and the other found it.
         assert sorted((a["stages"][stage]["state"], b["stages"][stage]["state"])) == ["cached", "ran"], stage
-    assert "Starting temporary server" in (tmp_path / "a.log").read_text()
+    assert "starting a temporary Prefect server for this run" in (tmp_path / "a.log").read_text()
 
 
 BAD_INPUTS = {
