@@ -176,6 +176,7 @@ def _terminal_run():
 
     if _embedded is not None:
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+        _embedded.watch()
     if any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
         return nullcontext()
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
@@ -355,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             _show(_run(args), args.json, _print_summary)
         return 0
     except stopping.Stopped as stop:
+        if stopping.failure():
+            print(f"bardflow: error: {stopping.failure()}", file=sys.stderr)
+            return 1
         print(f"bardflow: {stop}", file=sys.stderr)
         return stop.exit_code
     except BardflowError as error:
@@ -368,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         signum = stopping.requested()
         if signum is None or debugging():
             raise
+        if stopping.failure():
+            print(f"bardflow: error: {stopping.failure()}", file=sys.stderr)
+            return 1
         # What a stop breaks on its way out (a client call cut short) is not news.
         print(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
               file=sys.stderr)

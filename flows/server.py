@@ -157,6 +157,7 @@ class EmbeddedServer:
                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "error", "--lifespan", "on"]
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self.stopping = False
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
 
@@ -176,7 +177,24 @@ class EmbeddedServer:
                                   "`bardflow server start`")
             time.sleep(0.1)
 
+    def watch(self) -> None:
+        """From now on, the server exiting stops the run (training saves its step) with one
+        line: without it, every report of the run would be retried for minutes."""
+        import threading
+
+        from model import stopping
+
+        def wait() -> None:
+            code = self.process.wait()
+            if not self.stopping:
+                stopping.fail(f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
+                              "rerun the same command to go on (finished stages come back cached, training resumes "
+                              "from its checkpoint)")
+
+        threading.Thread(target=wait, daemon=True).start()
+
     def stop(self) -> None:
+        self.stopping = True
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.errors import BardflowError
+from model.errors import BardflowError, require_space
 from model.transformer import Transformer, build_model
 
 
@@ -23,6 +23,7 @@ class CheckpointError(BardflowError, RuntimeError):
 def save_model(path: Path, model: Transformer, cfg: ModelConfig) -> None:
     """Saves the parameters (not the optimizer) and the config at ``path``, which must not exist."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    require_space(Path(path).parent, _nbytes(params), "the checkpoint")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(
             Path(path).absolute(),
@@ -82,10 +83,16 @@ def _leader_only():
                                               barrier_sync_key_prefix="bardflow-leader")
 
 
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
 def save_train_state(path: Path, state: nnx.State) -> None:
     """The whole training state (model and optimizer) as one Orbax pytree; in a
     multi-process run, written by process 0 (the others only wait for it)."""
     host = jax.device_get(nnx.to_pure_dict(state))  # replicated: every process holds it all
+    if jax.process_index() == 0:
+        require_space(Path(path).parent, _nbytes(host), "the trained state")
     if jax.process_count() == 1:
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(Path(path).absolute(), host)
@@ -162,6 +169,8 @@ class TrainingCheckpoints:
         pure = nnx.to_pure_dict(state)
         if jax.process_count() > 1:
             pure = jax.device_get(pure)  # replicated: process 0 holds it all
+        if jax.process_index() == 0:
+            require_space(self.directory, _nbytes(pure), f"the checkpoint of step {step}")
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
                                                         record=ocp.args.JsonSave(record)))
         if self.saved is not None:

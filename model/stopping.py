@@ -29,6 +29,7 @@ _where = "before the run started"
 _children: set[subprocess.Popen] = set()
 _force_hooks: list[Callable[[], None]] = []
 _timer: threading.Timer | None = None
+_failure: str | None = None  # not a signal: what made the run stop (see ``fail``)
 
 
 class Stopped(BardflowError, RuntimeError):
@@ -65,6 +66,20 @@ def check(where: str) -> None:
                                   "(finished stages come back cached)")
 
 
+def failure() -> str | None:
+    """Why the run was stopped from within (``fail``), if it was."""
+    return _failure
+
+
+def fail(why: str) -> None:
+    """Stops the run as SIGTERM would (training saves its step), for ``why``, something the
+    run cannot go on without; the command then ends with ``why`` as its error line, exit 1."""
+    global _failure
+    if _requested is None:
+        _failure = why
+        _handle(signal.SIGTERM, None)
+
+
 def track(process: subprocess.Popen) -> None:
     """A child that a forced stop must not leave behind (killed with its process group)."""
     _children.add(process)
@@ -94,7 +109,9 @@ def _handle(signum: int, frame) -> None:
     if _requested is not None:  # asked twice: now
         force(signum)
     _requested = signum
-    print(f"bardflow: {name(signum)} received: stopping {_where} (again to stop at once)", file=sys.stderr, flush=True)
+    if _failure is None:
+        print(f"bardflow: {name(signum)} received: stopping {_where} (again to stop at once)", file=sys.stderr,
+              flush=True)
     _timer = threading.Timer(GRACE_S, force, args=(signum, f"still running {GRACE_S:.0f} s later"))
     _timer.daemon = True
     _timer.start()
@@ -112,6 +129,9 @@ def force(signum: int, why: str = "asked twice") -> None:
             hook()
         except Exception:  # noqa: BLE001 - ending anyway; one hook must not keep the next from running
             pass
+    if _failure is not None:
+        print(f"bardflow: error: {_failure}", file=sys.stderr, flush=True)
+        os._exit(1)
     print(f"bardflow: error: stopped by {name(signum)} {_where} ({why}); rerun the same command to resume from "
           "the newest checkpoint", file=sys.stderr, flush=True)
     os._exit(128 + signum)

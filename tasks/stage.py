@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 from artifacts.store import Builder, Store, Version, version_key
 from model.config import ConfigError, PipelineConfig, TrainingRequest
 from model.distributed import ProcessGroup
+from model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
 
 
 def jsonable(settings: Any) -> Any:
@@ -107,5 +108,13 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
         if missing:  # a broken contract, not bad input: a bug in the stage
             raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")
 
-    return store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked, work,
-                         force=force, notice=notice)
+    try:
+        return store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked, work,
+                             force=force, notice=notice)
+    except BardflowError:
+        raise
+    except Exception as error:
+        if is_disk_full(error):  # in a version's files, a checkpoint or the store's own records
+            raise DiskFullError(f"the disk is full: {stage.name} could not write to the store {store.location} "
+                                f"({error.__class__.__name__}: {str(error)[:160]}); {FREE_SPACE_FIX}") from error
+        raise

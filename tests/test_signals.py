@@ -100,6 +100,26 @@ def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, server, stage
     assert not [pid for pid in stopped["children"] if alive(pid)], "a process was left behind"
 
 
+def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
+    """Not a signal to the run: its embedded Prefect server killed while training goes on."""
+    command = [sys.executable, "-m", "flows.cli", "run", *chain["args"], "--store", str(chain["store"])]
+    process = subprocess.Popen(command, cwd=REPO, env={**chain["own_server"], "PYTHONUNBUFFERED": "1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in process.stderr:
+        if "train_parallel (" in line and f"/{STEPS} (" in line:
+            break
+    listed = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
+                            text=True).stdout.splitlines()
+    server = next(int(row.split()[0]) for row in listed if "uvicorn" in row)
+    killed = time.monotonic()
+    os.killpg(server, signal.SIGKILL)
+    rest = process.stderr.read()
+    process.wait(timeout=60)
+    assert process.returncode == 1 and time.monotonic() - killed < 12
+    assert rest.strip().splitlines()[-1].startswith(f"bardflow: error: the run's Prefect server (pid {server}) exited")
+    assert "Traceback" not in rest
+
+
 def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_path):
     """After four stops, the rerun ends with exactly the weights and losses of each training
     stage trained in one go (here, in this process, from the same request and data)."""
