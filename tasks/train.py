@@ -13,6 +13,7 @@ import shutil
 from typing import Any
 
 import jax
+from flax import nnx
 
 from artifacts import ui
 from artifacts.store import Builder, Version, canonical_json
@@ -147,6 +148,7 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
 def trained_model(version: Version):
     """The model at the end of a training version, rebuilt from its own recorded request."""
     request = TrainingRequest.model_validate(version.manifest["params"])
-    graphdef, template = init_state(request.model, request.train)
+    # Only shapes: initialising op by op only to overwrite the values took seconds a stage.
+    graphdef, template = nnx.eval_shape(lambda: init_state(request.model, request.train))
     state = load_train_state(version.file(STATE), template)
     return model_from_state(graphdef, state), request

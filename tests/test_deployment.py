@@ -55,10 +55,10 @@ def first_deployment_run(deployed) -> dict:
     return {"id": run_id, "started": started}
 
 
-def deployment_run(server: Server, name: str, *params: str) -> tuple[str, float]:
+def deployment_run(server: Server, name: str, *params: str, job_variables: list[str] = ()) -> tuple[str, float]:
     """Runs the README's command; returns the flow run id and when the command started."""
     started = time.time()
-    args = [arg for p in params for arg in ("--param", p)]
+    args = [arg for p in params for arg in ("--param", p)] + [a for v in job_variables for a in ("--job-variable", v)]
     done = server.run(str(BIN / "prefect"), "deployment", "run", name, *args, "--watch", timeout=900)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     match = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
@@ -145,8 +145,10 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     store = bucket.prefix("cancelled")
     config = build_config("tiny", {"train.steps": 4000, "train.log_every": 400, "train.checkpoint_every": 4000})
     params = ["preset=tiny", f"store={store}", f"config={json.dumps(config.model_dump(mode='json'))}"]
+    # One device, as on a host with one GPU: train_parallel reuses train_single's version.
+    one_device = ['env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}']
     done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow/pipeline",
-                      *[arg for p in params for arg in ("--param", p)])
+                      *[arg for p in params for arg in ("--param", p)], "--job-variable", one_device[0])
     run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
 
     def messages() -> list[str]:
@@ -169,7 +171,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     assert stopped and "checkpoint of step" in stopped[-1]
     step = int(re.search(r"at step (\d+)", stopped[-1]).group(1))
 
-    rerun, _ = deployment_run(server, "bardflow/pipeline", *params)
+    rerun, _ = deployment_run(server, "bardflow/pipeline", *params, job_variables=one_device)
     resumed = [m for m in messages_of(server, rerun) if "train_single resumed from its checkpoint at step" in m]
     assert resumed and f"at step {step} " in resumed[0]
 

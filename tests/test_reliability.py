@@ -153,12 +153,12 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 300 KiB tmpfs (root may mount one; elsewhere the test says why it skips)."""
+def small_disk(tmp_path, request):
+    """A tmpfs of ``request.param`` bytes (root may mount one; elsewhere the test says why it skips)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
     try:
@@ -168,15 +168,21 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.flow
-def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, corpus, run_env):
+@pytest.mark.parametrize("small_disk, line", [
+    ("100k", "bardflow: error: the disk is full: encode could not write to the store"),  # a version's files
+    ("300k", "bardflow: error: no room for the checkpoint of step"),  # a training checkpoint
+], indirect=["small_disk"], ids=["version", "checkpoint"])
+def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, line, corpus, run_env):
     store = small_disk / "store"
     done = subprocess.run(cli(*base_args(corpus, store)), cwd=REPO, env=run_env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1].startswith("bardflow: error: no room for the checkpoint of step")
+    assert done.stderr.strip().splitlines()[-1].startswith(line)
     assert "free some space or point --store at a larger disk" in done.stderr
     assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr
     assert not list(store.glob("*/.lock-*")) and not list(store.glob("*/.build-*"))  # nothing half-written trusted
+    if "checkpoint" not in line:
+        return
     assert (store / "encode").is_dir()  # the stages before it are kept
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
     states = {name: s["state"] for name, s in finish(start(base_args(corpus, store), small_disk / "log", run_env))[

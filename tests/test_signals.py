@@ -24,7 +24,7 @@ import pytest
 from tests.servers import REPO
 
 pytestmark = pytest.mark.flow
-STEPS = 1000
+STEPS = 600
 
 
 def descendants(pid: int) -> list[int]:
