@@ -27,10 +27,11 @@ def machine() -> dict:
     import jax
 
     from artifacts.store import library_versions
+    from model.cpu_tuning import cpu_signature
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
+    signature = cpu_signature()  # the CPU model and the vector instructions that decide its speed
+    return {"cpu": signature["cpu"], "cpu_flags": signature["flags"], "cores": os.cpu_count(),
+            "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "libraries": library_versions(), "date": time.strftime("%Y-%m-%d")}
 

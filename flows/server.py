@@ -157,9 +157,14 @@ class EmbeddedServer:
                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "error", "--lifespan", "on"]
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+        home.mkdir(parents=True, exist_ok=True)  # its database lives there; Prefect's client would make it
+        self.log = home / "bardflow-embedded-server.log"
         self.stopping = False
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+        with open(self.log, "wb") as log:  # the server's own output stays out of the run's
+            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -169,7 +174,7 @@ class EmbeddedServer:
             stopping.check("before the run started")
             if self.process.poll() is not None:
                 raise ServerError(f"the embedded Prefect server exited with status {self.process.returncode} while "
-                                  "starting; run `bardflow ui` to see why, or start one with `bardflow server start`")
+                                  f"starting; its log {self.log} says why (or start one with `bardflow server start`)")
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServerError(f"the embedded Prefect server did not answer within {timeout_s:.0f} s; raise "

@@ -331,6 +331,7 @@ def train(
     on_step: Callable[[int, int], None] | None = None,
     checkpoints=None,
     stop_after: int | None = None,
+    xla_options: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first resuming from the newest checkpoint in
     ``checkpoints`` if there is one, and saving one every ``cfg.checkpoint_every`` steps.
@@ -369,7 +370,8 @@ def train(
     passes = passes_per_step(cfg.micro_batch, cfg.per_device_batch, first.shape[1], platform)
     step_fn = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes)
     started = time.perf_counter()
-    compiled = step_fn.lower(state, first).compile(compiler_options=compiler_options(platform))
+    options = compiler_options(platform) if xla_options is None else xla_options
+    compiled = step_fn.lower(state, first).compile(compiler_options=options)
     compile_s = time.perf_counter() - started
 
     global_batch, seq_len = first.shape

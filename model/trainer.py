@@ -49,15 +49,23 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
               f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
-    graphdef, state = init_state(request.model, request.train)
+    model_cfg, train_cfg, xla_options, step_settings = request.model, request.train, None, None
+    if placement.devices[0].platform == "cpu":  # measured on this CPU, once (model/cpu_tuning.py)
+        from model.cpu_tuning import applied, choose
+
+        step_settings = choose(model_cfg, train_cfg, placement, train_rows.shape[1])
+        model_cfg, train_cfg, xla_options = applied(model_cfg, train_cfg, step_settings["chosen"])
+    graphdef, state = init_state(model_cfg, train_cfg)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
-                       request.train, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps)
+                       train_cfg, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
+                       xla_options=xla_options)
     finally:
         checkpoints.close()
     save_train_state(files.state, result.state)
-    metrics = {**result.metrics(), "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
+    metrics = {**result.metrics(), "step_settings": step_settings,
+               "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
                "platform": request.platform, "processes": request.processes}
     return {"metrics": metrics, "history": result.history,
             "params_digest": params_digest(model_from_state(graphdef, result.state)),

@@ -143,6 +143,14 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
             + (f", resumed from step {metrics['resumed_from_step']}" if metrics["resumed_from_step"] else "")
         ),
     )
+    tuning = metrics.get("step_settings")
+    if tuning:  # the CPU step's settings: the one used and what was measured (model/cpu_tuning.py)
+        chosen = tuning["chosen"]
+        rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]
+        ui.table(stage, [{**row, "used": all(row[k] == v for k, v in chosen.items())} for row in rows],
+                 description=f"{stage}: CPU step settings ({tuning['source']}): kernels {chosen['kernels']}, "
+                             f"{chosen['rows_per_pass']} rows per pass, XLA options {chosen['xla']}",
+                 what="cpu-step")
 
 
 def trained_model(version: Version):

@@ -32,6 +32,9 @@ for name, value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
+    # The CPU step's settings are measured once per machine and shape (model/cpu_tuning.py):
+    # the suite's many shapes would each pay for it; tests/test_cpu_tuning.py turns it on.
+    "BARDFLOW_CPU_TUNING": "off",
 }.items():
     os.environ[name] = value
 os.environ.pop("PREFECT_API_URL", None)

@@ -1,0 +1,151 @@
+"""The CPU training step's settings, chosen by measuring them on this CPU, once.
+
+What is fastest on one CPU is not on another (README, "Benchmarks": passes of ~512 tokens,
+XLA's YNNPACK fusions off and the hand-written kernels were measured on a 2-core AVX2 AMD
+EPYC; an AVX-512 Xeon of the same size ranked them differently). So where the user left them
+to ``auto``, three choices are timed on the real shape, a few steps each:
+
+  kernels         the hand-written gradients (custom) or XLA's own (xla)
+  rows per pass   ~512 tokens per forward/backward pass, or the whole per-device batch
+  XLA options     YNNPACK fusions off (tuned), or XLA's defaults
+
+The defaults and each single change of them are measured (four compilations and a few steps
+each: 20–30 s for the `cpu` preset on 2 cores) and the fastest is used if it beats the
+defaults by 5 % (short timings are noisy); a shape whose defaults alone take over 12 s to
+measure keeps them. The answer is kept per CPU model, instruction set,
+core count, JAX version and training shape in ``$BARDFLOW_CACHE_DIR`` (default
+``~/.cache/bardflow``)/cpu-step.json, so it is measured once. Every candidate computes the
+same step within float tolerance, and none enters a version key. ``BARDFLOW_CPU_TUNING=off``
+keeps the defaults without measuring; a run of several processes keeps them too (each
+process must compile the same program).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TUNED_XLA = {"xla_cpu_experimental_ynn_fusion_type": ""}  # YNNPACK fusions off
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+TIMED_STEPS, WARM_STEPS = 3, 1
+MARGIN = 0.05  # a change must be this much faster to replace the default: timings this short are noisy
+MAX_CANDIDATE_S = 12.0  # the defaults' compile and steps took longer: measuring the rest would take minutes
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("BARDFLOW_CACHE_DIR", "~/.cache/bardflow")).expanduser() / "cpu-step.json"
+
+
+def cpu_signature() -> dict[str, Any]:
+    """What a measured choice holds for: the CPU, its vector instructions, cores, JAX."""
+    import jax
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": model, "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(), "jax": jax.__version__}
+
+
+def default_choice(model_cfg, train_cfg, seq_len: int) -> dict[str, Any]:
+    from model.train import passes_per_step
+
+    passes = passes_per_step(train_cfg.micro_batch, train_cfg.per_device_batch, seq_len, "cpu")
+    # ``kernels`` applies to the kernel settings left to ``auto`` (on CPU, auto meant custom).
+    return {"kernels": "custom", "rows_per_pass": train_cfg.per_device_batch // passes, "xla": "tuned"}
+
+
+def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
+    """The defaults, then each single change of a setting the user left to ``auto``."""
+    base = default_choice(model_cfg, train_cfg, seq_len)
+    found = [base]
+    if model_cfg.attention == "auto" and model_cfg.dense == "auto":
+        found.append({**base, "kernels": "xla"})
+    if not train_cfg.micro_batch and base["rows_per_pass"] != train_cfg.per_device_batch:
+        found.append({**base, "rows_per_pass": train_cfg.per_device_batch})
+    found.append({**base, "xla": "default"})
+    return found
+
+
+def applied(model_cfg, train_cfg, choice: dict[str, Any]):
+    """(model config, train config, XLA options) that run ``choice``: copies for this run
+    only, never the request that keys the version."""
+    model_cfg = model_cfg.model_copy(update={name: choice["kernels"] for name in ("attention", "dense")
+                                             if getattr(model_cfg, name) == "auto"})
+    train_cfg = train_cfg.model_copy(update={"micro_batch": choice["rows_per_pass"]})
+    return model_cfg, train_cfg, TUNED_XLA if choice["xla"] == "tuned" else {}
+
+
+def measure(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]) -> float:
+    """Milliseconds per step of ``choice`` on this placement (compiled apart, warm)."""
+    import jax
+
+    from model.train import init_state, make_train_step
+
+    model_cfg, train_cfg, options = applied(model_cfg, train_cfg, choice)
+    graphdef, state = init_state(model_cfg, train_cfg)
+    state = placement.put_state(state)
+    rows = train_cfg.per_device_batch * len(placement.devices)
+    tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (rows, seq_len), dtype=np.int32)
+    batch = placement.put_batch(tokens)
+    step = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
+                           passes=train_cfg.per_device_batch // choice["rows_per_pass"])
+    compiled = step.lower(state, batch).compile(compiler_options=options)
+    for _ in range(WARM_STEPS):
+        state, loss = compiled(state, batch)
+    jax.block_until_ready(loss)
+    started = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        state, loss = compiled(state, batch)
+    jax.block_until_ready(loss)
+    return 1e3 * (time.perf_counter() - started) / TIMED_STEPS
+
+
+def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
+    """The step's settings for this CPU and shape: from the cache, or measured now."""
+    import jax
+
+    base = default_choice(model_cfg, train_cfg, seq_len)
+    if os.environ.get("BARDFLOW_CPU_TUNING", "").lower() in ("off", "0", "false") or jax.process_count() > 1:
+        why = "BARDFLOW_CPU_TUNING=off" if jax.process_count() == 1 else "several processes keep the defaults"
+        return {"chosen": base, "measured": [], "source": why}
+    shape = {"model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
+             "per_device_batch": train_cfg.per_device_batch, "micro_batch": train_cfg.micro_batch,
+             "fixed_kernels": None if model_cfg.attention == model_cfg.dense == "auto" else
+             [model_cfg.attention, model_cfg.dense], "seq_len": seq_len}  # not the device count: a device's share is the same shape
+    key = json.dumps({**cpu_signature(), **shape}, sort_keys=True)
+    path = cache_file()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return {**known[key], "source": f"measured before on this CPU ({path})"}
+    measured, note = [], ""
+    for choice in candidates(model_cfg, train_cfg, seq_len):
+        started = time.perf_counter()
+        measured.append({**choice, "ms_per_step": round(measure(model_cfg, train_cfg, placement, seq_len, choice), 2)})
+        if len(measured) == 1 and time.perf_counter() - started > MAX_CANDIDATE_S:
+            note = f"; the defaults alone took {time.perf_counter() - started:.0f} s to measure, so the rest were not"
+            break
+    default, best = measured[0], min(measured, key=lambda m: m["ms_per_step"])
+    if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
+        best = default
+    result = {"chosen": {k: v for k, v in best.items() if k != "ms_per_step"}, "measured": measured, "note": note}
+    known[key] = result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache
+    temporary.write_text(json.dumps(known, indent=1))
+    temporary.replace(path)
+    return {**result, "source": "measured now"}
