@@ -116,7 +116,8 @@ def test_every_stage_left_artifacts_for_the_ui(first_run, prefect_server):
         by_key.setdefault(artifact["key"], []).append(artifact)
     expected = {f"bardflow-{s.replace('_', '-')}" for s in STAGES} | {
         "bardflow-compare-plots", "bardflow-encode-sample", "bardflow-train-single-progress",
-        "bardflow-train-parallel-progress", "bardflow-run"}
+        "bardflow-train-parallel-progress", "bardflow-run",
+        "bardflow-train-single-cpu-step", "bardflow-train-parallel-cpu-step"}
     assert set(by_key) == expected
     assert by_key["bardflow-compare-plots"][0]["data"].count("data:image/png;base64,") == 2
     assert "Tokens/s" in json.dumps(by_key["bardflow-compare"][0]["data"])
