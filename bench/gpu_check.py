@@ -161,7 +161,9 @@ class Check:
         return figures
 
     def deployment(self, limit_s: float) -> dict:
-        port = _free_port()
+        from model.launch import free_port
+
+        port = free_port()
         env = {**self.env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
         prefect = [sys.executable, "-m", "prefect"]
         worker = None
@@ -225,14 +227,6 @@ def _text(value) -> str:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,11 +144,9 @@ class EmbeddedServer:
     process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
 
     def __init__(self) -> None:
-        import socket
+        from model.launch import free_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         from importlib.util import find_spec
 

@@ -133,6 +133,8 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
     from tasks.train import training_fingerprint
     from tests.test_flow import bardflow
 
+    if not list(chain["store"].glob("train_parallel/.resume-*")):  # run on its own: stop once first
+        assert stop_run(chain, chain["shared"], "train_parallel", signal.SIGTERM, True)["code"] == 143
     resumed = json.loads(bardflow("run", *chain["args"], "--store", str(chain["store"]), "--json",
                                   env=chain["shared"]).stdout)["stages"]
     assert resumed["train_parallel"]["metrics"]["resumed_from_step"] > 0
