@@ -75,6 +75,14 @@ def _filesystem(scheme: str, environment: tuple):
     return fsspec.filesystem(scheme, **options)
 
 
+def _no_such_bucket(error: BaseException) -> bool:
+    """Whether S3 itself answered NoSuchBucket (s3fs keeps botocore's error as the cause);
+    cheaper than asking the bucket, for the common "no such object" of a lookup."""
+    cause = error.__cause__ or error.__context__
+    code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause is not None else None
+    return code == "NoSuchBucket"
+
+
 class Bucket:
     """One ``scheme://bucket/prefix`` through fsspec, with its failures translated into
     one-line errors. Paths given to its methods are relative to the prefix."""
@@ -112,7 +120,7 @@ class Bucket:
         except ObjectStoreError:
             raise
         except FileNotFoundError as error:
-            if "bucket" in str(error).lower():
+            if self.missing():
                 raise ObjectStoreError(
                     f"the bucket {self.bucket!r} does not exist at {self.endpoint()} (while {doing}); "
                     f"create it (e.g. `aws s3 mb {self.scheme}://{self.bucket}`) or fix --store / BARDFLOW_STORE"
@@ -138,29 +146,43 @@ class Bucket:
                 ) from error
             raise
 
+    def missing(self) -> bool:
+        """Whether the bucket itself is gone, asked of the bucket: a "not found" for a path in
+        it says nothing about the bucket (an empty prefix is a new store). Only a definite
+        no counts; a refusal (credentials limited to a prefix) leaves it to the caller."""
+        try:
+            if self.scheme == "s3":
+                self.fs.call_s3("head_bucket", Bucket=self.bucket)
+                return False
+            return not self.fs.exists(self.bucket)
+        except FileNotFoundError:
+            return True
+        except Exception:  # noqa: BLE001 - refused or unreachable: not known to be missing
+            return False
+
     def check(self) -> None:
         """Raises a one-line error unless the bucket exists and these credentials may list it."""
         with self.errors("opening the store"):
             try:
                 self.fs.ls(self.prefix, refresh=True)  # the prefix only: credentials may be limited to it
-            except FileNotFoundError as error:
-                if "bucket" in str(error).lower():
+            except FileNotFoundError:
+                if self.missing():
                     raise
                 # An empty prefix in an existing bucket: a new store.
 
     def read(self, name: str) -> bytes | None:
-        with self.errors(f"reading {name}"):
+        with self.errors(f"reading {self.uri(name)}"):
             try:
                 return self.fs.cat_file(self.path(name))
             except FileNotFoundError as error:
-                if "bucket" in str(error).lower():
+                if _no_such_bucket(error):
                     raise
                 return None
 
     def write(self, name: str, data: bytes, exclusive: bool = False) -> bool:
         """Writes ``data``; with ``exclusive``, only if nothing is there yet (a conditional
         write), returning False when something was."""
-        with self.errors(f"writing {name}"):
+        with self.errors(f"writing {self.uri(name)}"):
             if not exclusive:
                 self.fs.pipe_file(self.path(name), data)
                 return True
@@ -174,7 +196,7 @@ class Bucket:
 
     def listing(self, prefix: str) -> dict[str, dict[str, Any]]:
         """Every object under ``prefix``: its path relative to it, with size and ETag."""
-        with self.errors(f"listing {prefix}"):
+        with self.errors(f"listing {self.uri(prefix)}"):
             found = self.fs.find(self.path(prefix), detail=True)
         base = self.path(prefix) + "/"
         return {name[len(base):]: {"bytes": info.get("size"), "etag": info.get("ETag") or info.get("etag")

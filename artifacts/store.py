@@ -260,6 +260,12 @@ class Store:
         """The version ``stage/key``: reused if a complete one exists (unless ``force``),
         else built by ``work`` and published. Returns it and whether ``work`` ran.
         ``notice`` hears of a damaged version about to be rebuilt."""
+        if not force:
+            # Reading a published version needs no lock: it appears whole (a rename) or not at
+            # all. So a store this process cannot write still serves what it holds.
+            existing = self.lookup(stage, key)
+            if existing is not None:
+                return existing, False
         with self.lock(stage, key):
             existing = self.lookup(stage, key)
             if existing is not None and not force:

@@ -65,16 +65,30 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 class Progress:
     """A terminal bar plus a throttled progress artifact in the UI (each update is an
     HTTP call of tens of milliseconds, so at most one every ``every_s`` seconds).
-    Without a terminal (a worker's log, CI) it logs every 10 % instead of drawing."""
+    Without a terminal (a worker's log, CI) it logs every 10 % instead of drawing.
+
+    The artifact is updated from a thread of its own, the newest value replacing any not yet
+    sent: a server that answers slowly or not at all (Prefect's client retries for over a
+    minute) never holds up the step that reports."""
+
+    CLOSE_WAIT_S = 5.0  # the last value gets this long to reach the server
 
     def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0):
+        import threading
+
         self.total, self.every_s, self.label = total, every_s, label
         self._last = 0.0
         self._artifact = None
+        self._pending: float | None = None
+        self._wake = threading.Condition()
+        self._closed = False
+        self._sender: threading.Thread | None = None
         if _in_run():
             self._artifact = create_progress_artifact(
                 progress=0.0, key=artifact_key(stage, "progress"), description=label
             )
+            self._sender = threading.Thread(target=self._send, name="bardflow-progress", daemon=True)
+            self._sender.start()
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
 
@@ -96,10 +110,30 @@ class Progress:
         now = time.monotonic()
         if self._artifact is not None and (now - self._last >= self.every_s or done == self.total):
             self._last = now
-            update_progress_artifact(self._artifact, progress=100.0 * done / self.total)
+            with self._wake:
+                self._pending = 100.0 * done / self.total
+                self._wake.notify()
+
+    def _send(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._closed:
+                    self._wake.wait()
+                value, self._pending = self._pending, None
+                if value is None:  # closed with nothing left to send
+                    return
+            try:
+                update_progress_artifact(self._artifact, progress=value)
+            except Exception:  # noqa: BLE001 - progress is a courtesy: a lost update costs nothing
+                pass
 
     def close(self) -> None:
         self._bar.stop()
+        if self._sender is not None:
+            with self._wake:
+                self._closed = True
+                self._wake.notify()
+            self._sender.join(self.CLOSE_WAIT_S)
 
     def __enter__(self) -> Progress:
         return self

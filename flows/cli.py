@@ -124,9 +124,17 @@ class UsageError(BardflowError, ValueError):
 
 
 def headline(stage: str, metrics: dict[str, Any]) -> str:
-    """The figures worth a glance in a summary row; the manifest has them all."""
+    """The figures worth a glance in a summary row, one to a line; the manifest has them all
+    (a checksum is shown by its first 12 digits, like a key)."""
     known = BY_NAME.get(stage)
-    return known.headline_of(metrics) if known else ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:4])
+    names = known.headline if known else list(metrics)[:4]
+    return "\n".join(f"{name}={_glance(metrics[name])}" for name in names if name in metrics)
+
+
+def _glance(value: Any) -> str:
+    text = str(value)
+    hexadecimal = len(text) >= 32 and all(c in "0123456789abcdef" for c in text)
+    return text[:SHORT_KEY] + "…" if hexadecimal else text
 
 
 def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -152,14 +160,21 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
     # here when no preset `auto` may become accepts it, checked again once it is chosen.
     candidates = AUTO_CHOICES if args.preset == "auto" else (args.preset,)
-    errors = []
+    errors, accepted = [], []
     for candidate in candidates:
         try:
-            build_config(candidate, overrides)
+            accepted.append(build_config(candidate, overrides))
         except ConfigError as error:
             errors.append(error)
-    if len(errors) == len(candidates):
+    if not accepted:
         raise errors[0]
+    if args.processes > 1:
+        # Whether the devices share out evenly needs JAX's count of them: asked now, before
+        # the run's server starts, so that the refusal comes first, like every other one.
+        from model.distributed import hardware
+        from tasks.stage import RunPlan
+
+        RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
     _embedded = start_embedded()  # comes up while Prefect and JAX load
     return root, overrides
 
@@ -177,6 +192,10 @@ def _terminal_run():
     if _embedded is not None:
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
+    elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
+        from flows.server import watch_chosen
+
+        watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
     if any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
         return nullcontext()
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
@@ -216,21 +235,26 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_sweep(result: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from flows.tables import Column, fitted
 
     rows = result["rows"]
     where = f", work pool {result['pool']}" if result.get("pool") else ""
-    table = Table(title=f"bardflow sweep: {len(rows)} runs, preset {result['preset']}{where}, store {result['store']}")
-    for column in rows[0]:
-        table.add_column(column, overflow="fold")
+    # What tells the runs apart stays longest; versions and timings go first at a narrow width.
+    ranks = {"run": 5, "status": 4, "val_loss": 4, "tokens_per_s": 2, "val_bpb": 1, "training_s": 1,
+             "train_parallel": 0, "generate": 0}
+    columns = [Column(name, ranks.get(name, 3)) for name in rows[0]]
+    cells = []
     for row in rows:
-        cells = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
+        shown = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
                  f"{v:,.0f}" if isinstance(v, float) and k == "tokens_per_s" else
-                 f"{v:.1f}" if isinstance(v, float) else "—" if v is None else str(v) for k, v in row.items()]
+                 f"{v:.1f}" if isinstance(v, float) else "—" if v is None else
+                 str(v)[:SHORT_KEY] if k in ("train_parallel", "generate") else str(v) for k, v in row.items()]
         if row["status"] != "completed":
-            cells[list(row).index("status")] = f"[red]{row['status']}"
-        table.add_row(*cells)
-    Console().print(table)
+            shown[list(row).index("status")] = f"[red]{row['status']}"
+        cells.append(shown)
+    title = f"bardflow sweep: {len(rows)} runs, preset {result['preset']}{where}, store {result['store']}"
+    Console().print(fitted(title, columns, cells))
     for number, run in enumerate(result["runs"], 1):
         if run.get("error"):
             print(f"run {number} failed: {run['error']}", file=sys.stderr)
@@ -268,17 +292,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     """The stages (readable at 80 columns: short keys, one figure a line) and the samples."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    table = Table(title=f"bardflow run: preset {summary['preset']}, store {summary['store']}")
-    for column in ("stage", "state", "version", "key figures"):
-        table.add_column(column, overflow="fold")
-    for name, stage in summary["stages"].items():
-        style = "green" if stage["state"] == "ran" else "cyan"
-        figures = headline(name, stage["metrics"]).replace(", ", "\n")
-        table.add_row(name, f"[{style}]{stage['state']}", stage["key"][:SHORT_KEY], figures)
+    from flows.tables import Column, fitted
+
+    columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
+    rows = [[name, f"[{'green' if stage['state'] == 'ran' else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
+             headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
     console = Console()
-    console.print(table)
+    console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
     console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
     for sample in summary.get("samples", []):
         prompt, text = sample["prompt"], sample["text"]
@@ -303,15 +324,14 @@ def _artifacts(args: argparse.Namespace) -> None:
         print(json.dumps(rows, indent=1))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"versions in {store_location(args.store)}")
-    for column in ("stage", "key", "created", "size", "key metrics"):
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        metrics = headline(row["stage"], row["metrics"])
-        table.add_row(row["stage"], row["key"], row["created"], f"{row['bytes'] / 1e6:.2f} MB", metrics)
-    Console().print(table)
+    from flows.tables import Column, fitted, short_time
+
+    columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
+               Column("key figures", 2, text=True)]
+    cells = [[row["stage"], row["key"], short_time(row["created"]), f"{row['bytes'] / 1e6:.2f} MB",
+              headline(row["stage"], row["metrics"])] for row in rows]
+    Console().print(fitted(f"versions in {store_location(args.store)}", columns, cells))
 
 
 def _show(result: dict[str, Any], as_json: bool, table) -> None:
@@ -366,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
+        _settle_reports()
         print(f"bardflow: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     except Exception:
@@ -379,6 +400,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
               file=sys.stderr)
         return 128 + signum
+
+
+def _settle_reports(timeout_s: float = 5.0) -> None:
+    """Sends what Prefect still holds for the server (the failed run's events and logs)
+    before the error line, so that its own drain messages ("Still processing items") come
+    before that line rather than after it."""
+    if "prefect" not in sys.modules or stopping.failure():
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - reports are a courtesy here: the error line matters
+            pass
 
 
 def exit_now(code: int) -> None:

@@ -114,13 +114,14 @@ def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
             delta = figure["b_minus_a"]
             table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
     else:
-        table = Table(title=f"trained versions in {root}, newest first")
-        for column in ("stage", "key", "created", "settings that differ", "val loss", "tokens/s", "training s"):
-            table.add_column(column, overflow="fold")
-        for row in result:
-            table.add_row(row["stage"], row["key"], row["created"] or "",
-                          ", ".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
-                          "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
-                          "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
-                          "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}")
+        from flows.tables import Column, fitted, short_time
+
+        columns = [Column("stage", 5), Column("key", 4), Column("created", 0), Column("settings that differ", 3, text=True),
+                   Column("val loss", 3), Column("tokens/s", 2), Column("training s", 1)]
+        cells = [[row["stage"], row["key"], short_time(row["created"]),
+                  "\n".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
+                  "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
+                  "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+                  "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}"] for row in result]
+        table = fitted(f"trained versions in {root}, newest first", columns, cells)
     Console().print(table)

@@ -185,16 +185,14 @@ class EmbeddedServer:
         line: without it, every report of the run would be retried for minutes."""
         import threading
 
-        from model import stopping
-
         def wait() -> None:
             code = self.process.wait()
             if not self.stopping:
-                stopping.fail(f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
-                              "rerun the same command to go on (finished stages come back cached, training resumes "
-                              "from its checkpoint)")
+                server_gone(f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
+                            f"rerun the same command to go on ({GOING_ON})")
 
         threading.Thread(target=wait, daemon=True).start()
+
 
     def stop(self) -> None:
         self.stopping = True
@@ -205,6 +203,50 @@ class EmbeddedServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+GOING_ON = "finished stages come back cached, training resumes from its checkpoint"
+SILENT_FOR_S = 4.0  # a server that answers no health check for this long is gone
+
+
+def watch_chosen(api: str, every_s: float = 1.0) -> None:
+    """The same watch over a server the run found (the background one, PREFECT_API_URL),
+    which is not this process's child: its health is asked every ``every_s`` seconds, and a
+    server silent for ``SILENT_FOR_S`` stops the run in one line."""
+    import threading
+
+    def poll() -> None:
+        silent_since = None
+        while True:
+            time.sleep(every_s)
+            try:
+                _health(api, timeout_s=every_s)
+                silent_since = None
+                continue
+            except OSError as error:
+                reason = getattr(error, "reason", None) or error
+                silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since >= SILENT_FOR_S:
+                server_gone(f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
+                            f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})")
+                return
+
+    threading.Thread(target=poll, name="bardflow-server-watch", daemon=True).start()
+
+
+def server_gone(why: str) -> None:
+    """Stops the run for a server that is gone. What Prefect still holds for it (events,
+    logs, state reports) can no longer be sent: its retries and their warnings are silenced,
+    so that the run's last line is the one that says what happened."""
+    import logging
+
+    from model import stopping
+
+    known = [name for name in logging.root.manager.loggerDict if name.startswith("prefect")]
+    for name in (*known, "prefect", "EventsWorker", "APILogWorker"):
+        # A filter, not a level: Prefect's internal loggers answer to a setting of their own.
+        logging.getLogger(name).addFilter(lambda record: False)
+    stopping.fail(why)
 
 
 def _die_with_parent() -> None:

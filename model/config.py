@@ -29,6 +29,9 @@ class _Section(BaseModel):
 
 
 SEED_RANGE = {"ge": 0, "lt": 2**32}  # what numpy's and JAX's generators take without complaint
+# A step count a run can mean: 10 M steps of the smallest preset take weeks on a GPU, and
+# counts past 2**31 overflow the int32 step counter of the optimizer state.
+MAX_STEPS = 10_000_000
 
 
 class DataConfig(_Section):
@@ -77,7 +80,7 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(500, gt=0, description="timed optimizer steps per training stage")
+    steps: int = Field(500, gt=0, le=MAX_STEPS, description="timed optimizer steps per training stage")
     single_device_steps: int = Field(
         0, ge=0, description="steps train_single runs, of the same schedule: it measures one device's "
         "throughput for the comparison, which needs far fewer steps than training does. 0 = all of steps")
@@ -86,7 +89,7 @@ class TrainConfig(_Section):
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
         "min_learning_rate_fraction of the peak at the last step")
-    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to learning_rate")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate")
     min_learning_rate_fraction: float = Field(0.1, ge=0.0, le=1.0, description="cosine's floor, as a fraction of the peak")
     grad_clip: float = Field(0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
     weight_decay: float = Field(1e-4, ge=0.0)
@@ -96,9 +99,9 @@ class TrainConfig(_Section):
     muon_learning_rate: float = Field(0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
-    log_every: int = Field(100, gt=0, description="record loss every N steps")
+    log_every: int = Field(100, gt=0, le=MAX_STEPS, description="record loss every N steps")
     init_seed: int = Field(1, **SEED_RANGE)
-    checkpoint_every: int = Field(100, gt=0, description="save a resumable checkpoint every N steps")
+    checkpoint_every: int = Field(100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
     keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; parameters and optimizer state stay float32. "
@@ -138,7 +141,7 @@ class GenerateConfig(_Section):
         Prompt(text="ROMEO:", temperature=0.8),
         Prompt(text="To be, or not", temperature=0.6),
     ))
-    max_new_bytes: int = Field(300, gt=0)
+    max_new_bytes: int = Field(300, gt=0, le=1_000_000)
     seed: int = Field(42, **SEED_RANGE)
 
 
@@ -247,9 +250,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _describe(error: ValidationError) -> str:
+    """Each true problem once. A list whose item was refused is also "too short" once that
+    item is dropped: that clause is an echo of the item's, not a second problem."""
+    items = error.errors()
+    locations = [tuple(item["loc"]) for item in items]
     parts = []
-    for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "config"
+    for item, loc in zip(items, locations):
+        if item["type"] == "too_short" and any(other[: len(loc)] == loc and other != loc for other in locations):
+            continue
+        where = ".".join(str(p) for p in loc) or "config"
         parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
 

@@ -27,7 +27,13 @@ PROCESS_MAIN = "tasks.train_process"  # the module every process runs (named, no
 
 
 class ProcessFailure(BardflowError, RuntimeError):
-    """A process of the run failed; the message names it, how, and its log's last lines."""
+    """A process of the run failed; the message names it, how, the step it had reached and
+    its log (a native abort is summed up in its fatal line; any other failure shows the
+    log's last lines)."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 def free_port() -> int:
@@ -90,11 +96,16 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
                                                 start_new_session=True))
             log.with_suffix(".pid").write_text(str(running[-1].pid))
             stopping.track(running[-1])
-        seen, forwarded = 0, False
+        seen, forwarded, reached = 0, False, [None]
+
+        def progress(done: int, total: int) -> None:
+            reached[0] = (done, total)
+            if on_step is not None:
+                on_step(done, total)
+
         while True:
             codes = [p.poll() for p in running]
-            if on_step is not None:
-                seen = _follow_progress(logs[0], seen, on_step)
+            seen = _follow_progress(logs[0], seen, progress)
             if stopping.requested() is not None:
                 # Each process has a session of its own, out of reach of a terminal's Ctrl-C:
                 # told here, they agree on a step, save its checkpoint together and exit.
@@ -110,10 +121,7 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
                 continue
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
-                raise ProcessFailure(
-                    f"process {failed} of {processes} {_how(codes[failed])}; the others were stopped. "
-                    f"Last lines of {logs[failed]}:\n{_tail(logs[failed])}"
-                )
+                raise _failure(failed, processes, codes[failed], logs[failed], reached[0])
             if all(code == 0 for code in codes):
                 return
             time.sleep(poll_s)
@@ -121,6 +129,33 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
         stop(running)
         for process in running:
             stopping.untrack(process)
+
+
+def _failure(index: int, processes: int, code: int, log: Path, reached: tuple[int, int] | None) -> ProcessFailure:
+    """One line for a process killed by a signal (XLA's abort is SIGABRT: its stack trace
+    stays in the log, whose fatal line is quoted); a process that exited with an error gets
+    its log's last lines, where its own error line is."""
+    who = "the training process" if processes == 1 else f"process {index} of {processes}"
+    where = f" at step {reached[0]} of {reached[1]}" if reached else ""
+    others = "" if processes == 1 else "; the others were stopped"
+    step = reached[0] if reached else None
+    if code < 0:
+        fatal = _fatal_line(log)
+        said = f" (XLA: {fatal})" if fatal else ""
+        return ProcessFailure(f"{who} {_how(code)}{where}{said}{others}; its log is {log}", step=step)
+    return ProcessFailure(f"{who} {_how(code)}{where}{others}. Last lines of {log}:\n{_tail(log)}", step=step)
+
+
+def _fatal_line(path: Path, limit: int = 200) -> str | None:
+    """The message of the first fatal log line (absl's ``F1201 08:16:43.1 123 file.cc:161] …``)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    found = re.search(r"^F\d{4} [\d:.]+\s+\d+ ([^\]]+)\] (.+)$", text, re.MULTILINE)
+    if found is None:
+        return None
+    text = re.sub(r"\s*RendezvousKey\{[^}]*\}", "", found.group(2))  # which run and devices: noise in one line
+    text = re.sub(r"^\[id=\d+\]\s*", "", text).strip()
+    message = f"{found.group(1)}: {text}"
+    return message if len(message) <= limit else message[: limit - 1] + "…"
 
 
 def _tail(path: Path, lines: int = 15) -> str:

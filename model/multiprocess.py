@@ -25,14 +25,16 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     """Joins the group, learns the run from process 0's ``spec_path`` and trains;
     ``files_of(spec, leader)`` says where this process finds its files."""
     group = ProcessGroup.from_env()
-    if group is None:
+    if group is None and spec_path is None:
         raise DistributedError("no process group: set BARDFLOW_COORDINATOR, BARDFLOW_NUM_PROCESSES and "
                                "BARDFLOW_PROCESS_ID (or start the processes with srun)")
-    if group.leader and spec_path is None:
+    leader = group is None or group.leader  # no group: one supervised process, with every device
+    if leader and spec_path is None:
         raise DistributedError("process 0 describes the run: pass the spec file it was launched with")
-    spec = json.loads(spec_path.read_text()) if group.leader else None
-    initialize(group, timeout_s=join_timeout_s)
-    spec = broadcast_json(spec)
+    spec = json.loads(spec_path.read_text()) if leader else None
+    if group is not None:
+        initialize(group, timeout_s=join_timeout_s)
+        spec = broadcast_json(spec)
 
     import jax
 
@@ -46,10 +48,10 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
                             f"asked for {request.devices}; give each process the same share of the devices")
 
     def report(done: int, total: int) -> None:
-        if group.leader:
+        if leader:
             print(f"{PROGRESS} {done} {total}", flush=True)
 
-    files = files_of(spec, group.leader)
+    files = files_of(spec, leader)
     summary = run_training(request, files, devices, parallel=True, on_step=report)
-    if group.leader:  # the stage makes the version's other files and its manifest from this
+    if leader:  # the stage makes the version's other files and its manifest from this
         Path(spec["result"]).write_text(json.dumps(summary))

@@ -197,10 +197,23 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
 
 
 def make_eval_sum(graphdef):
-    """``(state, tokens, weights) -> sum of weight x row loss``: rows of weight 0 pad the last batch."""
+    """``(state, tokens, weights) -> sum of weight x row loss`` over stacked batches
+    (batches, rows, length): rows of weight 0 pad the last batch. One program for the whole
+    split: a batch per iteration keeps each pass cache-sized on a CPU, and a single launch per
+    evaluation keeps XLA:CPU's queue of programs short. Dozens of small programs launched
+    back to back once filled a device's queue of in-flight programs (32) while the other
+    emulated device waited in an all-reduce, and with one client thread per core that wait
+    could never end (docs/reliability.md, "Data-parallel training on emulated CPU devices")."""
     @jax.jit
     def eval_sum(state, tokens, weights):
-        return jnp.sum(target_losses(model_from_state(graphdef, state), tokens).mean(axis=1) * weights)
+        model = model_from_state(graphdef, state)
+
+        def one(row_sums, batch):
+            rows, row_weights = batch
+            return row_sums + target_losses(model, rows).mean(axis=1) * row_weights, None
+
+        row_sums, _ = jax.lax.scan(one, jnp.zeros(weights.shape[1:], jnp.float32), (tokens, weights))
+        return jnp.sum(row_sums)  # across devices once, not once per batch
 
     return eval_sum
 
@@ -245,11 +258,13 @@ class Placement:
 
         return local_rows(self.batch_sharding, global_rows)
 
-    def put_batch(self, batch: np.ndarray):
-        """``batch`` is this process's rows (all of them when there is one process)."""
+    def put_batch(self, batch: np.ndarray, stacked: bool = False):
+        """``batch`` is this process's rows (all of them when there is one process);
+        ``stacked``: batches of rows, (batches, rows, …), each batch split like one."""
         if self.batch_sharding is None:
             return jax.device_put(batch, self.devices[0])
-        return jax.make_array_from_process_local_data(self.batch_sharding, batch)
+        sharding = NamedSharding(self.batch_sharding.mesh, P(None, "data")) if stacked else self.batch_sharding
+        return jax.make_array_from_process_local_data(sharding, batch)
 
 
 @dataclass
@@ -344,17 +359,19 @@ def train(
     last = min(stop_after or cfg.steps, cfg.steps)
     eval_sum, evaluating_s = make_eval_sum(graphdef), 0.0
 
-    def evaluate(state) -> float | None:
-        """The loss on the whole validation split: every row once, the same rows every time
-        (None without one)."""
-        total = sum(eval_sum(state, placement.put_batch(rows), placement.put_batch(weights))
-                    for rows, weights in val_batches)
-        count = sum(float(weights.sum()) for _, weights in val_batches)
-        if jax.process_count() > 1:  # each process holds its own rows' weights
-            from jax.experimental import multihost_utils
+    count = sum(float(weights.sum()) for _, weights in val_batches)
+    if jax.process_count() > 1:  # each process holds its own rows' weights
+        from jax.experimental import multihost_utils
 
-            count = float(multihost_utils.process_allgather(np.float32(count)).sum())
-        return float(total) / count if count else None
+        count = float(multihost_utils.process_allgather(np.float32(count)).sum())
+    val_rows = val_weights = None
+    if val_batches:  # placed once: the same rows every time
+        val_rows = placement.put_batch(np.stack([rows for rows, _ in val_batches]), stacked=True)
+        val_weights = placement.put_batch(np.stack([weights for _, weights in val_batches]), stacked=True)
+
+    def evaluate(state) -> float | None:
+        """The loss on the whole validation split: every row once (None without one)."""
+        return float(eval_sum(state, val_rows, val_weights)) / count if count else None
 
     state = placement.put_state(state)
     if checkpoints is not None:

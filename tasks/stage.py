@@ -89,9 +89,6 @@ class Stage:
         module, _, function = (self.function or f"tasks.{self.name}:build").partition(":")
         return getattr(importlib.import_module(module), function)
 
-    def headline_of(self, metrics: Mapping[str, Any]) -> str:
-        return ", ".join(f"{name}={metrics[name]}" for name in self.headline if name in metrics)
-
 
 def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: Store, force: bool = False,
             notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:

@@ -60,6 +60,12 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
             f"this process sees {visible} {platform} device(s) but the run asked for "
             f"{settings.devices} {settings.platform}; start the run where those devices are visible"
         )
+    if platform == "cpu" and visible > 1:
+        # Emulated CPU devices share one process, and XLA:CPU ends that whole process
+        # (SIGABRT, a page of C++ stack trace) when a collective between them stalls: one
+        # supervised process trains instead, so that such an end is this stage's one-line
+        # failure and the run goes on reporting it (docs/reliability.md).
+        return _build_in_processes(settings, files, out, encode)
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
     with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
@@ -92,8 +98,10 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
             "store": encode.store, "encode": encode.key, "resume_url": out.resume.url}
     (launch / RESULT).unlink(missing_ok=True)
     (launch / "spec.json").write_text(json.dumps(spec, indent=1))
-    label = (f"train_parallel ({settings.processes if group is None else group.num_processes} processes, "
-             f"{settings.devices} {settings.platform} devices, batch {settings.train.per_device_batch * settings.devices})")
+    processes = settings.processes if group is None else group.num_processes
+    where = f"{processes} processes, " if processes > 1 else ""
+    label = (f"train_parallel ({where}{settings.devices} {settings.platform} devices, "
+             f"batch {settings.train.per_device_batch * settings.devices})")
     try:
         with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
@@ -103,11 +111,14 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
                 launch_leader(launch / "spec.json", on_step=progress)
     except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
-        resume = (f"rerun to resume from the checkpoint of step {kept[-1]}" if kept
+        resume = (f"rerun the same command to resume from the checkpoint of step {kept[-1]}" if kept
                   else "no checkpoint was written yet, so a rerun starts from step 0")
         if isinstance(failure, stopping.Stopped):
             raise stopping.Stopped(failure.exit_code - 128, f"{failure} during train_parallel; {resume}") from None
-        raise TrainingError(f"train_parallel failed: {failure}\n{resume}") from failure
+        if settings.platform == "cpu" and processes == 1:
+            resume += ", or pass --cpu-devices 1 to train without collectives between emulated devices"
+        separator = "; " if "\n" not in str(failure) else "\n"  # a log's last lines stay below the message
+        raise TrainingError(f"train_parallel failed: {failure}{separator}{resume}") from failure
     _finish(TRAIN_PARALLEL.name, out, json.loads((launch / RESULT).read_text()))
 
 

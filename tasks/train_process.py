@@ -1,6 +1,8 @@
-"""One process of a multi-process ``train_parallel``:
+"""One process of a multi-process ``train_parallel``, or the one supervised process that
+trains on a CPU host's emulated devices (a native abort in it is then the stage's one-line
+failure, not the end of the run):
 
-    python -m tasks.train_process SPEC.json   # process 0: SPEC describes the run
+    python -m tasks.train_process SPEC.json   # process 0 (or the only one): SPEC describes the run
     python -m tasks.train_process --follow    # any other process: process 0 sends it
 
 Process 0 runs beside the stage that launched it and finds every file where the spec says.

@@ -111,8 +111,8 @@ def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypat
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "ddc481f338a2" in out and "ddc481f338a28f94d7e5" not in out  # short keys
-    for figure in ("1115394", "21925.7", "1.6869"):
-        assert figure in out  # numbers are never split across lines
+    for figure in ("1115394", "21925.7", "1.6869", "md5=6fb458f12320…"):
+        assert figure in out  # numbers are never split across lines; a checksum is shown by its start
     assert out.rstrip().endswith("In must thou [warrant]") and "seed 42" in out
 
 
@@ -131,3 +131,47 @@ def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
     line = done.stderr.strip()
     assert line.startswith("bardflow: error: cannot reach the Prefect server at http://127.0.0.1:9/api") \
         and "bardflow server start" in line and "\n" not in line, line
+
+
+def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_server_starts(tmp_path):
+    """The only refusal that needs JAX (to count the devices): still one line, before any server."""
+    code = ("import sys; from flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', "
+            "'--processes', '3']); import flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert line == ("bardflow: error: processes=3 cannot share out the 2 cpu device(s) of this host evenly; use a "
+                    "divisor of 2 (on a CPU, emulate devices with --cpu-devices)"), line
+    assert not (tmp_path / "store").exists()
+
+
+def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(capsys, monkeypatch):
+    """At 80 columns a sweep's table drops its versions and timings, a listing its sizes: every
+    value shown is whole on one line, and a caption names what was left out."""
+    from flows.cli import _print_sweep
+    from flows.tables import Column, fitted, short_time
+    from rich.console import Console
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = [{"run": n, "train.learning_rate": lr, "train.steps": 380, "status": "completed", "val_loss": 1.68691,
+             "val_bpb": 2.43372, "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
+             "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
+    _print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    for value in ("0.003", "0.01", "1.6869", "completed", "train.learning_rate"):
+        assert value in out, out
+    assert "left out at this width" in out and "generate" in out.split("left out at this width")[1]
+    cells = [["train_parallel", "ddc481f338a28f94d7e5", short_time("2026-12-01T06:35:50.123456Z"), "0.52 MB",
+              "devices=2\ntokens_per_s=21925.7\nval_loss=1.6869"]]
+    columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
+               Column("key figures", 2, text=True)]
+    for width in (80, 120):
+        console = Console(width=width, record=True)
+        console.print(fitted("versions", columns, cells, width=width))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width
+        for value in ("ddc481f338a28f94d7e5", "tokens_per_s=21925.7", "val_loss=1.6869"):
+            assert value in text, text
+        assert ("2026-12-01 06:35" in text) == (width == 120), text  # whole, or left out

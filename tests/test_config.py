@@ -61,6 +61,9 @@ def test_overrides_are_typed():
         ({"generate.prompts": [{"text": "ROMEO:", "temperature": float("inf")}]}, ["temperature", "finite number"]),
         ({"train.learning_rate": float("nan")}, ["train.learning_rate", "finite number"]),
         ({"data.corpus": ""}, ["data.corpus", "at least 1 character"]),
+        ({"train.steps": 2**70}, ["train.steps", "less than or equal to 10000000"]),
+        ({"train.checkpoint_every": 2**40}, ["train.checkpoint_every", "less than or equal to 10000000"]),
+        ({"generate.max_new_bytes": 10**9}, ["generate.max_new_bytes", "less than or equal to 1000000"]),
     ],
 )
 def test_bad_settings_name_the_problem_and_the_fix(overrides, words):
@@ -68,6 +71,15 @@ def test_bad_settings_name_the_problem_and_the_fix(overrides, words):
         build_config("tiny", overrides)
     for word in words:
         assert word in str(error.value)
+
+
+@pytest.mark.parametrize("prompt, clause", [({"text": "ROMEO:", "temperature": float("nan")}, "finite number"),
+                                            ({"text": ""}, "at least 1 character")])
+def test_a_refused_prompt_is_one_clause_not_an_empty_list_too(prompt, clause):
+    with pytest.raises(ConfigError) as error:
+        build_config("tiny", {"generate.prompts": [prompt]})
+    assert str(error.value).count(";") == 0 and clause in str(error.value), str(error.value)
+    assert "at least 1 item" not in str(error.value)
 
 
 def test_parse_assignment_reads_json_values():

@@ -149,7 +149,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     last = next(line for line in reversed(error) if line.startswith("bardflow: error:"))
     assert "train_parallel failed: process 1 of 2 was killed by signal 9 (SIGKILL)" in last
     saved = max(checkpoint_steps(store, "train_parallel"))
-    assert f"rerun to resume from the checkpoint of step {saved}" in "\n".join(error)
+    assert f"rerun the same command to resume from the checkpoint of step {saved}" in "\n".join(error)
     assert not list(store.glob("train_parallel/[0-9a-f]*"))  # nothing published
 
     summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log", run_env))

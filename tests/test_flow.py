@@ -125,3 +125,24 @@ def test_every_stage_left_artifacts_for_the_ui(first_run, prefect_server):
     runs = prefect_server.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [first_run["flow_run"]]}}})
     assert sorted(r["name"].rsplit("-", 1)[0] for r in runs) == sorted(STAGES)
     assert {r["state"]["name"] for r in runs} == {"Completed"}
+
+
+def test_a_read_only_store_serves_a_cached_run_and_refuses_only_a_build(workspace, first_run, run_env, tmp_path):
+    """A published version is read without the store's locks, so a store mounted read-only
+    (a shared, archived one) still serves every stage it holds; a stage that must build
+    says so in one line."""
+    store, common = workspace
+    view = tmp_path / "read-only"
+    view.mkdir()
+    done = subprocess.run(["mount", "--bind", "-o", "ro", str(store), str(view)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount a read-only view here ({done.stderr.strip() or done.returncode}): needs root")
+    try:
+        args = [str(view) if arg == str(store) else arg for arg in common]
+        assert run(args, env=run_env)[1] == only()
+        refused = bardflow("run", *args, "--refresh", "generate", env=run_env, check=False)
+        assert refused.returncode == 1
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"bardflow: error: cannot write to the store at {view}") and "Read-only" in last, last
+    finally:
+        subprocess.run(["umount", "-l", str(view)], capture_output=True)

@@ -167,6 +167,23 @@ def test_a_store_that_cannot_be_used_gets_one_clear_error(case, s3, monkeypatch,
     assert not list((tmp_path / "w").rglob("*.txt"))
 
 
+def test_a_bucket_named_like_one_holds_a_new_store_and_its_deletion_names_the_path(s3, tmp_path):
+    """A missing bucket is told from an empty prefix by asking for the bucket itself: a name
+    with "bucket" in it (whose "no such key" text says "bucket") is a bucket like any other."""
+    name = f"ml-bucket-{uuid.uuid4().hex[:6]}"
+    s3.filesystem().mkdir(name)
+    store = open_store(f"s3://{name}/store", tmp_path / "w")
+    store.check()  # an empty prefix of an existing bucket: a new store
+    version, built = store.produce("demo", KEY, {}, {}, write("x"))
+    assert built and store.lookup("demo", KEY) is not None
+    s3.filesystem().rm(name, recursive=True)  # the bucket goes away mid-run
+    with pytest.raises(ObjectStoreError) as error:
+        store.produce("demo", version_key("demo", "2", {}, {}), {}, {}, write("y"))
+    message = str(error.value)
+    assert f"the bucket '{name}' does not exist" in message and "\n" not in message
+    assert f"s3://{name}/store" in message  # where it was, never an empty path
+
+
 def test_locations_pick_the_store(tmp_path):
     assert isinstance(open_store(tmp_path / "s"), Store)
     assert isinstance(open_store("s3://bucket/prefix", tmp_path), ObjectStore)

@@ -4,8 +4,11 @@ store, and bad input gets one clear error, a non-zero exit and loses nothing."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,7 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("bardflow: error: ")]
     assert len(errors) == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == errors[0], done.stderr[-3000:]  # the last line, after Prefect's own
     for word in words:
         assert word in errors[0], errors[0]
     assert "Traceback" not in done.stderr, "an explained error is shown without a traceback"
@@ -188,3 +192,34 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
     states = {name: s["state"] for name, s in finish(start(base_args(corpus, store), small_disk / "log", run_env))[
         "stages"].items()}
     assert states["encode"] == "cached" and states["train_single"] == "ran"
+
+
+@pytest.mark.flow
+def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed_run(tmp_path, corpus, run_env,
+                                                                                      prefect_server):
+    """On emulated CPU devices train_parallel trains in one supervised process, so that XLA's
+    own end of a stalled collective (abort(): SIGABRT, a page of C++ stack trace) is this
+    stage's failure: one line naming the step and both fixes, the trace left in the log,
+    the Prefect run Failed, not Running."""
+    store = tmp_path / "store"
+    run = start(base_args(corpus, store, "--set", "train.steps=2000", "--set", "train.checkpoint_every=50"),
+                tmp_path / "run.log", run_env)
+    deadline = time.monotonic() + 300
+    while not (list(store.glob("train_parallel/.resume-*/launch/process-0.pid"))
+               and [s for s in checkpoint_steps(store, "train_parallel") if s >= 50]):
+        assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.05)
+    (pid_file,) = store.glob("train_parallel/.resume-*/launch/process-0.pid")
+    os.kill(int(pid_file.read_text()), signal.SIGABRT)  # what XLA:CPU's rendezvous timeout does
+    run.communicate(timeout=60)
+    stderr = (tmp_path / "run.log").read_text()
+    assert run.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("bardflow: error: train_parallel failed: the training process was killed by signal 6 "
+                           "(SIGABRT) at step "), last
+    saved = max(checkpoint_steps(store, "train_parallel"))
+    assert f"rerun the same command to resume from the checkpoint of step {saved}" in last
+    assert "--cpu-devices 1" in last and "process-0.log" in last
+    assert "Traceback" not in stderr and "Fatal Python error" not in stderr and " @ " not in stderr
+    newest = prefect_server.api("/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})[0]
+    assert newest["state"]["type"] in ("FAILED", "CRASHED"), newest["state"]
