@@ -31,10 +31,6 @@ class ProcessFailure(BardflowError, RuntimeError):
     its log (a native abort is summed up in its fatal line; any other failure shows the
     log's last lines)."""
 
-    def __init__(self, message: str, step: int | None = None):
-        super().__init__(message)
-        self.step = step
-
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -138,12 +134,11 @@ def _failure(index: int, processes: int, code: int, log: Path, reached: tuple[in
     who = "the training process" if processes == 1 else f"process {index} of {processes}"
     where = f" at step {reached[0]} of {reached[1]}" if reached else ""
     others = "" if processes == 1 else "; the others were stopped"
-    step = reached[0] if reached else None
     if code < 0:
         fatal = _fatal_line(log)
         said = f" (XLA: {fatal})" if fatal else ""
-        return ProcessFailure(f"{who} {_how(code)}{where}{said}{others}; its log is {log}", step=step)
-    return ProcessFailure(f"{who} {_how(code)}{where}{others}. Last lines of {log}:\n{_tail(log)}", step=step)
+        return ProcessFailure(f"{who} {_how(code)}{where}{said}{others}; its log is {log}")
+    return ProcessFailure(f"{who} {_how(code)}{where}{others}. Last lines of {log}:\n{_tail(log)}")
 
 
 def _fatal_line(path: Path, limit: int = 200) -> str | None:

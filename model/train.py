@@ -267,6 +267,22 @@ class Placement:
         return jax.make_array_from_process_local_data(sharding, batch)
 
 
+def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement):
+    """``state -> loss on the whole validation split`` (every row once; None without one):
+    the split placed once, the same rows every time, one program per evaluation."""
+    eval_sum = make_eval_sum(graphdef)
+    count = sum(float(weights.sum()) for _, weights in val_batches)
+    if jax.process_count() > 1:  # each process holds its own rows' weights
+        from jax.experimental import multihost_utils
+
+        count = float(multihost_utils.process_allgather(np.float32(count)).sum())
+    if not count:
+        return lambda state: None
+    rows = placement.put_batch(np.stack([rows for rows, _ in val_batches]), stacked=True)
+    weights = placement.put_batch(np.stack([weights for _, weights in val_batches]), stacked=True)
+    return lambda state: float(eval_sum(state, rows, weights)) / count
+
+
 @dataclass
 class TrainResult:
     state: Any
@@ -357,21 +373,7 @@ def train(
     """
     start, history, prior_elapsed, resumed_from, resume_s = 0, [], 0.0, None, 0.0
     last = min(stop_after or cfg.steps, cfg.steps)
-    eval_sum, evaluating_s = make_eval_sum(graphdef), 0.0
-
-    count = sum(float(weights.sum()) for _, weights in val_batches)
-    if jax.process_count() > 1:  # each process holds its own rows' weights
-        from jax.experimental import multihost_utils
-
-        count = float(multihost_utils.process_allgather(np.float32(count)).sum())
-    val_rows = val_weights = None
-    if val_batches:  # placed once: the same rows every time
-        val_rows = placement.put_batch(np.stack([rows for rows, _ in val_batches]), stacked=True)
-        val_weights = placement.put_batch(np.stack([weights for _, weights in val_batches]), stacked=True)
-
-    def evaluate(state) -> float | None:
-        """The loss on the whole validation split: every row once (None without one)."""
-        return float(eval_sum(state, val_rows, val_weights)) / count if count else None
+    evaluate, evaluating_s = make_evaluate(graphdef, val_batches, placement), 0.0
 
     state = placement.put_state(state)
     if checkpoints is not None:
