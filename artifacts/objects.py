@@ -33,10 +33,21 @@ import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
-from artifacts.store import (MANIFEST, Builder, ResumeFolder, Store, StoreError, Version, describe_files, manifest_intact,
-                             valid_key, valid_stage)
+from bardflow.artifacts.store import (
+    MANIFEST,
+    Builder,
+    ResumeFolder,
+    Store,
+    StoreError,
+    Version,
+    VersionStore,
+    describe_files,
+    manifest_intact,
+    valid_key,
+    valid_stage,
+)
 
 SCHEMES = ("s3", "gs", "gcs")
 REMOTE = "remote.json"  # in a mirrored version: the URI and the ETags it was downloaded with
@@ -295,7 +306,7 @@ class RemoteResumeFolder(ResumeFolder):
         Bucket(self.url).remove("")
 
 
-class ObjectStore:
+class ObjectStore(VersionStore):
     """The store at ``scheme://bucket/prefix``, mirrored in ``workdir`` (see the module doc)."""
 
     def __init__(self, url: str, workdir: str | os.PathLike | None = None):
@@ -368,35 +379,22 @@ class ObjectStore:
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
 
-    require = Store.require  # the same check: looked up again, the same output as handed over
+    def remains(self, stage: str, key: str, force: bool) -> bool:
+        return force or self._manifest(stage, key) is not None
 
-    def produce(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
-                work: Callable[[Builder], None], force: bool = False,
-                notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
-        """As ``Store.produce``, committing to the bucket (see the module doc)."""
-        with self.mirror.lock(stage, key):
-            existing = self.lookup(stage, key)
-            if existing is not None and not force:
-                return existing, False
-            replace = force or self._manifest(stage, key) is not None
-            if existing is None and replace and notice is not None:
-                notice(f"{stage} version {key} in {self.location} is damaged or incomplete: rebuilding it")
-            self.mirror.clear_leftovers(stage, key)
-            resume = self.resume(stage, key)
-            resume.pull()
-            build = f"build-{uuid.uuid4().hex[:12]}"
-            try:
-                with self.mirror.build(stage, key, params, inputs, resume=resume,
-                                       commit=lambda folder: self._commit(stage, key, folder, build, replace)) as builder:
-                    work(builder)
-            except BaseException:
-                resume.drop_if_empty()
-                raise
-            version = self.lookup(stage, key)
-            if version is None:
-                raise StoreError(f"the {stage} version {key} did not verify after it was written to {self.location}")
-            resume.clear()
-            return version, True
+    def lock(self, stage: str, key: str) -> contextlib.AbstractContextManager:
+        return self.mirror.lock(stage, key)  # builders on this machine; on two, the first manifest wins
+
+    def clear_leftovers(self, stage: str, key: str) -> None:
+        self.mirror.clear_leftovers(stage, key)
+
+    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
+              force: bool = False) -> contextlib.AbstractContextManager[Builder]:
+        """Built in the mirror, then committed to the bucket (see the module doc)."""
+        replace = self.remains(stage, key, force)
+        build = f"build-{uuid.uuid4().hex[:12]}"
+        return self.mirror.build_folder(stage, key, params, inputs, resume=resume,
+                                        commit=lambda folder: self._commit(stage, key, folder, build, replace))
 
     def _commit(self, stage: str, key: str, folder: Path, build: str, replace: bool) -> bool:
         """Uploads a sealed build folder, then its manifest as the commit record. True if this
@@ -435,7 +433,21 @@ class ObjectStore:
         return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)
 
 
-def open_store(location: str | os.PathLike, workdir: str | os.PathLike | None = None):
+def checked_store(location: str) -> VersionStore:
+    """The store at ``location``, opened and checked (bucket reachable, credentials accepted)
+    once per process and mirror folder: the command line, the flow and every stage task of a
+    run share it."""
+    return _checked(location, os.environ.get(WORKDIR))
+
+
+@functools.lru_cache(maxsize=16)
+def _checked(location: str, workdir: str | None) -> VersionStore:
+    store = open_store(location, workdir)
+    store.check()  # a failed check is not cached: it raises
+    return store
+
+
+def open_store(location: str | os.PathLike, workdir: str | os.PathLike | None = None) -> VersionStore:
     """The store at ``location``: a local folder, or ``s3://bucket/prefix`` / ``gs://…``
     mirrored in ``workdir`` (default ``$BARDFLOW_WORKDIR`` or ``~/.cache/bardflow/mirror``)."""
     if "://" in str(location):

@@ -8,14 +8,17 @@ place only once complete and checksummed, so a reader never sees half of one.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from model.errors import BardflowError
+from bardflow.model.errors import BardflowError
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -83,6 +86,25 @@ def describe_files(folder: Path) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``."""
     return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@functools.lru_cache(maxsize=1)
+def project_version() -> dict[str, Any]:
+    """bardflow's own version and, in a git checkout, its commit ("+changes" when files differ
+    from it): what code built a version, next to the libraries it ran on."""
+    found: dict[str, Any] = {"version": None, "commit": None}
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        found["version"] = metadata.version("bardflow")
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / ".git").exists():
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10)
+            changes = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, timeout=10)
+            if head.returncode == 0:
+                found["commit"] = head.stdout.strip() + ("+changes" if changes.stdout.strip() else "")
+    return found
 
 
 def library_versions() -> dict[str, str]:
@@ -164,7 +186,97 @@ class Builder:
         return target
 
 
-class Store:
+class VersionStore(abc.ABC):
+    """What the stages need of a store: versions looked up, checked and produced. ``produce``
+    is written once, here; a backend (a folder, a bucket) supplies its lookup, its lock and
+    how a sealed build becomes the version (a rename; an upload and a conditional write)."""
+
+    location: str
+    reads_without_lock = False  # whether a lookup may run beside a builder of the same version
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raises, naming the fix, if the store cannot be used at all (before any work)."""
+
+    @abc.abstractmethod
+    def lookup(self, stage: str, key: str) -> Version | None:
+        """The version if it is there and intact, else None."""
+
+    @abc.abstractmethod
+    def remains(self, stage: str, key: str, force: bool) -> bool:
+        """Whether something of this version is already there (damaged, or being replaced)."""
+
+    @abc.abstractmethod
+    def lock(self, stage: str, key: str) -> contextlib.AbstractContextManager:
+        """Serialises this machine's builders of one version."""
+
+    @abc.abstractmethod
+    def resume(self, stage: str, key: str) -> ResumeFolder:
+        """Where an interrupted build of the version keeps what a rerun picks up."""
+
+    @abc.abstractmethod
+    def clear_leftovers(self, stage: str, key: str) -> None:
+        """Removes what builders that died left of this version; callers hold the lock."""
+
+    @abc.abstractmethod
+    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
+              force: bool) -> contextlib.AbstractContextManager[Builder]:
+        """A builder over a private folder, made the version when the block ends without error."""
+
+    @abc.abstractmethod
+    def versions(self, stage: str | None = None) -> list[Version]:
+        """Every complete version (of ``stage``), newest first."""
+
+    def require(self, handed: Version) -> Version:
+        """A version a stage was handed, checked again before use: still there, every file
+        as its manifest says, the same output it was when handed over."""
+        version = self.lookup(handed.stage, handed.key)
+        if version is None or version.fingerprint != handed.fingerprint:
+            raise StoreError(
+                f"the {handed.stage} version {handed.key} in {self.location} is "
+                f"missing or damaged; rerun with --refresh {handed.stage}"
+            )
+        return version
+
+    def produce(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
+                work: Callable[[Builder], None], force: bool = False,
+                notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
+        """The version ``stage/key``: reused if a complete one exists (unless ``force``),
+        else built by ``work`` and made the version. Returns it and whether ``work`` ran.
+        ``notice`` hears of a damaged version about to be rebuilt."""
+        if not force and self.reads_without_lock:
+            existing = self.lookup(stage, key)
+            if existing is not None:
+                return existing, False
+        with self.lock(stage, key):
+            existing = self.lookup(stage, key)
+            if existing is not None and not force:
+                return existing, False
+            if existing is None and notice is not None and self.remains(stage, key, force):
+                notice(f"{stage} version {key} in {self.location} is damaged or incomplete: rebuilding it")
+            self.clear_leftovers(stage, key)
+            resume = self.resume(stage, key)
+            resume.pull()
+            try:
+                with self.build(stage, key, params, inputs, resume, force) as builder:
+                    work(builder)
+            except BaseException:
+                resume.drop_if_empty()  # a failed run leaves only what a rerun needs
+                raise
+            version = self.lookup(stage, key)
+            if version is None:
+                raise StoreError(f"the {stage} version {key} did not verify after it was written to {self.location}")
+            resume.clear()
+            return version, True
+
+
+class Store(VersionStore):
+    """The store in a local folder: a version is published by renaming its build folder."""
+
+    # Reading a published version needs no lock: it appears whole (a rename) or not at all.
+    # So a store this process cannot write still serves what it holds.
+    reads_without_lock = True
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().resolve()
         self.location = str(self.root)
@@ -193,17 +305,6 @@ class Store:
         if manifest.get("key") != key or not manifest_intact(manifest) or self.damage(path, manifest):
             return None
         return Version(stage, key, path, manifest, store=self.location)
-
-    def require(self, handed: Version) -> Version:
-        """A version a stage was handed, checked again before use: still there, every file
-        as its manifest says, the same output it was when handed over."""
-        version = self.lookup(handed.stage, handed.key)
-        if version is None or version.fingerprint != handed.fingerprint:
-            raise StoreError(
-                f"the {handed.stage} version {handed.key} in {self.location} is "
-                f"missing or damaged; rerun with --refresh {handed.stage}"
-            )
-        return version
 
     @staticmethod
     def damage(path: Path, manifest: dict[str, Any]) -> list[str]:
@@ -247,43 +348,8 @@ class Store:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
 
-    def produce(
-        self,
-        stage: str,
-        key: str,
-        params: Any,
-        inputs: Mapping[str, Version],
-        work: Callable[[Builder], None],
-        force: bool = False,
-        notice: Callable[[str], None] | None = None,
-    ) -> tuple[Version, bool]:
-        """The version ``stage/key``: reused if a complete one exists (unless ``force``),
-        else built by ``work`` and published. Returns it and whether ``work`` ran.
-        ``notice`` hears of a damaged version about to be rebuilt."""
-        if not force:
-            # Reading a published version needs no lock: it appears whole (a rename) or not at
-            # all. So a store this process cannot write still serves what it holds.
-            existing = self.lookup(stage, key)
-            if existing is not None:
-                return existing, False
-        with self.lock(stage, key):
-            existing = self.lookup(stage, key)
-            if existing is not None and not force:
-                return existing, False
-            if existing is None and notice is not None and self.path(stage, key).exists():
-                notice(f"{stage} version {key} is damaged or incomplete: rebuilding it")
-            self.clear_leftovers(stage, key)
-            try:
-                with self.build(stage, key, params, inputs) as builder:
-                    work(builder)
-            except BaseException:
-                self.resume(stage, key).drop_if_empty()  # a failed run leaves only what a rerun needs
-                raise
-            version = self.lookup(stage, key)
-            if version is None:
-                raise StoreError(f"the {stage} version {key} did not verify after it was written")
-            self.resume(stage, key).clear()
-            return version, True
+    def remains(self, stage: str, key: str, force: bool) -> bool:
+        return self.path(stage, key).exists()
 
     def clear_leftovers(self, stage: str, key: str) -> None:
         """Build and download folders of ``stage/key`` left by a process that died; callers hold the lock."""
@@ -291,9 +357,14 @@ class Store:
             for stale in self.path(stage, key).parent.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
 
+    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
+              force: bool = False) -> contextlib.AbstractContextManager[Builder]:
+        return self.build_folder(stage, key, params, inputs, resume)
+
     @contextlib.contextmanager
-    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
-              resume: ResumeFolder | None = None, commit: Callable[[Path], bool] | None = None) -> Iterator[Builder]:
+    def build_folder(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
+                     resume: ResumeFolder | None = None,
+                     commit: Callable[[Path], bool] | None = None) -> Iterator[Builder]:
         """Yields a builder over a private folder; on success publishes it as the version.
 
         If the stage fails, the folder is removed and any earlier version stays as it was.
@@ -336,6 +407,7 @@ class Store:
             "metrics": builder.metrics,
             **builder.record,
             "libraries": library_versions(),
+            "bardflow": project_version(),
             "host": socket.gethostname(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

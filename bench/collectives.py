@@ -38,14 +38,13 @@ def _spin() -> None:
 
 def train_once(steps: int, eval_every: int) -> dict:
     """One run, in this process (the child's side): the losses it recorded."""
+    import jax
     import numpy as np
 
-    import jax
-
-    from model.config import build_config
-    from model.cpu_tuning import applied, default_choice
-    from model.train import Placement, init_state, train, val_batches
-    from model.trainer import CPU_TOKENS_PER_PASS
+    from bardflow.model.config import build_config
+    from bardflow.model.train import Placement, init_state, train, val_batches
+    from bardflow.runtime.cpu_tuning import applied, default_choice
+    from bardflow.runtime.training import CPU_TOKENS_PER_PASS
 
     cfg = build_config("cpu", {"train.steps": steps, "train.single_device_steps": 0, "train.log_every": eval_every,
                                "train.warmup_steps": min(20, steps // 2)})
@@ -61,7 +60,7 @@ def train_once(steps: int, eval_every: int) -> dict:
     model_cfg, train_cfg, options = applied(cfg.model, cfg.train, default_choice(cfg.model, cfg.train, seq))
     graphdef, state = init_state(model_cfg, train_cfg)
     batch = train_cfg.per_device_batch * len(devices)
-    # The evaluation batches the training stage uses on a CPU (model/trainer.py).
+    # The evaluation batches the training stage uses on a CPU (runtime/training.py).
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
     result = train(graphdef, state, lambda step: train_rows[(step * batch) % (len(train_rows) - batch):][:batch]

@@ -7,7 +7,7 @@ does not lose the rest:
 
   tests       the tests a GPU changes: kernels against XLA, bfloat16 training, the sampler
   pipeline    `bardflow run --preset codelab` on Prefect's embedded server, fresh then cached
-  deployment  `prefect deployment run 'bardflow/pipeline'` through a process worker
+  deployment  `prefect deployment run 'bardflow-pipeline/pipeline'` through a process worker
   bench       codelab-style step against bardflow's, MFU, float32 against bfloat16, generation
   quality     the `quality` preset's time to validation loss 1.47
 
@@ -148,7 +148,7 @@ class Check:
         figures = {}
         for label in ("fresh", "cached"):
             started = time.monotonic()
-            done = self.sh("pipeline", sys.executable, "-m", "flows.cli", "run", *self.run_args(), "--json",
+            done = self.sh("pipeline", sys.executable, "-m", "bardflow", "run", *self.run_args(), "--json",
                            limit_s=limit_s)
             summary = json.loads(done.stdout)
             figures[label] = {"wall_s": round(time.monotonic() - started, 1),
@@ -161,14 +161,14 @@ class Check:
         return figures
 
     def deployment(self, limit_s: float) -> dict:
-        from model.launch import free_port
+        from bardflow.runtime.launch import free_port
 
         port = free_port()
         env = {**self.env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
         prefect = [sys.executable, "-m", "prefect"]
         worker = None
         try:
-            self.sh("deployment", sys.executable, "-m", "flows.cli", "server", "start", "--port", str(port),
+            self.sh("deployment", sys.executable, "-m", "bardflow", "server", "start", "--port", str(port),
                     limit_s=limit_s, env=env)
             self.sh("deployment", *prefect, "work-pool", "create", "--overwrite", "--type", "process", "gpu-check",
                     limit_s=60, env=env)
@@ -180,7 +180,7 @@ class Check:
             params = {"preset": args[args.index("--preset") + 1], "corpus": args[1], "store": args[3],
                       "refresh": ["generate"]}
             started = time.time()
-            done = self.sh("deployment", *prefect, "deployment", "run", "bardflow/pipeline", "--params",
+            done = self.sh("deployment", *prefect, "deployment", "run", "bardflow-pipeline/pipeline", "--params",
                            json.dumps(params), "--watch", limit_s=limit_s, env=env)
             finished = time.time()
             run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
@@ -201,7 +201,7 @@ class Check:
                             worker.wait(timeout=10)
                         except subprocess.TimeoutExpired:
                             continue
-            subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop"], cwd=REPO, env=env,
+            subprocess.run([sys.executable, "-m", "bardflow", "server", "stop"], cwd=REPO, env=env,
                            capture_output=True, timeout=30)
 
     def bench(self, limit_s: float) -> dict:

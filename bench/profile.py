@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from model.config import build_config
-    from model.train import compiler_options, init_state, make_train_step, passes_per_step
+    from bardflow.model.config import build_config
+    from bardflow.model.train import compiler_options, init_state, make_train_step, passes_per_step
 
     cfg = build_config("codelab")
     graphdef, state = init_state(cfg.model, cfg.train)

@@ -35,9 +35,9 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
 def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -> dict:
     import jax
 
-    from model.config import TrainingRequest, build_config
-    from model.data import encode, write_sequences
-    from model.trainer import RunFiles, run_training
+    from bardflow.model.config import TrainingRequest, build_config
+    from bardflow.model.data import encode, write_sequences
+    from bardflow.runtime.training import RunFiles, run_training
 
     cfg = build_config(preset, overrides)
     split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
               "TinyShakespeare", file=sys.stderr)
         return 2
 
-    from flows.settings import prepare_environment
+    from bardflow.flows.settings import prepare_environment
 
     prepare_environment()  # the pipeline's device defaults: one emulated device per core on a CPU
-    from model.config import parse_assignment
+    from bardflow.model.config import parse_assignment
 
     overrides = dict(parse_assignment(item) for item in args.set)
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)

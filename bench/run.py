@@ -26,8 +26,8 @@ SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 def machine() -> dict:
     import jax
 
-    from artifacts.store import library_versions
-    from model.cpu_tuning import cpu_signature
+    from bardflow.artifacts.store import library_versions
+    from bardflow.runtime.cpu_tuning import cpu_signature
 
     signature = cpu_signature()  # the CPU model and the vector instructions that decide its speed
     return {"cpu": signature["cpu"], "cpu_flags": signature["flags"], "cores": os.cpu_count(),
@@ -56,9 +56,9 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     import optax
     from flax import nnx
 
+    from bardflow.model.train import compiler_options, compute_dtype, init_state, make_train_step, passes_per_step
+    from bardflow.model.transformer import build_model
     from bench.codelab import codelab_train_step
-    from model.train import compiler_options, compute_dtype, init_state, make_train_step, passes_per_step
-    from model.transformer import build_model
 
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
     stream = np.random.default_rng(0).integers(0, 256, (steps, batch, seq_len), dtype=np.int32)
@@ -145,9 +145,9 @@ def bench_precision(quick: bool) -> dict:
     the ``codelab`` preset's 500 on an accelerator, 300 of the ``cpu`` preset's on a CPU."""
     import jax
 
-    from model.config import build_config
-    from model.data import Batches, encode
-    from model.train import Placement, init_state, train
+    from bardflow.model.config import build_config
+    from bardflow.model.data import Batches, encode
+    from bardflow.model.train import Placement, init_state, train
 
     if not SHARED_CORPUS.exists():
         return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
@@ -176,9 +176,9 @@ def torch_runner(cfg, steps: int):
 
 
 def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
+    from bardflow.model.sampling import generate, generate_batch
+    from bardflow.model.transformer import build_model
     from bench.codelab import codelab_generate, codelab_generate_batch
-    from model.sampling import generate, generate_batch
-    from model.transformer import build_model
 
     model = build_model(cfg.model, 1)
     window = cfg.model.max_seq_len
@@ -212,9 +212,9 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
 def bench_rotary_generate(cfg, pairs: int, new_bytes: int) -> dict:
     """``ROMEO:`` + ``new_bytes`` at batch 1 on the same shape with rotary positions: the
     cache wraps instead of the window being recomputed, against the codelab loop."""
+    from bardflow.model.sampling import generate
+    from bardflow.model.transformer import build_model
     from bench.codelab import codelab_generate
-    from model.sampling import generate
-    from model.transformer import build_model
 
     model = build_model(cfg.model.model_copy(update={"positions": "rope"}), 1)
     window = cfg.model.max_seq_len
@@ -246,7 +246,7 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
         return {"skipped": "prefect is not installed"}
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect"}
-        command = [sys.executable, "-m", "flows.cli", "run", "--preset", preset, "--corpus", str(SHARED_CORPUS),
+        command = [sys.executable, "-m", "bardflow", "run", "--preset", preset, "--corpus", str(SHARED_CORPUS),
                    "--store", f"{tmp}/store", "--json"]
         runs = []
         for _ in range(2):
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the whole-pipeline timing (the GPU check times the pipeline on its own)")
     args = parser.parse_args(argv)
 
-    from model.config import build_config
+    from bardflow.model.config import build_config
 
     cfg = build_config("codelab")
     pairs, steps, new_bytes, preset = (2, 3, 100, "tiny") if args.quick else (6, 10, 300, "cpu")

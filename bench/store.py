@@ -22,7 +22,7 @@ from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 
 def timed_run(env: dict, store: str, workdir: Path, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--corpus", str(SHARED_CORPUS),
+    command = [sys.executable, "-m", "bardflow", "run", "--preset", "tiny", "--corpus", str(SHARED_CORPUS),
                "--store", store, "--json", "--cpu-devices", "2", *extra]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, env={**env, "BARDFLOW_WORKDIR": str(workdir)},

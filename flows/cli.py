@@ -9,13 +9,20 @@ import os
 import sys
 from typing import Any
 
-from flows.server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
-from flows.settings import (AUTO_CHOICES, DEBUG, PRESET_NAMES, debugging, empty_corpus, pick_preset,
-                            prepare_environment, store_location)
-from model import stopping
-from model.errors import BardflowError
-from tasks.registry import BY_NAME, NAMES
-
+from bardflow.flows.server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
+from bardflow.flows.settings import (
+    AUTO_CHOICES,
+    DEBUG,
+    PRESET_NAMES,
+    debugging,
+    empty_corpus,
+    pick_preset,
+    prepare_environment,
+    store_location,
+)
+from bardflow.model.errors import BardflowError
+from bardflow.runtime import stopping
+from bardflow.tasks.registry import BY_NAME, NAMES
 
 _embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
 STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE or ./store)"
@@ -71,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
                        help="refuse sweeps of more than N runs (default 32)")
     sweep.add_argument("--pool", metavar="NAME",
-                       help="run each configuration as a run of the `bardflow/sweep` deployment on this work pool, "
+                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
                             "all at once: every worker of the pool trains one (needs a running server)")
     _pipeline_options(sweep)
 
@@ -154,7 +161,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
     global _embedded
-    from model.config import ConfigError, build_config, parse_assignment
+    from bardflow.model.config import ConfigError, build_config, parse_assignment
 
     overrides = dict(parse_assignment(text) for text in args.settings)
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
@@ -171,8 +178,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.processes > 1:
         # Whether the devices share out evenly needs JAX's count of them: asked now, before
         # the run's server starts, so that the refusal comes first, like every other one.
-        from model.distributed import hardware
-        from tasks.stage import RunPlan
+        from bardflow.runtime.distributed import hardware
+        from bardflow.tasks.stage import RunPlan
 
         RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
     _embedded = start_embedded()  # comes up while Prefect and JAX load
@@ -193,7 +200,7 @@ def _terminal_run():
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
-        from flows.server import watch_chosen
+        from bardflow.flows.server import watch_chosen
 
         watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
     if any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
@@ -206,12 +213,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
     root, overrides = _prepare(args)
-    from artifacts.objects import open_store
-    from model.config import build_config
+    from bardflow.artifacts.objects import checked_store
+    from bardflow.model.config import build_config
 
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
-    open_store(root).check()  # so is a store that cannot be reached
-    from flows.pipeline import pipeline
+    checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
+    from bardflow.flows.pipeline import pipeline
 
     with _terminal_run():
         return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
@@ -220,13 +227,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     root, base = _prepare(args)
-    from artifacts.objects import open_store
-    from model.config import MAX_SWEEP_RUNS, sweep_configurations
+    from bardflow.artifacts.objects import checked_store
+    from bardflow.model.config import MAX_SWEEP_RUNS, sweep_configurations
 
     preset = pick_preset(args.preset)
     configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
-    open_store(root).check()
-    from flows.sweep import sweep
+    checked_store(root)
+    from bardflow.flows.sweep import sweep
 
     with _terminal_run():
         return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
@@ -236,7 +243,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
 def _print_sweep(result: dict[str, Any]) -> None:
     from rich.console import Console
 
-    from flows.tables import Column, fitted
+    from bardflow.flows.tables import Column, fitted
 
     rows = result["rows"]
     where = f", work pool {result['pool']}" if result.get("pool") else ""
@@ -268,9 +275,10 @@ def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
     prepare_environment(cpu_devices)
     print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
           f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
-    from model.launch import REPO, process_command
+    from bardflow.runtime.launch import process_command
+    from bardflow.tasks import train_process
 
-    code = subprocess.call(process_command(None, join_timeout), cwd=REPO)
+    code = subprocess.call(process_command(train_process, None, join_timeout))
     if code:
         raise FollowerError(f"process {group.process_id} of {group.num_processes} failed (exit status {code}); "
                             "see its output above")
@@ -282,7 +290,7 @@ class FollowerError(BardflowError, RuntimeError):
 
 def _cluster_follower():
     """This process's group when it is a cluster process other than process 0."""
-    from model.distributed import ProcessGroup
+    from bardflow.runtime.distributed import ProcessGroup
 
     group = ProcessGroup.from_env()
     return group if group is not None and not group.leader else None
@@ -293,7 +301,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from flows.tables import Column, fitted
+    from bardflow.flows.tables import Column, fitted
 
     columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
     rows = [[name, f"[{'green' if stage['state'] == 'ran' else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
@@ -312,7 +320,7 @@ SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes pr
 
 
 def _artifacts(args: argparse.Namespace) -> None:
-    from flows.runs import readable_store
+    from bardflow.flows.runs import readable_store
 
     versions = readable_store(store_location(args.store)).versions(args.stage)
     rows = []
@@ -325,7 +333,7 @@ def _artifacts(args: argparse.Namespace) -> None:
         return
     from rich.console import Console
 
-    from flows.tables import Column, fitted, short_time
+    from bardflow.flows.tables import Column, fitted, short_time
 
     columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
                Column("key figures", 2, text=True)]
@@ -346,17 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
     if args.command in ("run", "sweep"):
-        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/stopping.py)
+        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (runtime/stopping.py)
     try:
         if args.command == "presets":
-            from model.config import PRESETS as CONFIGS, build_config
+            from bardflow.model.config import PRESETS as CONFIGS
+            from bardflow.model.config import build_config
 
             names = [args.name] if args.name else list(CONFIGS)
             print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
         elif args.command == "artifacts":
             _artifacts(args)
         elif args.command == "runs":
-            from flows.runs import show_runs
+            from bardflow.flows.runs import show_runs
 
             show_runs(store_location(args.store), args.diff, args.json)
         elif args.command == "sweep":
@@ -367,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ui":
             _ui(args)
         elif args.command == "server":
-            from flows.server import command
+            from bardflow.flows.server import command
 
             command(args.action, args.port)
         elif args.command == "run" and (follower := _cluster_follower()) is not None:
@@ -418,24 +427,30 @@ def _settle_reports(timeout_s: float = 5.0) -> None:
             pass
 
 
-def exit_now(code: int) -> None:
-    """Ends the process as the interpreter would, minus the teardown of every module (JAX's
-    and Prefect's take about half a second, a sixth of a fully cached run): threads are
-    joined and exit handlers run (Prefect's logs and events are sent, its temporary server
-    stopped), output flushed, then the process exits."""
-    import atexit
-    import threading
-
-    threading._shutdown()  # what finalization does first: join non-daemon threads, run their hooks
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def entry() -> None:
-    """The `bardflow` command."""
-    exit_now(main())
+    """The `bardflow` command. It exits as the interpreter does — non-daemon threads joined,
+    exit handlers run (Prefect's logs and events sent, its temporary server stopped) — but
+    without the teardown of every module afterwards (JAX's and Prefect's take about half a
+    second, a sixth of a fully cached run): the exit handler registered first runs last."""
+    import atexit
+    import logging
+
+    code = [1]
+
+    def end_here() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code[0])
+
+    atexit.register(end_here)
+    try:
+        code[0] = main()
+    except SystemExit as stop:  # argparse's --help and usage errors
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    sys.exit(code[0])
 
 
 if __name__ == "__main__":

@@ -17,29 +17,29 @@ import os
 import time
 from typing import Any, Literal
 
-# Before JAX starts (a deployment's flow run comes in here, not through the CLI): take GPU
-# memory as it is needed instead of 75 % of every GPU up front, so that processes this run
-# starts (one per GPU) find theirs free; on a CPU host, one emulated device per core.
-from flows.settings import prepare_environment  # noqa: E402
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.states import Completed
+from pydantic import ValidationError
 
-prepare_environment()
-
-from prefect import flow, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.logging import get_run_logger  # noqa: E402
-from prefect.states import Completed  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
-
-from artifacts import ui  # noqa: E402
-from artifacts.objects import open_store  # noqa: E402
-from artifacts.store import Version  # noqa: E402
-from flows.settings import PRESET_NAMES, debugging, empty_corpus, pick_preset, store_location  # noqa: E402
-from model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config  # noqa: E402
-from model import stopping  # noqa: E402
-from model.errors import BardflowError  # noqa: E402
-from model.distributed import hardware  # noqa: E402
-from tasks.registry import NAMES, STAGES  # noqa: E402
-from tasks.stage import RunPlan, Stage, produce  # noqa: E402
+from bardflow.artifacts import ui
+from bardflow.artifacts.objects import checked_store
+from bardflow.artifacts.store import Version
+from bardflow.flows.settings import (
+    PRESET_NAMES,
+    debugging,
+    empty_corpus,
+    pick_preset,
+    prepare_environment,
+    store_location,
+)
+from bardflow.model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
+from bardflow.model.errors import BardflowError
+from bardflow.runtime import stopping
+from bardflow.runtime.distributed import hardware
+from bardflow.tasks.registry import NAMES, STAGES
+from bardflow.tasks.stage import RunPlan, Stage, produce
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 StageName = Literal[NAMES]  # typed parameters: the UI's form offers exactly these
@@ -66,7 +66,7 @@ def quiet_explained_errors() -> None:
 
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
-        version, built = produce(stage, settings, upstream, open_store(store), force,
+        version, built = produce(stage, settings, upstream, checked_store(store), force,
                                  notice=get_run_logger().warning)
         if built:
             return version
@@ -97,7 +97,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     plan = RunPlan(config, devices, platform, processes)
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
     root = store_location(store)
-    open_store(root).check()  # an unreachable bucket or wrong credentials: one line, before any work
+    checked_store(root)  # an unreachable bucket or wrong credentials: one line, before any work
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
@@ -120,7 +120,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples}
 
 
-@flow(name="bardflow", log_prints=True, persist_result=False)
+@flow(name="bardflow-pipeline", log_prints=True, persist_result=False)
 def pipeline(
     preset: Preset = "auto",
     config: PipelineConfig | None = None,
@@ -135,10 +135,11 @@ def pipeline(
     ``processes`` > 1 runs train_parallel as that many processes of this host, which
     share its devices out (one per GPU, say) and train as one data-parallel run.
     """
+    prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
     return run_stages(preset, config, corpus, store, list(refresh), processes)
 
 
-@flow(name="bardflow", log_prints=True, persist_result=False)
+@flow(name="bardflow-samples", log_prints=True, persist_result=False)
 def samples(
     prompts: list[str] | None = None,
     temperature: float | None = None,
@@ -152,6 +153,7 @@ def samples(
     """New samples from the trained model. Every stage before ``generate`` comes from the
     cache when it is there (training runs only if nothing is cached); a setting left empty
     keeps the preset's value."""
+    prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
     base = build_config(pick_preset(preset))
     changes: dict[str, Any] = {}
     if prompts is not None:

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from artifacts.objects import is_remote, open_store
-from artifacts.store import Version
-from model.errors import BardflowError
+from bardflow.artifacts.objects import is_remote, open_store
+from bardflow.artifacts.store import Version
+from bardflow.model.errors import BardflowError
 
 TRAINED = ("train_single", "train_parallel")
 FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
@@ -36,6 +36,7 @@ def describe(version: Version) -> dict[str, Any]:
     return {
         **{f"settings.{k}": v for k, v in flatten(manifest.get("params", {})).items()},
         "code_version": manifest.get("code_version", "(not recorded)"),
+        **{f"bardflow.{k}": v for k, v in manifest.get("bardflow", {}).items()},
         "data.encode_fingerprint": encode.get("fingerprint"),
         **{f"libraries.{k}": v for k, v in manifest.get("libraries", {}).items()},
         "hardware.devices": ", ".join(manifest.get("devices") or []),
@@ -114,7 +115,7 @@ def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
             delta = figure["b_minus_a"]
             table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
     else:
-        from flows.tables import Column, fitted, short_time
+        from bardflow.flows.tables import Column, fitted, short_time
 
         columns = [Column("stage", 5), Column("key", 4), Column("created", 0), Column("settings that differ", 3, text=True),
                    Column("val loss", 3), Column("tokens/s", 2), Column("training s", 1)]

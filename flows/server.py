@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from model.errors import BardflowError
+from bardflow.model.errors import BardflowError
 
 
 class ServerError(BardflowError, RuntimeError):
@@ -83,7 +83,7 @@ def start(port: int, timeout_s: float = 180.0) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
     with open(log, "ab") as out:  # detached: it outlives this command and its terminal
-        process = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)],
+        process = subprocess.Popen([sys.executable, "-m", "bardflow", "ui", "--port", str(port)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, cwd=Path(__file__).resolve().parents[1])
     record = {"pid": process.pid, "url": url, "log": str(log)}
@@ -144,7 +144,7 @@ class EmbeddedServer:
     process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
 
     def __init__(self) -> None:
-        from model.launch import free_port
+        from bardflow.runtime.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -166,7 +166,7 @@ class EmbeddedServer:
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        from model import stopping
+        from bardflow.runtime import stopping
 
         while not healthy(self.url, timeout_s=1.0):
             stopping.check("before the run started")
@@ -240,7 +240,7 @@ def server_gone(why: str) -> None:
     so that the run's last line is the one that says what happened."""
     import logging
 
-    from model import stopping
+    from bardflow.runtime import stopping
 
     known = [name for name in logging.root.manager.loggerDict if name.startswith("prefect")]
     for name in (*known, "prefect", "EventsWorker", "APILogWorker"):
@@ -266,7 +266,7 @@ def start_embedded() -> EmbeddedServer | None:
         return None
     import atexit
 
-    from model import stopping
+    from bardflow.runtime import stopping
 
     server = EmbeddedServer()
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.config import PRESETS
+from bardflow.model.config import PRESETS
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)

@@ -5,7 +5,7 @@ a model trained with the same settings) is built once and comes back cached for 
 The parent ends with one comparison: a table whose first columns are the settings that
 differ, and the validation-loss curves of every run overlaid (artifact ``bardflow-sweep``).
 
-With a work pool (``pool``), each configuration is a run of the ``bardflow/sweep``
+With a work pool (``pool``), each configuration is a run of the ``bardflow-pipeline/sweep``
 deployment on that pool instead, all submitted at once, so N workers train N
 configurations at the same time; the parent waits for them, and reads each child's
 summary from its ``bardflow-run`` artifact and the store they share.
@@ -22,16 +22,16 @@ from typing import Any
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from artifacts import ui
-from artifacts.objects import open_store
-from flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
-from flows.settings import pick_preset, store_location
-from model import stopping
-from model.config import ConfigError, build_config
-from tasks.compare import plot_validation_curves
+from bardflow.artifacts import ui
+from bardflow.artifacts.objects import checked_store
+from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
+from bardflow.flows.settings import pick_preset, store_location
+from bardflow.model.config import ConfigError, build_config
+from bardflow.runtime import stopping
+from bardflow.tasks.compare import plot_validation_curves
 
 SWEEP = "sweep"
-DEPLOYMENT = "bardflow/sweep"  # prefect.yaml's `sweep`: the pipeline, one configuration per run
+DEPLOYMENT = "bardflow-pipeline/sweep"  # prefect.yaml's `sweep`: the pipeline, one configuration per run
 POLL_S = 2.0
 
 
@@ -61,7 +61,7 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _histories(runs: list[dict[str, Any]], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
     """(label, train_parallel's history) of every run that finished."""
-    store = open_store(root)
+    store = checked_store(root)
     curves = []
     for number, run in enumerate(runs, 1):
         stage = (run.get("stages") or {}).get("train_parallel")
@@ -85,7 +85,7 @@ def sweep(
 ) -> dict[str, Any]:
     """One pipeline per configuration (its ``section.field`` settings over ``settings`` and the
     preset): in turn as child flow runs here, or, with ``pool``, all at once as runs of the
-    ``bardflow/sweep`` deployment on that work pool. A failed run fails its row, not the sweep."""
+    ``bardflow-pipeline/sweep`` deployment on that work pool. A failed run fails its row, not the sweep."""
     quiet_explained_errors()
     chosen, root = pick_preset(preset), store_location(store)
     configs = [build_config(chosen, {**settings, **varying}) for varying in configurations]
@@ -206,7 +206,7 @@ def _child_summary(client, run_id, root: str) -> dict[str, Any]:
     artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ui.artifact_key(RUN_ARTIFACT)])),
                                       flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     rows = json.loads(artifacts[0].data) if artifacts else []
-    store = open_store(root)
+    store = checked_store(root)
     stages = {}
     for row in rows:
         version = store.lookup(row["stage"], row["key"])

@@ -27,7 +27,6 @@ def fitted(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],
     with the fewest low-ranked columns left out; a note names those that were."""
     from rich.console import Console
     from rich.table import Table
-
     from rich.text import Text
 
     console = Console(width=width) if width else Console()

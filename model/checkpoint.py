@@ -12,9 +12,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from model.config import ModelConfig
-from model.errors import BardflowError, require_space
-from model.transformer import Transformer, build_model
+from bardflow.model.config import ModelConfig
+from bardflow.model.errors import BardflowError, require_space
+from bardflow.model.transformer import Transformer, build_model
 
 
 class CheckpointError(BardflowError, RuntimeError):
@@ -190,7 +190,7 @@ class TrainingCheckpoints:
         multi = jax.process_count() > 1
         step = self.manager.latest_step() if self.manager is not None else None
         if multi:
-            from model.distributed import broadcast_json
+            from bardflow.model.multihost import broadcast_json
 
             step = broadcast_json(step)
         if step is None:
@@ -230,7 +230,7 @@ def _from_leader(template: dict, restored: dict | None) -> tuple[dict, dict]:
     """Process 0's restored state and record on every process, placed like ``template``."""
     from jax.experimental import multihost_utils
 
-    from model.distributed import broadcast_json
+    from bardflow.model.multihost import broadcast_json
 
     host = restored["state"] if restored is not None else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
     shared = multihost_utils.broadcast_one_to_all(host)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from model.errors import BardflowError
+from bardflow.model.errors import BardflowError
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -210,7 +210,7 @@ class TrainingRequest(_Section):
 PRESETS: dict[str, dict[str, Any]] = {
     # Exactly the codelab: 500 timed steps per training run.
     "codelab": {},
-    # Tuned for time to quality on a 2-core CPU (README, "Time to quality"): the whole
+    # Tuned for time to quality on a 2-core CPU (docs/benchmarks.md, "Time to quality"): the whole
     # pipeline in about two minutes, validation loss below 1.70. Every position of the
     # 128-byte context is trained and positions are rotary, so sampling on past a full
     # context stays good. Muon learns ~1.5x more per token here than AdamW; its larger

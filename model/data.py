@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from model.errors import BardflowError
+from bardflow.model.errors import BardflowError
 
 COLUMN = "tokens"
 

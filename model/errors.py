@@ -12,11 +12,15 @@ class BardflowError(Exception):
     """An explained error: its message says what is wrong and what to do."""
 
 
+class DistributedError(BardflowError, RuntimeError):
+    """The processes cannot form one run; the message says which setting to fix."""
+
+
 class DiskFullError(BardflowError, OSError):
     """The disk under the store (or a checkpoint folder) has no room for what must be written."""
 
 
-FREE_SPACE_FIX = ("free some space or point --store at a larger disk, then rerun the same command: finished stages "
+FREE_SPACE_FIX = ("free some space or put the store on a larger disk, then rerun the same command: finished stages "
                   "and saved checkpoints are kept")
 
 

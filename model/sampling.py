@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.errors import BardflowError
-
-from model.transformer import Transformer
+from bardflow.model.errors import BardflowError
+from bardflow.model.transformer import Transformer
 
 
 class PromptError(BardflowError, ValueError):

@@ -7,23 +7,23 @@ so no NNX graph traversal happens per step.
 from __future__ import annotations
 
 import math
-import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from model import stopping
-from model.config import ModelConfig, TrainConfig
-from model.errors import BardflowError
-from model.transformer import Transformer, build_model
+from bardflow.model.config import ModelConfig, TrainConfig
+from bardflow.model.errors import BardflowError
+from bardflow.model.transformer import Transformer, build_model
 
 
 class TrainingError(BardflowError, RuntimeError):
@@ -61,8 +61,8 @@ def in_dtype(model: Transformer, dtype) -> Transformer:
 
 
 def compiler_options(platform: str) -> dict[str, Any]:
-    # Measured on a 2-core AVX2 CPU (bench/profile.py): XLA's YNNPACK fusions make the
-    # step's matrix products ~18% slower than its default dot emitter; see the README.
+    # XLA's YNNPACK fusions made the step's matrix products slower than its default dot
+    # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md).
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if platform == "cpu" else {}
 
 
@@ -122,9 +122,8 @@ def model_from_state(graphdef, state) -> Transformer:
 
 
 # On CPU a step runs fastest when each forward/backward pass covers only a few hundred
-# tokens: a pass's activations then stay in cache. Measured on a 2-core CPU (README,
-# "Benchmarks"): codelab model 3,980 -> 5,260 tokens/s with 2 rows of 256 per pass, cpu preset
-# 67 -> 52 ms/step with 4 rows of 128. The summed gradient is the one-pass gradient.
+# tokens: a pass's activations then stay in cache (docs/benchmarks.md, "Training step"). The
+# summed gradient is the one-pass gradient.
 CPU_TOKENS_PER_PASS = 512
 
 
@@ -254,7 +253,7 @@ class Placement:
         """The rows ``[start, stop)`` of every global batch that this process supplies."""
         if jax.process_count() == 1:
             return 0, global_rows
-        from model.distributed import local_rows
+        from bardflow.model.multihost import local_rows
 
         return local_rows(self.batch_sharding, global_rows)
 
@@ -333,23 +332,129 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves))
 
 
-def _stop_agreed(step: int) -> bool:
-    """Whether to stop before ``step``: asked here (SIGINT, SIGTERM), or, with several
-    processes, when JAX's preemption service says so: it catches SIGTERM in any process and
-    has them all agree on one step, so that they save its checkpoint together."""
-    if jax.process_count() == 1:
-        return stopping.requested() is not None
-    from jax.experimental import multihost_utils
+@dataclass
+class RunRecord:
+    """What the hooks keep of a run: its history, its newest checkpoint and its training
+    clock (which leaves out the time the hooks spend evaluating)."""
 
-    return multihost_utils.reached_preemption_sync_point(step)
+    history: list[dict[str, Any]]
+    checkpoints: Any = None  # TrainingCheckpoints, or None: nothing is saved
+    last_saved: int | None = None
+    prior_s: float = 0.0  # trained before this session (a resumed run)
+    started: float = 0.0
+    paused_s: float = 0.0
+
+    def trained_s(self) -> float:
+        return self.prior_s + time.perf_counter() - self.started - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - paused
+
+    def check_loss(self, step: int, loss: jax.Array) -> float:
+        value = float(loss)
+        if not math.isfinite(value):
+            kept = f"; the checkpoint of step {self.last_saved} is kept" if self.last_saved else ""
+            raise TrainingError(f"loss became {value} at step {step}{kept}; lower train.learning_rate")
+        return value
+
+    def save(self, info: StepInfo) -> int | None:
+        """The one way a checkpoint is written: of the state after ``info``'s step, once its
+        loss and parameters are known to be finite. Returns the newest saved step."""
+        if self.checkpoints is None or info.done <= (self.last_saved or 0):
+            return self.last_saved
+        self.check_loss(info.step, info.loss)
+        if not bool(_all_finite(info.state)):
+            raise TrainingError(f"parameters became non-finite at step {info.step}; the checkpoint of step "
+                                f"{self.last_saved} is kept; lower train.learning_rate")
+        # A copy of the history: the save is asynchronous and the loop keeps appending to it.
+        self.checkpoints.save(info.done, info.state, {"step": info.done, "history": list(self.history),
+                                                      "elapsed_s": self.trained_s(), "data_position": info.done})
+        self.last_saved = info.done
+        return self.last_saved
 
 
-def _check_loss(step: int, loss: jax.Array, last_saved: int | None) -> float:
-    value = float(loss)
-    if not math.isfinite(value):
-        kept = f"; the checkpoint of step {last_saved} is kept" if last_saved else ""
-        raise TrainingError(f"loss became {value} at step {step}{kept}; lower train.learning_rate")
-    return value
+@dataclass(frozen=True)
+class StepInfo:
+    """One step just taken, as every hook sees it."""
+
+    step: int  # 0-based
+    last: int  # the run ends after step last - 1
+    loss: jax.Array  # still on the device: reading it waits for the step
+    state: Any
+    tokens: int  # trained on so far
+    record: RunRecord
+
+    @property
+    def done(self) -> int:
+        return self.step + 1
+
+
+@dataclass(frozen=True)
+class Hook:
+    """``run(info)`` after every step for which ``when(info)`` holds."""
+
+    run: Callable[[StepInfo], None]
+    when: Callable[[StepInfo], bool] = lambda info: True
+
+
+def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
+    """After steps 0, n, 2n, ... (and after the run's last step, with ``and_last``)."""
+    return lambda info: info.step % n == 0 or (and_last and info.done == info.last)
+
+
+def run_steps(step_fn, state, tokens_at: Callable[[int], jax.Array], steps: range, tokens_per_step: int,
+              hooks: Sequence[Hook], record: RunRecord):
+    """The training loop: a step, then each hook that is due, in order."""
+    for step in steps:
+        state, loss = step_fn(state, tokens_at(step))
+        info = StepInfo(step, steps.stop, loss, state, (step + 1) * tokens_per_step, record)
+        for hook in hooks:
+            if hook.when(info):
+                hook.run(info)
+    return state
+
+
+def finite_loss_hook() -> Hook:
+    """Each step's loss is read once the next step is queued, so that reading it never
+    leaves the device idle (the last step's is read by its evaluation)."""
+    pending: list[StepInfo] = []
+
+    def check(info: StepInfo) -> None:
+        if pending:
+            info.record.check_loss(pending[0].step, pending[0].loss)
+        pending[:] = [info]
+
+    return Hook(check)
+
+
+def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int) -> Hook:
+    """A history record with the validation loss on the whole split (its time left out of the clock)."""
+
+    def record(info: StepInfo) -> None:
+        value = info.record.check_loss(info.step, info.loss)
+        trained_s = info.record.trained_s()
+        with info.record.paused():
+            val_loss = evaluate(info.state)
+        info.record.history.append({"step": info.step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
+                                    "tokens": info.tokens, "val_loss": val_loss,
+                                    "val_bpb": None if val_loss is None else val_loss / math.log(2),
+                                    "seconds": round(trained_s, 3)})
+
+    return Hook(record, every(every_n, and_last=True))
+
+
+def checkpoint_hook(every_n: int) -> Hook:
+    """A resumable checkpoint after every ``every_n`` steps but the last (the stage saves that one)."""
+    return Hook(lambda info: info.record.save(info), lambda info: info.done % every_n == 0 and info.done < info.last)
+
+
+def progress_hook(on_step: Callable[[int, int], None]) -> Hook:
+    return Hook(lambda info: on_step(info.done, info.last))
 
 
 def train(
@@ -363,101 +468,54 @@ def train(
     checkpoints=None,
     stop_after: int | None = None,
     xla_options: dict[str, Any] | None = None,
+    hooks: Sequence[Hook] = (),
 ) -> TrainResult:
-    """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first resuming from the newest checkpoint in
-    ``checkpoints`` if there is one, and saving one every ``cfg.checkpoint_every`` steps.
+    """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
+    resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
+    the hooks run: the loss check, the evaluation and history record every
+    ``cfg.log_every`` steps, a checkpoint every ``cfg.checkpoint_every``, ``on_step``, then
+    ``hooks`` (the caller's: a stop signal, a metrics writer).
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
     of time and is timed apart: it never counts against throughput or consumes a step.
     """
-    start, history, prior_elapsed, resumed_from, resume_s = 0, [], 0.0, None, 0.0
     last = min(stop_after or cfg.steps, cfg.steps)
-    evaluate, evaluating_s = make_evaluate(graphdef, val_batches, placement), 0.0
-
+    record, start, resumed_from, resume_s = RunRecord([], checkpoints), 0, None, 0.0
     state = placement.put_state(state)
     if checkpoints is not None:
         started = time.perf_counter()
         found = checkpoints.latest(state)  # restored straight into the placed state's shardings
         if found is not None:
-            state, record = found
-            start, history, prior_elapsed = record["step"], record["history"], record["elapsed_s"]
-            resumed_from, resume_s = start, time.perf_counter() - started
+            state, saved = found
+            start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
+            record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
     platform = placement.devices[0].platform
     dtype = compute_dtype(cfg.precision, platform)
     first = placement.put_batch(batch_at(start))
-    passes = passes_per_step(cfg.micro_batch, cfg.per_device_batch, first.shape[1], platform)
-    step_fn = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes)
+    global_batch, seq_len = first.shape
+    passes = passes_per_step(cfg.micro_batch, cfg.per_device_batch, seq_len, platform)
     started = time.perf_counter()
     options = compiler_options(platform) if xla_options is None else xla_options
-    compiled = step_fn.lower(state, first).compile(compiler_options=options)
+    compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes).lower(
+        state, first).compile(compiler_options=options)
     compile_s = time.perf_counter() - started
 
-    global_batch, seq_len = first.shape
-    last_saved = start or None
-    pending = None  # the previous step's loss, checked once the next step is queued
-    started = time.perf_counter()
-    for step in range(start, last):
-        if _stop_agreed(step):  # SIGINT or SIGTERM: keep what was done, then stop (model/stopping.py)
-            if pending is not None:
-                _check_loss(*pending, last_saved)
-            if checkpoints is not None and step > (last_saved or 0):
-                elapsed = prior_elapsed + time.perf_counter() - started - evaluating_s
-                checkpoints.save(step, state, {"step": step, "history": list(history), "elapsed_s": elapsed,
-                                               "data_position": step})
-                last_saved = step
-            signum = stopping.requested() or signal.SIGTERM  # a peer process's signal
-            kept = (f"the checkpoint of step {last_saved} is saved: rerun the same command to resume from it"
-                    if last_saved else "no checkpoint was saved, so a rerun starts from step 0")
-            raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)} {stopping.where()} at step {step} "
-                                           f"of {last}; {kept}")
-        tokens = first if step == start else placement.put_batch(batch_at(step))
-        state, loss = compiled(state, tokens)
-        if pending is not None:
-            _check_loss(*pending, last_saved)
-        pending = (step, loss)
-        if step % cfg.log_every == 0 or step == last - 1:
-            value = _check_loss(step, loss, last_saved)
-            paused = time.perf_counter()  # evaluating is not training: its time is left out
-            trained_s = prior_elapsed + paused - started - evaluating_s
-            val_loss = evaluate(state)
-            evaluating_s += time.perf_counter() - paused
-            history.append({"step": step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
-                            "tokens": (step + 1) * global_batch * (seq_len - 1), "val_loss": val_loss,
-                            "val_bpb": None if val_loss is None else val_loss / math.log(2),
-                            "seconds": round(trained_s, 3)})
-        done = step + 1
-        if checkpoints is not None and done % cfg.checkpoint_every == 0 and done < last:
-            _check_loss(step, loss, last_saved)
-            if not bool(_all_finite(state)):
-                raise TrainingError(
-                    f"parameters became non-finite at step {step}; the checkpoint of step "
-                    f"{last_saved} is kept; lower train.learning_rate"
-                )
-            elapsed = prior_elapsed + time.perf_counter() - started - evaluating_s
-            # A copy: the save is asynchronous and the loop keeps appending to history.
-            checkpoints.save(done, state, {"step": done, "history": list(history), "elapsed_s": elapsed,
-                                           "data_position": done})
-            last_saved = done
-        if on_step is not None:
-            on_step(done, last)
-    if pending is not None:
-        _check_loss(*pending, last_saved)
+    def tokens_at(step: int) -> jax.Array:
+        return first if step == start else placement.put_batch(batch_at(step))
+
+    builtin = [finite_loss_hook(), evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every)]
+    builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
+    builtin += [progress_hook(on_step)] if on_step is not None else []
+    record.started = time.perf_counter()
+    state = run_steps(compiled, state, tokens_at, range(start, last), global_batch * (seq_len - 1),
+                      [*builtin, *hooks], record)
     jax.block_until_ready(state)
-    elapsed_s = prior_elapsed + time.perf_counter() - started - evaluating_s
     return TrainResult(
-        state=state,
-        history=history,
-        compile_s=compile_s,
-        elapsed_s=elapsed_s,
-        steps=last,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        val_loss=math.nan if history[-1]["val_loss"] is None else history[-1]["val_loss"],  # the last step's
-        devices=len(placement.devices),
-        resumed_from=resumed_from,
-        resume_s=resume_s,
-        precision=dtype.name,
+        state=state, history=record.history, compile_s=compile_s, elapsed_s=record.trained_s(), steps=last,
+        global_batch=global_batch, seq_len=seq_len,
+        val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
+        devices=len(placement.devices), resumed_from=resumed_from, resume_s=resume_s, precision=dtype.name,
         rows_per_pass=cfg.per_device_batch // passes,
     )
 

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import Kernel, ModelConfig
-from model.kernels import attend, causal_attention, dense
+from bardflow.model.config import Kernel, ModelConfig
+from bardflow.model.kernels import attend, causal_attention, dense
 
 
 def use_custom(setting: Kernel) -> bool:
     """Whether the hand-written gradient serves: ``auto`` takes it on CPU only, where it
-    was measured faster (README, "Benchmarks")."""
+    was measured faster (docs/benchmarks.md)."""
     return setting == "custom" or (setting == "auto" and jax.default_backend() == "cpu")
 
 

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from artifacts import ui
-from artifacts.store import Builder, Version
-from tasks.registry import COMPARE
-from tasks.train import HISTORY
+from bardflow.artifacts import ui
+from bardflow.artifacts.store import Builder, Version
+from bardflow.tasks.registry import COMPARE
+from bardflow.tasks.train import HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 

@@ -3,12 +3,12 @@ shuffle of the training windows, stored as memory-mappable Arrow IPC files."""
 
 from __future__ import annotations
 
-from artifacts import ui
-from artifacts.store import Builder, Version
-from model.config import BYTE_VALUES, DataConfig
-from model.data import encode, write_sequences
-from tasks.fetch import CORPUS
-from tasks.registry import ENCODE
+from bardflow.artifacts import ui
+from bardflow.artifacts.store import Builder, Version
+from bardflow.model.config import BYTE_VALUES, DataConfig
+from bardflow.model.data import encode, write_sequences
+from bardflow.tasks.fetch import CORPUS
+from bardflow.tasks.registry import ENCODE
 
 TRAIN, VAL = ENCODE.builds
 

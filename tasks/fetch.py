@@ -11,11 +11,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from artifacts import ui
-from artifacts.store import Builder, file_digest
-from model.config import TINYSHAKESPEARE_MD5, DataConfig
-from model.errors import BardflowError
-from tasks.registry import FETCH
+from bardflow.artifacts import ui
+from bardflow.artifacts.store import Builder, file_digest
+from bardflow.model.config import TINYSHAKESPEARE_MD5, DataConfig
+from bardflow.model.errors import BardflowError
+from bardflow.tasks.registry import FETCH
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}

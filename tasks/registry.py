@@ -1,15 +1,15 @@
 """The pipeline's stages, in order: the one list that the flow, the command line and the
 tests read. Each entry says what decides the stage, what it reads and what it builds; its
 work is the ``build`` function of ``tasks/<name>.py``. Adding a stage is one new module and
-one entry here (README, "Layout").
+one entry here (docs/architecture.md, "Stages").
 
 Importing this module is cheap (no JAX, no Prefect): the command line reads it first.
 """
 
 from __future__ import annotations
 
-from model.config import TrainingRequest
-from tasks.stage import RunPlan, Stage
+from bardflow.model.config import TrainingRequest
+from bardflow.tasks.stage import RunPlan, Stage
 
 FETCH = Stage(
     "fetch", "1", reads=(),
@@ -29,7 +29,7 @@ TRAIN_SINGLE = Stage(
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    function="tasks.train:build_single")
+    function="train:build_single")
 # "5": it reads train_single, whose version it takes over when it has one device only:
 # the same recipe on the same data, so train_single's own version adds nothing to the key,
 # and a shorter or longer train_single (train.single_device_steps) leaves it cached.
@@ -38,7 +38,7 @@ TRAIN_PARALLEL = Stage(
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    function="tasks.train:build_parallel")
+    function="train:build_parallel")
 # "2": its curves include validation loss against tokens and against seconds.
 COMPARE = Stage(
     "compare", "2", reads=("train_single", "train_parallel"),

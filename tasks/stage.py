@@ -16,10 +16,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from artifacts.store import Builder, Store, Version, version_key
-from model.config import ConfigError, PipelineConfig, TrainingRequest
-from model.distributed import ProcessGroup
-from model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
+from bardflow.artifacts.store import Builder, Store, Version, version_key
+from bardflow.model.config import ConfigError, PipelineConfig, TrainingRequest
+from bardflow.model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
+from bardflow.runtime.distributed import ProcessGroup
 
 
 def jsonable(settings: Any) -> Any:
@@ -74,7 +74,9 @@ class Stage:
     builds: tuple[str, ...]  # the files (or folders) of its version
     headline: tuple[str, ...]  # the metrics worth a glance in a summary row
     recipe: Callable[[Any], Any] = jsonable  # what of ``settings`` enters the version key
-    function: str = ""  # "module:function" of its build; default tasks.<name>:build
+    # Its build: "module:function" of a module of this package (imported when the stage has
+    # work, so reading the registry stays cheap), default "<name>:build"; or the function itself.
+    function: str | Callable[..., None] = ""
     # The read versions whose fingerprints enter the key (default: all it reads). A stage
     # may read one only to save work: what it builds does not depend on it.
     keyed_by: tuple[str, ...] | None = None
@@ -85,9 +87,17 @@ class Stage:
         return version_key(self.name, self.code_version, self.recipe(settings),
                            {name: version.fingerprint for name, version in upstream.items() if name in keyed})
 
+    @property
+    def module(self) -> str:
+        """The module of its build."""
+        if callable(self.function):
+            return self.function.__module__
+        return f"{__package__}.{(self.function or self.name).partition(':')[0]}"
+
     def build(self) -> Callable[..., None]:
-        module, _, function = (self.function or f"tasks.{self.name}:build").partition(":")
-        return getattr(importlib.import_module(module), function)
+        if callable(self.function):
+            return self.function
+        return getattr(importlib.import_module(self.module), self.function.partition(":")[2] or "build")
 
 
 def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: Store, force: bool = False,

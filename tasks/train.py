@@ -1,8 +1,8 @@
 """Stages 3 and 4: train on the first device, then data-parallel on every device.
 
-Both run the same compiled step and loop (``model.trainer``); only the placement
+Both run the same compiled step and loop (``runtime/training.py``); only the placement
 differs. The version holds the final training state (Orbax), the loss history and
-the throughput figures. ``train_parallel`` may run as several processes (``model.launch``).
+the throughput figures. ``train_parallel`` may run as several processes (``runtime/launch.py``).
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from typing import Any
 import jax
 from flax import nnx
 
-from artifacts import ui
-from artifacts.store import Builder, Version, canonical_json
-from model import stopping
-from model.checkpoint import TrainingCheckpoints, load_train_state
-from model.config import TrainingRequest
-from model.launch import ProcessFailure, launch_leader, launch_local
-from model.train import TrainingError, init_state, model_from_state
-from model.distributed import ProcessGroup, hardware
-from model.trainer import RunFiles, run_training
-from tasks.encode import TRAIN, VAL
-from tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
+from bardflow.artifacts import ui
+from bardflow.artifacts.store import Builder, Version, canonical_json
+from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state
+from bardflow.model.config import TrainingRequest
+from bardflow.model.train import TrainingError, init_state, model_from_state
+from bardflow.runtime import stopping
+from bardflow.runtime.distributed import ProcessGroup, hardware
+from bardflow.runtime.launch import ProcessFailure, launch_leader, launch_local
+from bardflow.runtime.training import RunFiles, run_training
+from bardflow.tasks import train_process
+from bardflow.tasks.encode import TRAIN, VAL
+from bardflow.tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
 
 STATE, HISTORY = TRAIN_SINGLE.builds
 RESULT = "result.json"  # process 0's summary of a multi-process run
@@ -105,10 +106,10 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
     try:
         with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
-                launch_local(launch / "spec.json", settings.processes, settings.devices // settings.processes,
-                             settings.platform, on_step=progress)
+                launch_local(train_process, launch / "spec.json", settings.processes,
+                             settings.devices // settings.processes, settings.platform, on_step=progress)
             else:
-                launch_leader(launch / "spec.json", on_step=progress)
+                launch_leader(train_process, launch / "spec.json", on_step=progress)
     except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
         resume = (f"rerun the same command to resume from the checkpoint of step {kept[-1]}" if kept
@@ -155,7 +156,7 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
         ),
     )
     tuning = metrics.get("step_settings")
-    if tuning:  # the CPU step's settings: the one used and what was measured (model/cpu_tuning.py)
+    if tuning:  # the CPU step's settings: the one used and what was measured (runtime/cpu_tuning.py)
         chosen = tuning["chosen"]
         rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]
         ui.table(stage, [{**row, "used": all(row[k] == v for k, v in chosen.items())} for row in rows],

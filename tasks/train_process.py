@@ -2,8 +2,8 @@
 trains on a CPU host's emulated devices (a native abort in it is then the stage's one-line
 failure, not the end of the run):
 
-    python -m tasks.train_process SPEC.json   # process 0 (or the only one): SPEC describes the run
-    python -m tasks.train_process --follow    # any other process: process 0 sends it
+    python -m bardflow.tasks.train_process SPEC.json   # process 0 (or the only one): SPEC describes the run
+    python -m bardflow.tasks.train_process --follow    # any other process: process 0 sends it
 
 Process 0 runs beside the stage that launched it and finds every file where the spec says.
 Another process finds the data through the store: on a local store at the spec's paths
@@ -18,20 +18,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from artifacts.objects import RemoteResumeFolder, is_remote, open_store
-from artifacts.store import StoreError
-from model.errors import BardflowError
-from tasks.registry import ENCODE
+from bardflow.artifacts.objects import RemoteResumeFolder, is_remote, open_store
+from bardflow.artifacts.store import StoreError
+from bardflow.model.errors import BardflowError
+from bardflow.tasks.registry import ENCODE
 
 if TYPE_CHECKING:
-    from model.trainer import RunFiles
+    from bardflow.runtime.training import RunFiles
 
 TRAIN, VAL = ENCODE.builds
 
 
 def files_of(spec: dict, leader: bool) -> RunFiles:
     """Where this process finds the run's files (see the module doc)."""
-    from model.trainer import RunFiles  # JAX only now: the group joins first
+    from bardflow.runtime.training import RunFiles  # JAX only now: the group joins first
 
     local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
     saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None
@@ -45,15 +45,15 @@ def files_of(spec: dict, leader: bool) -> RunFiles:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.train_process", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", nargs="?", type=Path, help="the run's description (process 0 only)")
     parser.add_argument("--follow", action="store_true", help="take the description from process 0")
     parser.add_argument("--join-timeout", type=int, default=300, metavar="S",
                         help="seconds to wait for every process to join (default 300)")
     args = parser.parse_args(argv)
-    from model import stopping
-    from model.multiprocess import run_process
+    from bardflow.runtime import stopping
+    from bardflow.runtime.multiprocess import run_process
 
     stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
     stopping.at("in a train_parallel process")

@@ -7,12 +7,10 @@ Nothing is written inside the repository: what tests keep for people to look at
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ["XLA_FLAGS"] = (
@@ -32,35 +30,14 @@ for name, value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
-    # The CPU step's settings are measured once per machine and shape (model/cpu_tuning.py):
+    # The CPU step's settings are measured once per machine and shape (runtime/cpu_tuning.py):
     # the suite's many shapes would each pay for it; tests/test_cpu_tuning.py turns it on.
     "BARDFLOW_CPU_TUNING": "off",
 }.items():
     os.environ[name] = value
 os.environ.pop("PREFECT_API_URL", None)
 
-REPO = Path(__file__).resolve().parents[1]
-OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
-SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
-
-
-def play_text(n_bytes: int, seed: int = 0) -> bytes:
-    """Deterministic play-shaped text: speaker names, colons, short lines."""
-    rng = np.random.default_rng(seed)
-    names = ["ROMEO", "JULIET", "HAMLET", "FIRST CITIZEN", "KING RICHARD III"]
-    words = "the of and to my thou thee lord good love what shall not with be is".split()
-    out = []
-    size = 0
-    while size < n_bytes:
-        line = f"{rng.choice(names)}:\n" + " ".join(rng.choice(words, size=int(rng.integers(4, 12)))) + ".\n\n"
-        out.append(line)
-        size += len(line)
-    return "".join(out).encode()[:n_bytes]
-
-
-def md5_bytes(data: bytes) -> str:
-    return hashlib.md5(data).hexdigest()
+from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - after the environment above
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ class Server:
     def serve(self, timeout_s: float = 240) -> Server:
         """``bardflow server start``: the background server users keep running."""
         self.env["BARDFLOW_SERVER_FILE"] = str(self.home / "server.json")
-        done = self.run(sys.executable, "-m", "flows.cli", "server", "start", "--port", str(self.port),
+        done = self.run(sys.executable, "-m", "bardflow", "server", "start", "--port", str(self.port),
                         timeout=timeout_s)
         log = self.home / "server.log"
         assert done.returncode == 0, done.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
@@ -82,7 +82,7 @@ class Server:
     def stop_all(self) -> None:
         for process in reversed(self.processes):
             stop(process)
-        done = self.run(sys.executable, "-m", "flows.cli", "server", "stop", timeout=60)
+        done = self.run(sys.executable, "-m", "bardflow", "server", "stop", timeout=60)
         assert done.stdout.strip() == "stopped", done.stdout + done.stderr
 
 

@@ -5,19 +5,19 @@ import optax
 import pytest
 from flax import nnx
 
+from bardflow.model.config import build_config
+from bardflow.model.sampling import generate
+from bardflow.model.train import compiler_options, init_state, make_train_step, passes_per_step
+from bardflow.model.transformer import build_model
 from bench.codelab import codelab_generate, codelab_train_step
-from model.config import build_config
-from model.sampling import generate
-from model.train import compiler_options, init_state, make_train_step, passes_per_step
-from model.transformer import build_model
 
 TINY = build_config("tiny")
 
 
 @pytest.mark.parametrize("passes", [passes_per_step(0, 8, TINY.data.seq_len, "cpu"), 4])
 def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
-    from model.data import encode
-    from tests.conftest import play_text
+    from bardflow.model.data import encode
+    from tests.helpers import play_text
 
     rows = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0).train[: 50 * 8]
     stream = rows.reshape(50, 8, -1).astype(np.int32)
@@ -74,8 +74,8 @@ def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: i
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])
 def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(preset):
+    from bardflow.model.sampling import generate_batch
     from bench.codelab import codelab_generate_batch
-    from model.sampling import generate_batch
 
     # Learned positions: past the window the codelab batch recomputes it, as the sampler does.
     cfg = build_config(preset).model.model_copy(update={"positions": "learned"})

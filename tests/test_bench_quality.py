@@ -4,7 +4,7 @@ run on this CPU for two steps (its figures come from a GPU)."""
 import json
 
 from bench.quality import first_reaching, main
-from tests.conftest import play_text
+from tests.helpers import play_text
 
 
 def test_first_reaching_finds_the_first_record_at_or_below_the_target():

@@ -2,10 +2,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.checkpoint import CheckpointError, load_config, load_model, max_logit_diff, params_digest, save_model
-from model.config import build_config
-from model.sampling import PromptError, as_text, generate
-from model.transformer import build_model
+from bardflow.model.checkpoint import (
+    CheckpointError,
+    load_config,
+    load_model,
+    max_logit_diff,
+    params_digest,
+    save_model,
+)
+from bardflow.model.config import build_config
+from bardflow.model.sampling import PromptError, as_text, generate
+from bardflow.model.transformer import build_model
 
 CFG = build_config("tiny").model
 PROBE = (np.arange(4 * CFG.max_seq_len).reshape(4, -1) * 7 % 256).astype(np.int32)

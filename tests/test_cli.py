@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, md5_bytes, play_text
-from tests.test_flow import bardflow
+from tests.helpers import REPO, bardflow, md5_bytes, play_text
 
 
 @pytest.fixture
@@ -30,7 +29,7 @@ def test_cli_refuses_bad_input_before_any_work(common, tmp_path):
 
 
 def test_servers_bind_to_this_machine_by_default():
-    from flows.cli import _parser
+    from bardflow.flows.cli import _parser
 
     assert _parser().parse_args(["ui"]).host == "127.0.0.1"
 
@@ -46,7 +45,7 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
     --cpu-devices or a flag already set wins."""
     import os
 
-    from flows.settings import prepare_environment
+    from bardflow.flows.settings import prepare_environment
 
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
@@ -63,7 +62,7 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
 
 
 def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
-    from flows import server
+    from bardflow.flows import server
 
     monkeypatch.setenv("BARDFLOW_SERVER_FILE", str(tmp_path / "server.json"))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -86,7 +85,7 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
 ])
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
     """Checked in the CLI before anything heavy: refused in well under a second of work."""
-    code = ("import sys; from flows.cli import main; rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
+    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
             "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
             "print('imported:', heavy); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), *args], cwd=REPO,
@@ -98,7 +97,7 @@ def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, t
 
 
 def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypatch):
-    from flows.cli import _print_summary
+    from bardflow.flows.cli import _print_summary
 
     monkeypatch.setenv("COLUMNS", "80")
     metrics = {"fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
@@ -135,8 +134,8 @@ def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
 
 def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_server_starts(tmp_path):
     """The only refusal that needs JAX (to count the devices): still one line, before any server."""
-    code = ("import sys; from flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', "
-            "'--processes', '3']); import flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
+    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', "
+            "'--processes', '3']); import bardflow.flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr
@@ -149,9 +148,10 @@ def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_se
 def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(capsys, monkeypatch):
     """At 80 columns a sweep's table drops its versions and timings, a listing its sizes: every
     value shown is whole on one line, and a caption names what was left out."""
-    from flows.cli import _print_sweep
-    from flows.tables import Column, fitted, short_time
     from rich.console import Console
+
+    from bardflow.flows.cli import _print_sweep
+    from bardflow.flows.tables import Column, fitted, short_time
 
     monkeypatch.setenv("COLUMNS", "80")
     rows = [{"run": n, "train.learning_rate": lr, "train.steps": 380, "status": "completed", "val_loss": 1.68691,

@@ -1,6 +1,6 @@
 import pytest
 
-from model.config import ConfigError, build_config, parse_assignment
+from bardflow.model.config import ConfigError, build_config, parse_assignment
 
 
 def test_presets_validate_and_codelab_is_the_codelab():
@@ -17,8 +17,8 @@ def test_presets_validate_and_codelab_is_the_codelab():
 def test_train_single_keys_its_short_run_and_train_parallel_ignores_it():
     """The length of train_single's throughput run decides train_single's version, not
     train_parallel's; a full-length train_single keys as it always did."""
-    from tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
-    from tasks.stage import RunPlan
+    from bardflow.tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
+    from bardflow.tasks.stage import RunPlan
 
     def keys(**train):
         plan = RunPlan(build_config("cpu", {f"train.{k}": v for k, v in train.items()}), devices=2, platform="cpu")
@@ -87,3 +87,31 @@ def test_parse_assignment_reads_json_values():
     assert parse_assignment("data.corpus=/x/y.txt") == ("data.corpus", "/x/y.txt")
     with pytest.raises(ConfigError, match="key=value"):
         parse_assignment("train.steps")
+
+
+def test_the_readme_presets_table_is_what_bardflow_presets_prints():
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    printed = json.loads(subprocess.run([sys.executable, "-m", "bardflow", "presets"], cwd=REPO, check=True,
+                                        capture_output=True, text=True).stdout)
+    lines = (REPO / "README.md").read_text().split("\n")
+    header = next(i for i, line in enumerate(lines) if line.startswith("| preset | seq_len |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("| `"):
+            break
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        rows[cells["preset"].strip("`")] = cells
+    assert set(rows) == set(printed)
+    for name, cfg in printed.items():
+        data, model, train = cfg["data"], cfg["model"], cfg["train"]
+        expected = {"seq_len": data["seq_len"], "layers": model["num_layers"], "d_model": model["d_model"],
+                    "heads": model["num_heads"], "positions": model["positions"], "steps": train["steps"],
+                    "single-device steps": train["single_device_steps"] or train["steps"],
+                    "batch per device": train["per_device_batch"], "optimizer": train["optimizer"]}
+        assert {k: rows[name][k] for k in expected} == {k: str(v) for k, v in expected.items()}, name

@@ -1,4 +1,4 @@
-"""The CPU step's settings chosen by measurement (``model/cpu_tuning.py``): the defaults and
+"""The CPU step's settings chosen by measurement (``runtime/cpu_tuning.py``): the defaults and
 each single change are timed once per CPU and shape, cached, skipped where the user fixed a
 setting, and the chosen step computes the one-pass XLA step's result within float tolerance."""
 
@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import build_config
-from model.cpu_tuning import applied, candidates, choose
-from model.train import Placement, init_state, make_train_step
+from bardflow.model.config import build_config
+from bardflow.model.train import Placement, init_state, make_train_step
+from bardflow.runtime.cpu_tuning import applied, candidates, choose
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from model.data import Batches, DataError, encode, read_sequences, write_sequences
+from bardflow.model.data import Batches, DataError, encode, read_sequences, write_sequences
 
 
 def test_encoding_is_the_bytes_cut_into_windows(small_corpus):

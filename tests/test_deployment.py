@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.registry import NAMES
+from bardflow.tasks.registry import NAMES
 from tests.cdp import Browser, chromium_binary
-from tests.conftest import OUTPUT, SHARED_CORPUS
+from tests.helpers import OUTPUT, SHARED_CORPUS
 from tests.servers import Server
 
 pytestmark = pytest.mark.flow
@@ -49,9 +49,9 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_deployment_run(deployed) -> dict:
-    """`prefect deployment run 'bardflow/pipeline'` on a fresh store, as the README says."""
+    """`prefect deployment run 'bardflow-pipeline/pipeline'` on a fresh store, as the README says."""
     server, store, _ = deployed
-    run_id, started = deployment_run(server, "bardflow/pipeline", "preset=tiny", f"store={store}")
+    run_id, started = deployment_run(server, "bardflow-pipeline/pipeline", "preset=tiny", f"store={store}")
     return {"id": run_id, "started": started}
 
 
@@ -86,12 +86,12 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     assert {f"bardflow-{s.replace('_', '-')}" for s in STAGES} <= keys
 
     started = time.time()
-    run_id, _ = deployment_run(server, "bardflow/pipeline", *tiny, 'refresh=["generate"]')
+    run_id, _ = deployment_run(server, "bardflow-pipeline/pipeline", *tiny, 'refresh=["generate"]')
     timings["refresh_generate_run_s"] = round(time.time() - started, 1)
     states = stage_states(server, run_id)
     assert states == {s: ("Completed" if s == "generate" else "Cached") for s in STAGES}
 
-    run_id, _ = deployment_run(server, "bardflow/generate", *tiny, 'prompts=["HAMLET:"]')
+    run_id, _ = deployment_run(server, "bardflow-samples/generate", *tiny, 'prompts=["HAMLET:"]')
     states = stage_states(server, run_id)
     assert states["train_single"] == states["train_parallel"] == "Cached"
     assert states["generate"] == "Completed"
@@ -139,7 +139,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     """`prefect flow-run cancel` (what the UI's Cancel does): the worker sends SIGTERM, the
     flow run's process saves a checkpoint of the step it reached and exits well within the
     worker's grace period, the run ends Cancelled, and the rerun resumes from that step."""
-    from model.config import build_config
+    from bardflow.model.config import build_config
 
     server, _, bucket = deployed
     store = bucket.prefix("cancelled")
@@ -147,7 +147,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     params = ["preset=tiny", f"store={store}", f"config={json.dumps(config.model_dump(mode='json'))}"]
     # One device, as on a host with one GPU: train_parallel reuses train_single's version.
     one_device = ['env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}']
-    done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow/pipeline",
+    done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow-pipeline/pipeline",
                       *[arg for p in params for arg in ("--param", p)], "--job-variable", one_device[0])
     run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
 
@@ -171,7 +171,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     assert stopped and "checkpoint of step" in stopped[-1]
     step = int(re.search(r"at step (\d+)", stopped[-1]).group(1))
 
-    rerun, _ = deployment_run(server, "bardflow/pipeline", *params, job_variables=one_device)
+    rerun, _ = deployment_run(server, "bardflow-pipeline/pipeline", *params, job_variables=one_device)
     resumed = [m for m in messages_of(server, rerun) if "train_single resumed from its checkpoint at step" in m]
     assert resumed and f"at step {step} " in resumed[0]
 

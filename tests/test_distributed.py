@@ -15,14 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from model.checkpoint import load_train_state
-from model.config import TrainingRequest, build_config
-from model.data import Batches, encode, write_sequences
-from model.distributed import DistributedError, ProcessGroup
-from model.launch import launch_local, process_command, process_env
-from model.train import Placement, init_state, train, val_batches
-from tests.conftest import REPO, play_text
-from tests.test_reliability import base_args, checkpoint_steps, finish, start
+from bardflow.model.checkpoint import load_train_state
+from bardflow.model.config import TrainingRequest, build_config
+from bardflow.model.data import Batches, encode, write_sequences
+from bardflow.model.train import Placement, init_state, train, val_batches
+from bardflow.runtime.distributed import DistributedError, ProcessGroup
+from bardflow.runtime.launch import launch_local, process_command, process_env
+from bardflow.tasks import train_process
+from tests.helpers import REPO, base_args, checkpoint_steps, finish, play_text, start
 
 TINY = build_config("tiny")
 
@@ -46,8 +46,8 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
 
 
 def test_processes_must_share_the_devices_out_evenly():
-    from model.config import ConfigError
-    from tasks.stage import RunPlan
+    from bardflow.model.config import ConfigError
+    from bardflow.tasks.stage import RunPlan
 
     request = RunPlan(TINY, devices=2, platform="cpu", processes=2).parallel_training()
     assert request.model_dump(include={"devices", "processes"}) == {"devices": 2, "processes": 2}
@@ -69,7 +69,7 @@ def test_every_process_gets_its_share_of_the_devices_and_no_gpu_preallocation():
     cpu = process_env(1, 2, 1234, 3, "cpu", base)
     assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3" and cpu["JAX_PLATFORMS"] == "cpu"
 
-    from flows.settings import prepare_environment
+    from bardflow.flows.settings import prepare_environment
 
     saved = os.environ.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     try:
@@ -101,7 +101,7 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     cfg = TINY.train.model_copy(update={"steps": 40, "micro_batch": 2})
     split = describe_run(tmp_path, cfg)
     seen = []
-    launch_local(tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
+    launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
                  on_step=lambda done, total: seen.append(done))
     assert seen[-1] == 40  # process 0 reported its progress
 
@@ -165,13 +165,13 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
 def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_timeout(tmp_path):
     """What a cluster relies on: JAX's coordination service notices the missing heartbeats."""
     describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000}))
-    from model.distributed import HEARTBEAT
-    from model.launch import free_port
+    from bardflow.runtime.distributed import HEARTBEAT
+    from bardflow.runtime.launch import free_port
 
     port, timeout_s = free_port(), 5  # shorter than the default 30 s, to keep the test short
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     processes = [
-        subprocess.Popen(process_command(tmp_path / "spec.json" if i == 0 else None), cwd=REPO,
+        subprocess.Popen(process_command(train_process, tmp_path / "spec.json" if i == 0 else None), cwd=REPO,
                          env=process_env(i, 2, port, 1, "cpu", {**os.environ, HEARTBEAT: str(timeout_s)}),
                          stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
         for i in range(2)

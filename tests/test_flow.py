@@ -3,33 +3,21 @@ preset, on the session's shared Prefect server. (A run on the embedded server th
 ``bardflow run`` starts: tests/test_reliability.py, two runs on one store.)"""
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from tasks.registry import NAMES
-from tests.conftest import REPO
+from bardflow.tasks.registry import NAMES
+from tests.helpers import bardflow
 
 pytestmark = pytest.mark.flow
 STAGES = list(NAMES)
 
 
-def bardflow(*args, env=None, check=True):
-    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
-    if check and done.returncode != 0:
-        raise AssertionError(f"bardflow {' '.join(args)} exited {done.returncode}:\n{done.stderr[-4000:]}")
-    return done
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from tests.conftest import md5_bytes, play_text
+    from tests.helpers import md5_bytes, play_text
 
     root = tmp_path_factory.mktemp("flow")
     corpus = root / "corpus.txt"
@@ -90,7 +78,7 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     refreshed = run(common, "--refresh", "generate", "--refresh", "train_parallel",
                     "--set", "train.single_device_steps=5", env=run_env)[1]
     assert refreshed == only("generate", "train_single", "train_parallel", "compare")
-    # (A changed generation setting reruns only generate too: the `bardflow/generate`
+    # (A changed generation setting reruns only generate too: the `bardflow-samples/generate`
     # deployment in test_deployment.py.)
     # A model or training change reruns training and all after it; data stays cached.
     assert run(common, "--set", "train.steps=12", env=run_env)[1] == only(*STAGES[2:])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.kernels import causal_attention, dense
+from bardflow.model.kernels import causal_attention, dense
 
 
 def value_and_grads(fn, *args):
@@ -50,9 +50,9 @@ def test_the_model_computes_the_same_with_either_kernel():
     XLA's own (``auto`` elsewhere) give the same logits, loss and gradients."""
     from flax import nnx
 
-    from model.config import build_config
-    from model.train import next_byte_loss
-    from model.transformer import build_model
+    from bardflow.model.config import build_config
+    from bardflow.model.train import next_byte_loss
+    from bardflow.model.transformer import build_model
 
     base = build_config("tiny").model.model_copy(update={"num_layers": 2})
     tokens = jax.random.randint(jax.random.key(3), (4, base.max_seq_len), 0, 256)

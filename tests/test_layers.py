@@ -1,5 +1,6 @@
-"""The house rules: imports point down (flows -> tasks -> model / artifacts), model/ is
-self-contained, and a training process never imports Prefect."""
+"""The house rules: imports point down (flows -> tasks -> runtime -> model; artifacts beside
+runtime, under tasks), model/ is pure ML, a training process is started through a module the
+launcher's caller imports, and a training process never imports Prefect."""
 
 import ast
 import subprocess
@@ -7,44 +8,82 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
-PACKAGES = ("flows", "tasks", "model", "artifacts")
-# What each package may import of the project's own packages.
-ALLOWED = {"flows": {"flows", "tasks", "model", "artifacts"}, "tasks": {"tasks", "model", "artifacts"},
-           "model": {"model"}, "artifacts": {"artifacts", "model"}}
+ROOMS = ("flows", "tasks", "runtime", "model", "artifacts")
+# What each room may import of bardflow's own rooms.
+ALLOWED = {"flows": set(ROOMS), "tasks": {"tasks", "runtime", "model", "artifacts"},
+           "runtime": {"runtime", "model"}, "model": {"model"}, "artifacts": {"artifacts", "model"}}
+# Beside the standard library, model/ imports the numerical stack and what its data and
+# configuration are made of (Arrow files, validated pydantic models): no Prefect, no store.
+MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
 
 
-def own_imports(path) -> set[str]:
+def imports(path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+            if node.module in {f"bardflow.{room}" for room in ROOMS}:  # from bardflow.runtime import stopping
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_imports_point_down(package):
-    for path in sorted((REPO / package).glob("*.py")):
+def own_imports(path) -> set[str]:
+    return {name for name in imports(path) if name.split(".")[0] == "bardflow" and name.count(".") >= 1}
+
+
+def modules() -> dict[str, object]:
+    return {f"bardflow.{room}.{path.stem}": path for room in ROOMS for path in (REPO / room).glob("*.py")
+            if path.stem != "__init__"}
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_imports_point_down(room):
+    for path in sorted((REPO / room).glob("*.py")):
         for name in own_imports(path):
-            assert name.split(".")[0] in ALLOWED[package], f"{path.relative_to(REPO)} imports {name}"
+            assert name.split(".")[1] in ALLOWED[room], f"{path.relative_to(REPO)} imports {name}"
+
+
+def test_model_is_pure_ml():
+    standard = set(sys.stdlib_module_names)
+    for path in sorted((REPO / "model").glob("*.py")):
+        for name in imports(path):
+            top = name.split(".")[0]
+            assert top in standard | MODEL_THIRD_PARTY or name.startswith("bardflow.model"), \
+                f"{path.relative_to(REPO)} imports {name}"
 
 
 def test_artifacts_take_only_the_error_family_from_model():
-    """artifacts/ may lean on model/ for one thing: the error family."""
     for path in sorted((REPO / "artifacts").glob("*.py")):
-        assert {n for n in own_imports(path) if n.startswith("model")} <= {"model.errors"}, path
+        assert {n for n in own_imports(path) if n.startswith("bardflow.model")} <= {"bardflow.model.errors"}, path
+
+
+def test_no_module_is_named_in_a_string():
+    """A module started by name (``python -m``) is a dependency the import graph cannot see."""
+    for path in modules().values():
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                words = node.value.replace("-m ", " ").split()
+                assert not [w for w in words if w.rstrip(".,:;") in modules()], f"{path.relative_to(REPO)}: {node.value!r}"
+
+
+def test_a_training_process_is_started_from_the_module_its_caller_imports():
+    from bardflow.runtime.launch import process_command
+    from bardflow.tasks import train, train_process
+
+    assert train.train_process is train_process  # tasks.train imports what it launches
+    assert process_command(train_process, None)[1:3] == ["-m", "bardflow.tasks.train_process"]
+    assert "bardflow.tasks.train_process" in own_imports(REPO / "tasks" / "train.py")
 
 
 def test_no_import_cycle_among_modules():
-    graph = {}
-    for package in PACKAGES:
-        for path in (REPO / package).glob("*.py"):
-            module = f"{package}.{path.stem}"
-            graph[module] = {name for name in own_imports(path) if name in {f"{p}.{q.stem}" for p in PACKAGES
-                                                                          for q in (REPO / p).glob("*.py")}}
+    known = modules()
+    graph = {module: {n for n in own_imports(path) if n in known} for module, path in known.items()}
     done, path = set(), []
 
     def visit(module):
@@ -62,7 +101,34 @@ def test_no_import_cycle_among_modules():
 
 
 def test_a_training_process_and_the_registry_never_import_prefect():
-    code = ("import sys, tasks.train_process, model.multiprocess, model.launch, tasks.registry, tasks.stage; "
+    code = ("import sys, bardflow.tasks.train_process, bardflow.runtime.multiprocess, bardflow.runtime.launch, "
+            "bardflow.tasks.registry, bardflow.tasks.stage; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'jax')))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"  # not even JAX: the command line reads the registry first
+
+
+def test_each_stage_builds_in_a_module_of_tasks():
+    """The registry imports a stage's module when the stage has work (cheap to read first):
+    each is a module of tasks/ with the build function it names."""
+    from bardflow.tasks.registry import STAGES
+
+    for stage in STAGES:
+        assert stage.module in modules() and stage.module.startswith("bardflow.tasks."), stage.name
+        assert callable(stage.build()), stage.name
+
+
+def test_the_pipeline_the_samples_flow_and_the_sweep_are_distinct_flows_in_the_ui():
+    import yaml
+
+    from bardflow.flows.pipeline import pipeline, samples
+    from bardflow.flows.sweep import DEPLOYMENT, sweep
+
+    names = {pipeline.name, samples.name, sweep.name}
+    assert len(names) == 3 and all(name.startswith("bardflow-") for name in names)
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    entry = {d["name"]: d["entrypoint"].rpartition(":")[2] for d in deployments}
+    flow_of = {"pipeline": pipeline.name, "samples": samples.name}
+    assert DEPLOYMENT == f"{flow_of[entry['sweep']]}/sweep"
+    assert {name: flow_of[function] for name, function in entry.items()} == {
+        "pipeline": "bardflow-pipeline", "generate": "bardflow-samples", "sweep": "bardflow-pipeline"}

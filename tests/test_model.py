@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.config import ModelConfig, build_config
-from model.transformer import build_model, count_params
+from bardflow.model.config import ModelConfig, build_config
+from bardflow.model.transformer import build_model, count_params
 
 
 def test_codelab_config_has_the_codelab_parameter_count():

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from artifacts.objects import ObjectStore, ObjectStoreError, RemoteResumeFolder, open_store
-from artifacts.store import MANIFEST, Store, StoreError, version_key
+from bardflow.artifacts.objects import ObjectStore, ObjectStoreError, RemoteResumeFolder, open_store
+from bardflow.artifacts.store import MANIFEST, Store, StoreError, version_key
 
 KEY = version_key("demo", "1", {}, {})
 

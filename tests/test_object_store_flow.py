@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.registry import NAMES
-from tests.conftest import REPO, md5_bytes, play_text
+from bardflow.tasks.registry import NAMES
+from tests.helpers import REPO, finish, md5_bytes, play_text, start
 from tests.servers import free_port
-from tests.test_reliability import finish, start
 
 pytestmark = pytest.mark.flow
 
@@ -58,9 +57,9 @@ def build_prefixes(object_server, store: str) -> set[str]:
 
 def params_digest_of(version_path: str, workdir: Path) -> str:
     """The digest of a training version's parameters, read from the bucket."""
-    from artifacts.objects import open_store
-    from model.checkpoint import params_digest
-    from tasks.train import trained_model
+    from bardflow.artifacts.objects import open_store
+    from bardflow.model.checkpoint import params_digest
+    from bardflow.tasks.train import trained_model
 
     store, stage, key = version_path.rsplit("/", 2)
     return params_digest(trained_model(open_store(store, workdir).lookup(stage, key))[0])
@@ -112,7 +111,7 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
     cached = finish(start(args(corpus, store, "--cpu-devices", "2", "--processes", "2"), root / "third.log", env))
     assert {s["state"] for s in cached["stages"].values()} == {"cached"}
     assert cached["stages"]["train_parallel"]["key"] == runs["cluster"]["stages"]["train_parallel"]["key"]
-    listing = subprocess.run([sys.executable, "-m", "flows.cli", "artifacts", "--store", store, "--json"], cwd=REPO,
+    listing = subprocess.run([sys.executable, "-m", "bardflow", "artifacts", "--store", store, "--json"], cwd=REPO,
                              env=env, capture_output=True, text=True, check=True)
     rows = json.loads(listing.stdout)
     assert {row["stage"] for row in rows} == set(NAMES) and all(row["path"].startswith(store) for row in rows)
@@ -157,12 +156,12 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     # same request trained here, in one go, by the code the stage runs.
     import jax
 
-    from artifacts.objects import open_store
-    from model.checkpoint import params_digest
-    from model.config import TrainingRequest
-    from model.trainer import RunFiles, run_training
-    from tasks.train import trained_model
-    from tests.test_resume import without_seconds
+    from bardflow.artifacts.objects import open_store
+    from bardflow.model.checkpoint import params_digest
+    from bardflow.model.config import TrainingRequest
+    from bardflow.runtime.training import RunFiles, run_training
+    from bardflow.tasks.train import trained_model
+    from tests.helpers import without_seconds
 
     for name, value in object_server.env.items():
         monkeypatch.setenv(name, value)

@@ -3,38 +3,20 @@ store, and bad input gets one clear error, a non-zero exit and loses nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from artifacts.store import Store
-from model.config import DataConfig
-from tasks.registry import FETCH
-from tasks.stage import produce
-from tests.conftest import REPO, md5_bytes, play_text
+from bardflow.artifacts.store import Store
+from bardflow.model.config import DataConfig
+from bardflow.tasks.registry import FETCH
+from bardflow.tasks.stage import produce
+from tests.helpers import REPO, base_args, checkpoint_steps, cli, finish, md5_bytes, play_text, start
 
 pytestmark = pytest.mark.flow
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
-
-
-def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            start_new_session=True)
-
-
-def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
-    out, _ = process.communicate(timeout=timeout)
-    assert process.returncode == 0, f"exit {process.returncode}: {Path(process.args[-1]).name}"
-    return json.loads(out)
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +24,6 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_bytes(play_text(64_000))
     return path
-
-
-def base_args(corpus: Path, store: Path, *extra: str) -> list[str]:
-    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store),
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", "2", "--json", *extra]
-
-
-def checkpoint_steps(store: Path, stage: str) -> list[int]:
-    return sorted(int(p.name) for p in store.glob(f"{stage}/.resume-*/*") if p.name.isdigit())
 
 
 def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
@@ -182,7 +155,7 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
                           timeout=300)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(line)
-    assert "free some space or point --store at a larger disk" in done.stderr
+    assert "free some space or put the store on a larger disk" in done.stderr
     assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr
     assert not list(store.glob("*/.lock-*")) and not list(store.glob("*/.build-*"))  # nothing half-written trusted
     if "checkpoint" not in line:

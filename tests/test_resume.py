@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.checkpoint import TrainingCheckpoints
-from model.config import build_config
-from model.data import Batches, encode
-from model.train import Placement, TrainingError, init_state, train
+from bardflow.model.checkpoint import TrainingCheckpoints
+from bardflow.model.config import build_config
+from bardflow.model.data import Batches, encode
+from bardflow.model.train import Placement, TrainingError, init_state, train
+from tests.helpers import play_text, without_seconds
 
 TINY = build_config("tiny")
 CFG = TINY.train.model_copy(update={"steps": 30, "log_every": 4, "checkpoint_every": 5})
@@ -21,14 +22,7 @@ class Preempted(Exception):
 
 @pytest.fixture(scope="module")
 def batches():
-    from tests.conftest import play_text
-
     return Batches(encode(play_text(64_000), TINY.data.seq_len, 0.9, 0).train, 8)
-
-
-def without_seconds(history):
-    """The record of a run but its clock, which no two runs share."""
-    return [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]
 
 
 def leaves(state):

@@ -41,7 +41,7 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, prefect_server):
-    from tests.conftest import md5_bytes, play_text
+    from tests.helpers import md5_bytes, play_text
 
     root = tmp_path_factory.mktemp("signals")
     corpus = root / "corpus.txt"
@@ -60,7 +60,7 @@ def chain(tmp_path_factory, prefect_server):
 def stop_run(chain, env, stage: str, sig: signal.Signals, group: bool) -> dict:
     """Starts `bardflow run`, sends ``sig`` once ``stage`` reports training progress, and
     waits for the exit."""
-    command = [sys.executable, "-m", "flows.cli", "run", *chain["args"], "--store", str(chain["store"])]
+    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"])]
     process = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
@@ -103,7 +103,7 @@ def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, server, stage
 
 def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
     """Not a signal to the run: its embedded Prefect server killed while training goes on."""
-    command = [sys.executable, "-m", "flows.cli", "run", *chain["args"], "--store", str(chain["store"])]
+    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"])]
     process = subprocess.Popen(command, cwd=REPO, env={**chain["own_server"], "PYTHONUNBUFFERED": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in process.stderr:
@@ -134,7 +134,7 @@ def test_a_background_server_that_stops_mid_run_ends_it_in_one_line(chain, tmp_p
     server = Server(home, {**chain["own_server"], "BARDFLOW_SERVER_FILE": str(tmp_path / "server.json")}).serve()
     env = {**chain["own_server"], "BARDFLOW_SERVER_FILE": server.env["BARDFLOW_SERVER_FILE"], "PYTHONUNBUFFERED": "1"}
     steps = 20 * STEPS  # still training when the server is gone
-    command = [sys.executable, "-m", "flows.cli", "run", *chain["args"], "--store", str(chain["store"]),
+    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"]),
                "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}"]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -164,12 +164,12 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
     stage trained in one go (here, in this process, from the same request and data)."""
     import jax
 
-    from artifacts.store import Store
-    from model.config import TrainingRequest
-    from model.trainer import RunFiles, run_training
-    from tasks.encode import TRAIN, VAL
-    from tasks.train import training_fingerprint
-    from tests.test_flow import bardflow
+    from bardflow.artifacts.store import Store
+    from bardflow.model.config import TrainingRequest
+    from bardflow.runtime.training import RunFiles, run_training
+    from bardflow.tasks.encode import TRAIN, VAL
+    from bardflow.tasks.train import training_fingerprint
+    from tests.helpers import bardflow
 
     if not list(chain["store"].glob("train_parallel/.resume-*")):  # run on its own: stop once first
         assert stop_run(chain, chain["shared"], "train_parallel", signal.SIGTERM, True)["code"] == 143

@@ -8,15 +8,15 @@ from pathlib import Path
 import jax
 import pytest
 
-from artifacts.store import Store
-from model.checkpoint import save_model
-from model.config import DataConfig, TrainingRequest, VerifyConfig, build_config
-from tasks.checkpoint import MODEL
-from tasks.fetch import FetchError, _download
-from tasks.registry import CHECKPOINT, ENCODE, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
-from tasks.stage import produce
-from tasks.train import trained_model
-from tasks.verify import VerificationError
+from bardflow.artifacts.store import Store
+from bardflow.model.checkpoint import save_model
+from bardflow.model.config import DataConfig, TrainingRequest, VerifyConfig, build_config
+from bardflow.tasks.checkpoint import MODEL
+from bardflow.tasks.fetch import FetchError, _download
+from bardflow.tasks.registry import CHECKPOINT, ENCODE, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
+from bardflow.tasks.stage import produce
+from bardflow.tasks.train import trained_model
+from bardflow.tasks.verify import VerificationError
 
 
 def make(stage, settings, store, **upstream):
@@ -113,13 +113,13 @@ def test_with_one_device_train_parallel_takes_over_train_single_instead_of_train
     parallel, built = make(TRAIN_PARALLEL, one, store, encode=data, train_single=single)
     assert built and parallel.metrics["reused_from"] == single.key and parallel.fingerprint == single.fingerprint
     assert parallel.file("history.json").read_text() == single.file("history.json").read_text()
-    from model.checkpoint import params_digest
+    from bardflow.model.checkpoint import params_digest
 
     assert params_digest(trained_model(parallel)[0]) == params_digest(trained_model(single)[0])
 
 
 def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
-    from artifacts.store import StoreError
+    from bardflow.artifacts.store import StoreError
 
     path, md5 = small_corpus
     store = tmp_path / "store"
@@ -139,30 +139,30 @@ def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
 def test_a_write_that_fails_midway_publishes_nothing(tmp_path, small_corpus, monkeypatch):
     import errno
 
-    import tasks.encode
+    from bardflow.tasks import encode as encode_stage
 
     path, md5 = small_corpus
     store = tmp_path / "store"
     cfg = build_config("tiny")
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
-    real_write = tasks.encode.write_sequences
+    real_write = encode_stage.write_sequences
 
     def disk_full(target, rows, metadata):
         real_write(target, rows[: len(rows) // 2], metadata)  # half a file is on disk...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...when the disk fills up
 
-    monkeypatch.setattr(tasks.encode, "write_sequences", disk_full)
+    monkeypatch.setattr(encode_stage, "write_sequences", disk_full)
     with pytest.raises(OSError, match="No space left"):
         make(ENCODE, cfg.data, store, fetch=corpus)
     assert entries(Path(store) / "encode") == []  # no version, no half-built folder
-    monkeypatch.setattr(tasks.encode, "write_sequences", real_write)
+    monkeypatch.setattr(encode_stage, "write_sequences", real_write)
     assert make(ENCODE, cfg.data, store, fetch=corpus)[1]
 
 
 def test_the_registry_is_the_pipeline_in_order():
     import inspect
 
-    from tasks.registry import STAGES
+    from bardflow.tasks.registry import STAGES
 
     names = [stage.name for stage in STAGES]
     assert len(set(names)) == len(names)
@@ -186,19 +186,19 @@ def count_words(settings: dict, out, fetch) -> None:
 def test_a_new_stage_is_one_function_and_one_entry(tmp_path, small_corpus):
     import json
 
-    from tasks.stage import Stage
+    from bardflow.tasks.stage import Stage
 
     path, md5 = small_corpus
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), tmp_path)
     stage = Stage("words", "1", reads=("fetch",), settings=lambda run: {"min_length": 5},
-                  builds=("words.json",), headline=("words",), function=f"{__name__}:count_words")
+                  builds=("words.json",), headline=("words",), function=count_words)
     version, ran = make(stage, {"min_length": 5}, tmp_path, fetch=corpus)
     assert ran and version.metrics["words"] == len(json.loads(version.file("words.json").read_text())) > 0
     assert version.manifest["inputs"]["fetch"]["fingerprint"] == corpus.fingerprint
     assert make(stage, {"min_length": 5}, tmp_path, fetch=corpus) == (version, False)  # found, not rebuilt
     assert make(stage, {"min_length": 6}, tmp_path, fetch=corpus)[0].key != version.key
     broken = Stage("words", "2", reads=("fetch",), settings=lambda run: {"min_length": 5},
-                   builds=("words.json", "letters.json"), headline=(), function=f"{__name__}:count_words")
+                   builds=("words.json", "letters.json"), headline=(), function=count_words)
     with pytest.raises(RuntimeError, match="did not write letters.json"):
         make(broken, {"min_length": 5}, tmp_path, fetch=corpus)
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from artifacts.store import MANIFEST, Store, StoreError, version_key
+from bardflow.artifacts.store import MANIFEST, Store, StoreError, version_key
 
 
 def write(text):

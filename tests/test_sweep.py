@@ -9,9 +9,8 @@ import os
 
 import pytest
 
-from model.config import ConfigError, sweep_configurations
-from tests.conftest import OUTPUT
-from tests.test_flow import bardflow
+from bardflow.model.config import ConfigError, sweep_configurations
+from tests.helpers import OUTPUT, bardflow
 
 
 @pytest.mark.parametrize("grid, listed, max_runs, words", [
@@ -50,7 +49,7 @@ def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
 def swept(tmp_path_factory, prefect_server):
     """A sweep that finds the session's server as users find theirs: the background server
     `bardflow server start` left running (no PREFECT_API_URL)."""
-    from tests.conftest import md5_bytes, play_text
+    from tests.helpers import md5_bytes, play_text
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(BARDFLOW_SERVER_FILE=prefect_server.env["BARDFLOW_SERVER_FILE"], PYTHONUNBUFFERED="1")
@@ -152,7 +151,7 @@ def pool_workers(prefect_server):
 
 @pytest.mark.flow
 def test_a_sweep_fans_out_over_the_workers_of_a_pool(tmp_path, prefect_server, pool_workers):
-    from tests.conftest import md5_bytes, play_text
+    from tests.helpers import md5_bytes, play_text
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=3))
@@ -181,7 +180,7 @@ def test_a_sweep_fans_out_over_the_workers_of_a_pool(tmp_path, prefect_server, p
     elsewhere = bardflow("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
                          "--grid", "train.steps=1,2", env={**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]},
                          check=False)
-    assert elsewhere.returncode == 1 and "bardflow: error: deployment bardflow/sweep runs on work pool 'sweepers', " \
+    assert elsewhere.returncode == 1 and "bardflow: error: deployment bardflow-pipeline/sweep runs on work pool 'sweepers', " \
         "not 'elsewhere'" in elsewhere.stderr and "Traceback" not in elsewhere.stderr
 
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from model.config import build_config
-from model.data import Batches, encode
-from model.train import (
+from bardflow.model.config import build_config
+from bardflow.model.data import Batches, encode
+from bardflow.model.train import (
     Placement,
     TrainingError,
     init_state,
@@ -21,7 +21,7 @@ TINY = build_config("tiny")
 
 @pytest.fixture(scope="module")
 def split():
-    from tests.conftest import play_text
+    from tests.helpers import play_text
 
     return encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
 
@@ -37,7 +37,7 @@ def test_loss_falls_on_tiny(split):
     assert np.isfinite(result.val_loss) and result.val_loss < first
     assert [h["step"] for h in result.history] == [0, 10, 20, 30, 40, 50, 59]
     # Evaluated at every record, on the whole validation split (here 6 does not divide it).
-    from model.train import model_from_state, target_losses
+    from bardflow.model.train import model_from_state, target_losses
 
     assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
     whole = float(target_losses(model_from_state(graphdef, result.state), jnp.asarray(split.val, jnp.int32)).mean())
@@ -147,7 +147,7 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
 
 
 def test_auto_precision_is_float32_only_on_cpu():
-    from model.train import compute_dtype
+    from bardflow.model.train import compute_dtype
 
     assert compute_dtype("auto", "cpu") == jnp.float32
     assert compute_dtype("auto", "gpu") == jnp.bfloat16
@@ -157,7 +157,7 @@ def test_auto_precision_is_float32_only_on_cpu():
 def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step():
     import optax
 
-    from model.train import learning_rate, make_optimizer
+    from bardflow.model.train import learning_rate, make_optimizer
 
     cfg = build_config("tiny").train.model_copy(update={"steps": 100, "learning_rate": 1e-2, "schedule": "cosine",
                                                         "warmup_steps": 10, "min_learning_rate_fraction": 0.1})
@@ -185,9 +185,9 @@ def test_with_every_position_the_last_position_learns_too():
     so the last position's embedding gets a gradient; the codelab's rows leave it at zero."""
     from flax import nnx
 
-    from model.train import next_byte_loss
-    from model.transformer import build_model
-    from tests.conftest import play_text
+    from bardflow.model.train import next_byte_loss
+    from bardflow.model.transformer import build_model
+    from tests.helpers import play_text
 
     cfg = build_config("tiny")
     seq_len = cfg.model.max_seq_len
@@ -222,8 +222,8 @@ def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
 def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_adamw(split):
     from flax import nnx
 
-    from model.train import _muon_matrices
-    from model.transformer import build_model
+    from bardflow.model.train import _muon_matrices
+    from bardflow.model.transformer import build_model
 
     model = build_model(TINY.model, 0)
     chosen = _muon_matrices(nnx.state(model, nnx.Param))

@@ -14,14 +14,11 @@ JAX's cluster detection supplies the coordinator.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
-import numpy as np
-
-from model.errors import BardflowError
+from bardflow.model.errors import DistributedError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
 HEARTBEAT = "BARDFLOW_HEARTBEAT_TIMEOUT_S"
@@ -36,10 +33,6 @@ def heartbeat_timeout_s(env: Mapping[str, str] = os.environ) -> int:
         return int(env.get(HEARTBEAT) or 30)
     except ValueError as error:
         raise DistributedError(f"{HEARTBEAT} must be a whole number of seconds, got {env[HEARTBEAT]!r}") from error
-
-
-class DistributedError(BardflowError, RuntimeError):
-    """The processes cannot form one run; the message says which setting to fix."""
 
 
 @dataclass(frozen=True)
@@ -116,32 +109,3 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
             f"{group.coordinator or 'the cluster-detected coordinator'} within {timeout_s} s: "
             f"{str(error).splitlines()[0]}; check that process 0 runs and that the address is reachable"
         ) from error
-
-
-def broadcast_json(value: Any) -> Any:
-    """Process 0's ``value`` (any JSON) on every process (the others pass None)."""
-    import jax
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
-    buffer = np.zeros(size, np.uint8)
-    buffer[: data.size] = data
-    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
-
-
-def local_rows(sharding, global_rows: int) -> tuple[int, int]:
-    """The contiguous rows ``[start, stop)`` of a batch sharded by ``sharding`` that live on
-    this process's devices: the only rows this process reads."""
-    import jax
-
-    starts, stops = [], []
-    for device, index in sharding.devices_indices_map((global_rows,)).items():
-        if device.process_index == jax.process_index():
-            rows = index[0]
-            starts.append(rows.start or 0)
-            stops.append(global_rows if rows.stop is None else rows.stop)
-    start, stop = min(starts), max(stops)
-    if stop - start != sum(b - a for a, b in set(zip(starts, stops))):
-        raise DistributedError("this process's devices hold rows that are not contiguous")
-    return start, stop

@@ -1,8 +1,8 @@
 """What every process of a multi-process ``train_parallel`` does (its command is
 ``tasks/train_process.py``, which knows where the files come from).
 
-Who is who comes from the environment (``model.distributed``). Every process trains the
-same replicated model on its own rows of each global batch (``model.trainer``); process 0
+Who is who comes from the environment (``runtime/distributed.py``). Every process trains the
+same replicated model on its own rows of each global batch (``runtime/training.py``); process 0
 alone writes and reads checkpoints (``model.checkpoint``), and writes the run's summary,
 from which the stage writes the version.
 """
@@ -13,12 +13,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from model.config import TrainingRequest
-from model.distributed import DistributedError, ProcessGroup, broadcast_json, initialize
-from model.launch import PROGRESS
+from bardflow.model.config import TrainingRequest
+from bardflow.model.multihost import broadcast_json
+from bardflow.runtime.distributed import DistributedError, ProcessGroup, initialize
+from bardflow.runtime.launch import PROGRESS
 
 if TYPE_CHECKING:
-    from model.trainer import RunFiles
+    from bardflow.runtime.training import RunFiles
 
 
 def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[[dict, bool], RunFiles]) -> None:
@@ -38,8 +39,8 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
 
     import jax
 
-    from model.train import TrainingError
-    from model.trainer import run_training
+    from bardflow.model.train import TrainingError
+    from bardflow.runtime.training import run_training
 
     request = TrainingRequest.model_validate(spec["request"])
     devices = jax.devices()

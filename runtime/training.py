@@ -3,17 +3,27 @@ own process, and what every process of a multi-process run does. No Prefect, no 
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 
-from model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
-from model.config import TrainingRequest
-from model.data import Batches, read_sequences
-from model.train import CPU_TOKENS_PER_PASS, Placement, init_state, model_from_state, train, val_batches
-
+from bardflow.model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
+from bardflow.model.config import TrainingRequest
+from bardflow.model.data import Batches, read_sequences
+from bardflow.model.train import (
+    CPU_TOKENS_PER_PASS,
+    Hook,
+    Placement,
+    StepInfo,
+    init_state,
+    model_from_state,
+    train,
+    val_batches,
+)
+from bardflow.runtime import stopping
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -25,6 +35,34 @@ class RunFiles:
     resume: Path  # the resumable checkpoints, kept until the run is published
     state: Path  # where the final training state goes (must not exist)
     saved: Callable[[], None] | None = None  # hears of each complete checkpoint (to copy it elsewhere)
+
+
+def stop_agreed(step: int) -> bool:
+    """Whether to stop before ``step``: asked here (SIGINT, SIGTERM), or, with several
+    processes, when JAX's preemption service says so: it catches SIGTERM in any process and
+    has them all agree on one step, so that they save its checkpoint together."""
+    if jax.process_count() == 1:
+        return stopping.requested() is not None
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
+def stop_hook() -> Hook:
+    """Before the next step, when asked to stop: the checkpoint of the step reached, then
+    ``stopping.Stopped`` with a line that says how to resume."""
+
+    def stop(info: StepInfo) -> None:
+        if not stop_agreed(info.done):
+            return
+        saved = info.record.save(info)
+        signum = stopping.requested() or signal.SIGTERM  # a peer process's signal
+        kept = (f"the checkpoint of step {saved} is saved: rerun the same command to resume from it" if saved
+                else "no checkpoint was saved, so a rerun starts from step 0")
+        raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)} {stopping.where()} at step {info.done} "
+                                       f"of {info.last}; {kept}")
+
+    return Hook(stop, lambda info: info.done < info.last)
 
 
 def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
@@ -39,8 +77,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     val_rows, _ = read_sequences(files.val)
     # Only this process's rows of every batch are read (memory-mapped) and placed.
     # The whole split is evaluated at every record. Accelerators want few large calls; a
-    # CPU wants cache-sized ones (measured, cpu preset: 1.3 s per evaluation with 1,024
-    # tokens per device and call, 3.3 s with 65,536).
+    # CPU wants cache-sized ones (docs/benchmarks.md, "Training step").
     per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
     eval_rows = max(1, per_device // val_rows.shape[1]) * len(devices)
     val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
@@ -50,8 +87,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
               f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
     model_cfg, train_cfg, xla_options, step_settings = request.model, request.train, None, None
-    if placement.devices[0].platform == "cpu":  # measured on this CPU, once (model/cpu_tuning.py)
-        from model.cpu_tuning import applied, choose
+    if placement.devices[0].platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
+        from bardflow.runtime.cpu_tuning import applied, choose
 
         step_settings = choose(model_cfg, train_cfg, placement, train_rows.shape[1])
         model_cfg, train_cfg, xla_options = applied(model_cfg, train_cfg, step_settings["chosen"])
@@ -60,7 +97,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
                        train_cfg, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
-                       xla_options=xla_options)
+                       xla_options=xla_options, hooks=[stop_hook()])
     finally:
         checkpoints.close()
     save_train_state(files.state, result.state)

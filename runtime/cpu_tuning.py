@@ -1,6 +1,6 @@
 """The CPU training step's settings, chosen by measuring them on this CPU, once.
 
-What is fastest on one CPU is not on another (README, "Benchmarks": passes of ~512 tokens,
+What is fastest on one CPU is not on another (docs/benchmarks.md: passes of ~512 tokens,
 XLA's YNNPACK fusions off and the hand-written kernels were measured on a 2-core AVX2 AMD
 EPYC; an AVX-512 Xeon of the same size ranked them differently). So where the user left them
 to ``auto``, three choices are timed on the real shape, a few steps each:
@@ -59,7 +59,7 @@ def cpu_signature() -> dict[str, Any]:
 
 
 def default_choice(model_cfg, train_cfg, seq_len: int) -> dict[str, Any]:
-    from model.train import passes_per_step
+    from bardflow.model.train import passes_per_step
 
     passes = passes_per_step(train_cfg.micro_batch, train_cfg.per_device_batch, seq_len, "cpu")
     # ``kernels`` applies to the kernel settings left to ``auto`` (on CPU, auto meant custom).
@@ -91,7 +91,7 @@ def measure(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
     """Milliseconds per step of ``choice`` on this placement (compiled apart, warm)."""
     import jax
 
-    from model.train import init_state, make_train_step
+    from bardflow.model.train import init_state, make_train_step
 
     model_cfg, train_cfg, options = applied(model_cfg, train_cfg, choice)
     graphdef, state = init_state(model_cfg, train_cfg)

@@ -15,15 +15,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
-from model import stopping
-from model.distributed import NUM_PROCESSES, ProcessGroup
-from model.errors import BardflowError
+from bardflow.model.errors import BardflowError
+from bardflow.runtime import stopping
+from bardflow.runtime.distributed import NUM_PROCESSES, ProcessGroup
 
-REPO = Path(__file__).resolve().parents[1]
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
-PROCESS_MAIN = "tasks.train_process"  # the module every process runs (named, not imported)
 
 
 class ProcessFailure(BardflowError, RuntimeError):
@@ -56,28 +55,30 @@ def process_env(index: int, processes: int, port: int, devices_per_process: int,
     return env
 
 
-def launch_local(spec_path: Path, processes: int, devices_per_process: int, platform: str,
+def launch_local(main: ModuleType, spec_path: Path, processes: int, devices_per_process: int, platform: str,
                  on_step: Callable[[int, int], None] | None = None) -> None:
-    """Runs the spec as ``processes`` processes on this host, on 127.0.0.1, each with
-    its share of the devices, and waits for all of them (see ``supervise``)."""
+    """Runs the spec as ``processes`` processes of ``main`` on this host, on 127.0.0.1, each
+    with its share of the devices, and waits for all of them (see ``supervise``)."""
     port = free_port()
     envs = [process_env(i, processes, port, devices_per_process, platform) for i in range(processes)]
-    supervise(spec_path, envs, on_step)
+    supervise(main, spec_path, envs, on_step)
 
 
-def launch_leader(spec_path: Path, on_step: Callable[[int, int], None] | None = None) -> None:
+def launch_leader(main: ModuleType, spec_path: Path, on_step: Callable[[int, int], None] | None = None) -> None:
     """Runs process 0 of a group that a cluster scheduler started: the others are
     ``bardflow run`` on the other hosts, following it."""
-    supervise(spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step)
+    supervise(main, spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step)
 
 
-def process_command(spec_path: Path | None, join_timeout_s: int | None = None) -> list[str]:
-    """Process 0 gets the spec; every other process follows and learns it from process 0."""
-    command = [sys.executable, "-m", PROCESS_MAIN] + ([str(spec_path)] if spec_path else ["--follow"])
+def process_command(main: ModuleType, spec_path: Path | None, join_timeout_s: int | None = None) -> list[str]:
+    """``python -m`` of the process module ``main`` (imported by the caller, so the direction
+    of the dependency is in the code): process 0 gets the spec; every other process follows
+    and learns it from process 0."""
+    command = [sys.executable, "-m", main.__name__] + ([str(spec_path)] if spec_path else ["--follow"])
     return command + ([] if join_timeout_s is None else ["--join-timeout", str(join_timeout_s)])
 
 
-def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: float = 0.2) -> None:
+def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: float = 0.2) -> None:
     """Starts one process per environment (the first is process 0) and waits for all,
     raising ``ProcessFailure`` on the first failure. Logs: ``process-<i>.log`` beside the
     spec; each process's id in ``process-<i>.pid``."""
@@ -87,7 +88,7 @@ def supervise(spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: floa
     try:
         for index, (env, log) in enumerate(zip(envs, logs)):
             with log.open("w") as sink:
-                running.append(subprocess.Popen(process_command(spec_path if index == 0 else None), cwd=REPO,
+                running.append(subprocess.Popen(process_command(main, spec_path if index == 0 else None),
                                                 stdout=sink, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True))
             log.with_suffix(".pid").write_text(str(running[-1].pid))

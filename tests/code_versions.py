@@ -1,0 +1,72 @@
+"""The source each stage runs, digested: ``python -m tests.code_versions`` records the table
+that ``tests/test_code_versions.py`` compares with the code (``tests/code_versions.json``).
+
+A stage's digest covers its build module and every bardflow module that it imports, directly
+or not, each taken without comments and docstrings: a change there may change what the stage
+builds for the same inputs, so its cached versions would be stale unless its code version in
+``tasks/registry.py`` is bumped.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = Path(__file__).with_name("code_versions.json")
+ROOMS = ("model", "runtime", "tasks", "artifacts", "flows")
+# The list of stages and their code versions: bumping one stage must not flag the others.
+REGISTRY = "bardflow.tasks.registry"
+
+
+def source_of(module: str) -> Path | None:
+    parts = module.split(".")
+    if parts[0] != "bardflow" or len(parts) < 2 or parts[1] not in ROOMS:
+        return None
+    path = REPO.joinpath(*parts[1:])
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else (
+        path / "__init__.py" if (path / "__init__.py").exists() else None)
+
+
+def normalized(path: Path) -> tuple[str, set[str]]:
+    """The module's code without comments or docstrings, and the bardflow modules it imports."""
+    tree = ast.parse(path.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported |= {f"{node.module}.{alias.name}" for alias in node.names}  # from bardflow.x import module
+    return ast.unparse(tree), {name for name in imported if source_of(name)}
+
+
+def digests(root: str) -> dict[str, str]:
+    """sha256 of every module ``root`` runs, by name."""
+    seen, todo = {}, [root]
+    while todo:
+        module = todo.pop()
+        if module in seen or module == REGISTRY or source_of(module) is None:
+            continue
+        code, imported = normalized(source_of(module))
+        seen[module] = hashlib.sha256(code.encode()).hexdigest()[:16]
+        todo += sorted(imported)
+    return dict(sorted(seen.items()))
+
+
+def table() -> dict[str, dict]:
+    from bardflow.tasks.registry import STAGES
+
+    return {stage.name: {"code_version": stage.code_version, "modules": digests(stage.module)} for stage in STAGES}
+
+
+if __name__ == "__main__":
+    TABLE.write_text(json.dumps(table(), indent=1) + "\n")
+    print(f"recorded the code of {len(table())} stages in {TABLE.relative_to(REPO)}", file=sys.stderr)

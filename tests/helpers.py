@@ -1,0 +1,77 @@
+"""What several test files use: the repository's paths, generated play-shaped text, and the
+command line run as a user runs it (``python -m bardflow``) with its JSON summary."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
+SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def play_text(n_bytes: int, seed: int = 0) -> bytes:
+    """Deterministic play-shaped text: speaker names, colons, short lines."""
+    rng = np.random.default_rng(seed)
+    names = ["ROMEO", "JULIET", "HAMLET", "FIRST CITIZEN", "KING RICHARD III"]
+    words = "the of and to my thou thee lord good love what shall not with be is".split()
+    out = []
+    size = 0
+    while size < n_bytes:
+        line = f"{rng.choice(names)}:\n" + " ".join(rng.choice(words, size=int(rng.integers(4, 12)))) + ".\n\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out).encode()[:n_bytes]
+
+
+def md5_bytes(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bardflow", *args]
+
+
+def bardflow(*args, env=None, check=True):
+    """``bardflow ARGS`` to the end; with ``check``, a non-zero exit fails the test with its stderr."""
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    done = subprocess.run(cli(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if check and done.returncode != 0:
+        raise AssertionError(f"bardflow {' '.join(args)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return done
+
+
+def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``bardflow ARGS`` in the background, in a session of its own, stderr to ``log``."""
+    return subprocess.Popen(cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"exit {process.returncode}: {Path(process.args[-1]).name}"
+    return json.loads(out)
+
+
+def base_args(corpus: Path, store: Path, *extra: str) -> list[str]:
+    """A ``tiny`` run of ``corpus`` on two emulated devices, its summary as JSON."""
+    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store),
+            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", "2", "--json", *extra]
+
+
+def checkpoint_steps(store: Path, stage: str) -> list[int]:
+    """The steps of the resumable checkpoints a training stage keeps in ``store``."""
+    return sorted(int(p.name) for p in store.glob(f"{stage}/.resume-*/*") if p.name.isdigit())
+
+
+def without_seconds(history):
+    """The record of a run but its clock, which no two runs share."""
+    return [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]
