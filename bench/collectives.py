@@ -42,9 +42,8 @@ def train_once(steps: int, eval_every: int) -> dict:
     import numpy as np
 
     from bardflow.model.config import build_config
+    from bardflow.model.settings import CPU_TOKENS_PER_PASS, resolve
     from bardflow.model.train import Placement, init_state, train, val_batches
-    from bardflow.runtime.cpu_tuning import applied, default_choice
-    from bardflow.runtime.training import CPU_TOKENS_PER_PASS
 
     cfg = build_config("cpu", {"train.steps": steps, "train.single_device_steps": 0, "train.log_every": eval_every,
                                "train.warmup_steps": min(20, steps // 2)})
@@ -57,14 +56,14 @@ def train_once(steps: int, eval_every: int) -> dict:
     train_rows, val_rows = rows[:cut], rows[cut:]
     devices = jax.devices()
     placement = Placement.data_parallel(devices)
-    model_cfg, train_cfg, options = applied(cfg.model, cfg.train, default_choice(cfg.model, cfg.train, seq))
-    graphdef, state = init_state(model_cfg, train_cfg)
+    train_cfg, step = cfg.train, resolve(cfg.model, cfg.train, seq, "cpu")  # the CPU's defaults
+    graphdef, state = init_state(step.model(cfg.model), train_cfg)
     batch = train_cfg.per_device_batch * len(devices)
     # The evaluation batches the training stage uses on a CPU (runtime/training.py).
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
     result = train(graphdef, state, lambda step: train_rows[(step * batch) % (len(train_rows) - batch):][:batch]
-                   .astype(np.int32), val, placement, train_cfg, xla_options=options)
+                   .astype(np.int32), val, placement, train_cfg, step=step)
     return {"seconds": round(time.perf_counter() - started, 2), "ms_per_step": round(result.ms_per_step, 1),
             "history": [{k: h[k] for k in ("step", "loss", "val_loss")} for h in result.history]}
 

@@ -84,18 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from bardflow.model.config import build_config
-    from bardflow.model.train import compiler_options, init_state, make_train_step, passes_per_step
+    from bardflow.model.settings import resolve
+    from bardflow.model.train import init_state, make_train_step
 
     cfg = build_config("codelab")
-    graphdef, state = init_state(cfg.model, cfg.train)
-    stream = np.random.default_rng(0).integers(0, 256, (args.steps + 1, 32, 256), dtype=np.int32)
     backend = jax.default_backend()
+    production = resolve(cfg.model, cfg.train, 256, backend)
+    graphdef, state = init_state(production.model(cfg.model), cfg.train)
+    stream = np.random.default_rng(0).integers(0, 256, (args.steps + 1, 32, 256), dtype=np.int32)
     # The production step (cache-sized passes, its compiler options); the same in one pass
     # over the whole batch; and that with XLA's default CPU options, where every matrix
     # product is a synchronous YNNPACK call, so the trace accounts for all of it (in the
     # other builds the products run asynchronously in Eigen's pool and only partly show).
-    passes = passes_per_step(cfg.train.micro_batch, 32, 256, backend)
-    variants = {"production": (passes, compiler_options(backend)), "one pass": (1, compiler_options(backend)),
+    variants = {"production": (production.passes(32), production.xla_options), "one pass": (1, production.xla_options),
                 "xla-default": (1, {})}
     report = {"machine": machine(), "variants": {}}
     for variant, (passes, options) in variants.items():

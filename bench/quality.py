@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from bardflow.flows.settings import prepare_environment
 
     prepare_environment()  # the pipeline's device defaults: one emulated device per core on a CPU
-    from bardflow.model.config import parse_assignment
+    from bardflow.flows.arguments import parse_assignment
 
     overrides = dict(parse_assignment(item) for item in args.set)
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)

@@ -56,7 +56,8 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     import optax
     from flax import nnx
 
-    from bardflow.model.train import compiler_options, compute_dtype, init_state, make_train_step, passes_per_step
+    from bardflow.model.settings import resolve
+    from bardflow.model.train import init_state, make_train_step
     from bardflow.model.transformer import build_model
     from bench.codelab import codelab_train_step
 
@@ -70,13 +71,12 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     jax.block_until_ready(codelab_train_step(model, optimizer, stream[0]))
     codelab_compile = time.perf_counter() - started
 
-    graphdef, state = init_state(cfg.model, cfg.train)
+    step = resolve(cfg.model, cfg.train, seq_len, jax.default_backend())  # the production step, as the stages build it
+    graphdef, state = init_state(step.model(cfg.model), cfg.train)
     started = time.perf_counter()
-    backend = jax.default_backend()
-    dtype = compute_dtype(cfg.train.precision, backend)  # the production step, as the stages build it
-    passes = passes_per_step(cfg.train.micro_batch, batch, seq_len, backend)
+    dtype, passes = jax.numpy.dtype(step.precision), step.passes(batch)
     compiled = make_train_step(graphdef, dtype=dtype, passes=passes).lower(state, stream[0]).compile(
-        compiler_options=compiler_options(backend))
+        compiler_options=step.xla_options)
     bardflow_compile = time.perf_counter() - started
     box = {"state": state}
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from bardflow.model.config import ModelConfig, TrainConfig
 from bardflow.model.errors import BardflowError
+from bardflow.model.settings import StepSettings, resolve
 from bardflow.model.transformer import Transformer, build_model
 
 
@@ -45,12 +46,6 @@ def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
     return target_losses(model, tokens).mean()
 
 
-def compute_dtype(precision: str, platform: str):
-    if precision == "auto":
-        precision = "float32" if platform == "cpu" else "bfloat16"
-    return jnp.dtype(precision)
-
-
 def in_dtype(model: Transformer, dtype) -> Transformer:
     """The same model computing in ``dtype``: a cast of the float32 parameters, so the
     gradient flows back to them through the cast (mixed precision)."""
@@ -58,12 +53,6 @@ def in_dtype(model: Transformer, dtype) -> Transformer:
         return model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params), rest)
-
-
-def compiler_options(platform: str) -> dict[str, Any]:
-    # XLA's YNNPACK fusions made the step's matrix products slower than its default dot
-    # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md).
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if platform == "cpu" else {}
 
 
 def learning_rate(cfg: TrainConfig, peak: float | None = None) -> float | optax.Schedule:
@@ -119,24 +108,6 @@ def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
 def model_from_state(graphdef, state) -> Transformer:
     model, _ = nnx.merge(graphdef, state)
     return model
-
-
-# On CPU a step runs fastest when each forward/backward pass covers only a few hundred
-# tokens: a pass's activations then stay in cache (docs/benchmarks.md, "Training step"). The
-# summed gradient is the one-pass gradient.
-CPU_TOKENS_PER_PASS = 512
-
-
-def passes_per_step(micro_batch: int, per_device_batch: int, seq_len: int, platform: str) -> int:
-    """Into how many forward/backward passes a step cuts each device's rows."""
-    if micro_batch:
-        return per_device_batch // micro_batch
-    if platform != "cpu":
-        return 1  # accelerators want the largest matrices they can get
-    rows = max(1, min(per_device_batch, CPU_TOKENS_PER_PASS // seq_len))
-    while per_device_batch % rows:
-        rows -= 1
-    return per_device_batch // rows
 
 
 def _accumulated(loss_fn, passes: int, mesh):
@@ -467,14 +438,15 @@ def train(
     on_step: Callable[[int, int], None] | None = None,
     checkpoints=None,
     stop_after: int | None = None,
-    xla_options: dict[str, Any] | None = None,
+    step: StepSettings | None = None,
     hooks: Sequence[Hook] = (),
 ) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
     the hooks run: the loss check, the evaluation and history record every
     ``cfg.log_every`` steps, a checkpoint every ``cfg.checkpoint_every``, ``on_step``, then
-    ``hooks`` (the caller's: a stop signal, a metrics writer).
+    ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how the step runs
+    (``model/settings.py``; by default the platform's defaults for ``cfg``).
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
@@ -490,15 +462,13 @@ def train(
             state, saved = found
             start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
             record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
-    platform = placement.devices[0].platform
-    dtype = compute_dtype(cfg.precision, platform)
     first = placement.put_batch(batch_at(start))
     global_batch, seq_len = first.shape
-    passes = passes_per_step(cfg.micro_batch, cfg.per_device_batch, seq_len, platform)
+    step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
+    dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
-    options = compiler_options(platform) if xla_options is None else xla_options
     compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes).lower(
-        state, first).compile(compiler_options=options)
+        state, first).compile(compiler_options=step.xla_options)
     compile_s = time.perf_counter() - started
 
     def tokens_at(step: int) -> jax.Array:
@@ -516,7 +486,7 @@ def train(
         global_batch=global_batch, seq_len=seq_len,
         val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
         devices=len(placement.devices), resumed_from=resumed_from, resume_s=resume_s, precision=dtype.name,
-        rows_per_pass=cfg.per_device_batch // passes,
+        rows_per_pass=step.rows_per_pass,
     )
 
 

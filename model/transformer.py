@@ -18,9 +18,10 @@ from bardflow.model.kernels import attend, causal_attention, dense
 
 
 def use_custom(setting: Kernel) -> bool:
-    """Whether the hand-written gradient serves: ``auto`` takes it on CPU only, where it
-    was measured faster (docs/benchmarks.md)."""
-    return setting == "custom" or (setting == "auto" and jax.default_backend() == "cpu")
+    """Whether the hand-written gradient serves. A training run builds its model from
+    resolved settings (``model/settings.py``: the hand-written kernels where they were
+    measured faster); left to ``auto`` here, the model takes the plain JAX operations."""
+    return setting == "custom"
 
 
 class LayerCache(NamedTuple):

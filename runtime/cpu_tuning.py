@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-TUNED_XLA = {"xla_cpu_experimental_ynn_fusion_type": ""}  # YNNPACK fusions off
+from bardflow.model.settings import resolve
+
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 TIMED_STEPS, WARM_STEPS = 3, 1
 MARGIN = 0.05  # a change must be this much faster to replace the default: timings this short are noisy
@@ -59,11 +60,10 @@ def cpu_signature() -> dict[str, Any]:
 
 
 def default_choice(model_cfg, train_cfg, seq_len: int) -> dict[str, Any]:
-    from bardflow.model.train import passes_per_step
-
-    passes = passes_per_step(train_cfg.micro_batch, train_cfg.per_device_batch, seq_len, "cpu")
-    # ``kernels`` applies to the kernel settings left to ``auto`` (on CPU, auto meant custom).
-    return {"kernels": "custom", "rows_per_pass": train_cfg.per_device_batch // passes, "xla": "tuned"}
+    """A CPU's defaults (``model/settings.py``): the hand-written kernels for the settings left
+    to ``auto``, ~512 tokens per pass, YNNPACK fusions off."""
+    default = resolve(None, train_cfg, seq_len, "cpu")
+    return {"kernels": "custom", "rows_per_pass": default.rows_per_pass, "xla": "tuned"}
 
 
 def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
@@ -78,30 +78,21 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
     return found
 
 
-def applied(model_cfg, train_cfg, choice: dict[str, Any]):
-    """(model config, train config, XLA options) that run ``choice``: copies for this run
-    only, never the request that keys the version."""
-    model_cfg = model_cfg.model_copy(update={name: choice["kernels"] for name in ("attention", "dense")
-                                             if getattr(model_cfg, name) == "auto"})
-    train_cfg = train_cfg.model_copy(update={"micro_batch": choice["rows_per_pass"]})
-    return model_cfg, train_cfg, TUNED_XLA if choice["xla"] == "tuned" else {}
-
-
 def measure(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]) -> float:
     """Milliseconds per step of ``choice`` on this placement (compiled apart, warm)."""
     import jax
 
     from bardflow.model.train import init_state, make_train_step
 
-    model_cfg, train_cfg, options = applied(model_cfg, train_cfg, choice)
-    graphdef, state = init_state(model_cfg, train_cfg)
+    step = resolve(model_cfg, train_cfg, seq_len, "cpu", choice)
+    graphdef, state = init_state(step.model(model_cfg), train_cfg)
     state = placement.put_state(state)
     rows = train_cfg.per_device_batch * len(placement.devices)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (rows, seq_len), dtype=np.int32)
     batch = placement.put_batch(tokens)
-    step = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
-                           passes=train_cfg.per_device_batch // choice["rows_per_pass"])
-    compiled = step.lower(state, batch).compile(compiler_options=options)
+    compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
+                               passes=step.passes(train_cfg.per_device_batch)).lower(state, batch).compile(
+        compiler_options=step.xla_options)
     for _ in range(WARM_STEPS):
         state, loss = compiled(state, batch)
     jax.block_until_ready(loss)

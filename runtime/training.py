@@ -13,8 +13,8 @@ import jax
 from bardflow.model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from bardflow.model.config import TrainingRequest
 from bardflow.model.data import Batches, read_sequences
+from bardflow.model.settings import CPU_TOKENS_PER_PASS, resolve
 from bardflow.model.train import (
-    CPU_TOKENS_PER_PASS,
     Hook,
     Placement,
     StepInfo,
@@ -86,22 +86,22 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
               f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
-    model_cfg, train_cfg, xla_options, step_settings = request.model, request.train, None, None
-    if placement.devices[0].platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
-        from bardflow.runtime.cpu_tuning import applied, choose
+    platform, seq_len, tuning = placement.devices[0].platform, train_rows.shape[1], None
+    if platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
+        from bardflow.runtime.cpu_tuning import choose
 
-        step_settings = choose(model_cfg, train_cfg, placement, train_rows.shape[1])
-        model_cfg, train_cfg, xla_options = applied(model_cfg, train_cfg, step_settings["chosen"])
-    graphdef, state = init_state(model_cfg, train_cfg)
+        tuning = choose(request.model, request.train, placement, seq_len)
+    step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])
+    graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
-                       train_cfg, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
-                       xla_options=xla_options, hooks=[stop_hook()])
+                       request.train, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
+                       step=step, hooks=[stop_hook()])
     finally:
         checkpoints.close()
     save_train_state(files.state, result.state)
-    metrics = {**result.metrics(), "step_settings": step_settings,
+    metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
                "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
                "platform": request.platform, "processes": request.processes}
     return {"metrics": metrics, "history": result.history,

@@ -155,7 +155,7 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
             + (f", resumed from step {metrics['resumed_from_step']}" if metrics["resumed_from_step"] else "")
         ),
     )
-    tuning = metrics.get("step_settings")
+    tuning = metrics.get("cpu_tuning")
     if tuning:  # the CPU step's settings: the one used and what was measured (runtime/cpu_tuning.py)
         chosen = tuning["chosen"]
         rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]

@@ -7,14 +7,15 @@ from flax import nnx
 
 from bardflow.model.config import build_config
 from bardflow.model.sampling import generate
-from bardflow.model.train import compiler_options, init_state, make_train_step, passes_per_step
+from bardflow.model.settings import XLA_CPU_TUNED, default_rows_per_pass
+from bardflow.model.train import init_state, make_train_step
 from bardflow.model.transformer import build_model
 from bench.codelab import codelab_generate, codelab_train_step
 
 TINY = build_config("tiny")
 
 
-@pytest.mark.parametrize("passes", [passes_per_step(0, 8, TINY.data.seq_len, "cpu"), 4])
+@pytest.mark.parametrize("passes", [8 // default_rows_per_pass(8, TINY.data.seq_len, "cpu"), 4])
 def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     from bardflow.model.data import encode
     from tests.helpers import play_text
@@ -27,7 +28,7 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     graphdef, state = init_state(TINY.model, TINY.train)
     # Compiled as the training stages compile it (in one pass and in several).
     step = make_train_step(graphdef, passes=passes).lower(state, stream[0]).compile(
-        compiler_options=compiler_options("cpu"))
+        compiler_options=XLA_CPU_TUNED)
     for tokens in stream:
         baseline = codelab_train_step(model, optimizer, tokens)
         state, fast = step(state, tokens)

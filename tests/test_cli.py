@@ -29,9 +29,9 @@ def test_cli_refuses_bad_input_before_any_work(common, tmp_path):
 
 
 def test_servers_bind_to_this_machine_by_default():
-    from bardflow.flows.cli import _parser
+    from bardflow.flows.arguments import parser
 
-    assert _parser().parse_args(["ui"]).host == "127.0.0.1"
+    assert parser().parse_args(["ui"]).host == "127.0.0.1"
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["presets"], ["artifacts"], ["ui"]])
@@ -97,7 +97,7 @@ def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, t
 
 
 def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypatch):
-    from bardflow.flows.cli import _print_summary
+    from bardflow.flows.printing import print_summary
 
     monkeypatch.setenv("COLUMNS", "80")
     metrics = {"fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
@@ -106,7 +106,7 @@ def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypat
     summary = {"preset": "cpu", "store": "/home/me/bardflow/store", "stages": {
         name: {"state": "ran", "key": "ddc481f338a28f94d7e5", "path": "", "metrics": m} for name, m in metrics.items()},
         "samples": [{"prompt": "ROMEO:", "temperature": 0.8, "seed": 42, "text": "ROMEO:\nIn must thou [warrant]"}]}
-    _print_summary(summary)
+    print_summary(summary)
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "ddc481f338a2" in out and "ddc481f338a28f94d7e5" not in out  # short keys
@@ -150,14 +150,14 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
     value shown is whole on one line, and a caption names what was left out."""
     from rich.console import Console
 
-    from bardflow.flows.cli import _print_sweep
+    from bardflow.flows.printing import print_sweep
     from bardflow.flows.tables import Column, fitted, short_time
 
     monkeypatch.setenv("COLUMNS", "80")
     rows = [{"run": n, "train.learning_rate": lr, "train.steps": 380, "status": "completed", "val_loss": 1.68691,
              "val_bpb": 2.43372, "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
              "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
-    _print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
+    print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     for value in ("0.003", "0.01", "1.6869", "completed", "train.learning_rate"):

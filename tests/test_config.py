@@ -1,6 +1,7 @@
 import pytest
 
-from bardflow.model.config import ConfigError, build_config, parse_assignment
+from bardflow.flows.arguments import parse_assignment
+from bardflow.model.config import ConfigError, build_config
 
 
 def test_presets_validate_and_codelab_is_the_codelab():

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from bardflow.model.config import build_config
+from bardflow.model.settings import resolve
 from bardflow.model.train import Placement, init_state, make_train_step
-from bardflow.runtime.cpu_tuning import applied, candidates, choose
+from bardflow.runtime.cpu_tuning import candidates, choose
 
 
 @pytest.fixture
@@ -35,8 +36,8 @@ def test_settings_the_user_fixed_are_not_measured():
     cfg = build_config("tiny", {"model.attention": "xla", "train.micro_batch": 2, "train.per_device_batch": 8})
     tried = candidates(cfg.model, cfg.train, cfg.data.seq_len)
     assert [c["rows_per_pass"] for c in tried] == [2, 2] and {c["kernels"] for c in tried} == {"custom"}
-    model_cfg, _, _ = applied(cfg.model, cfg.train, tried[0])
-    assert model_cfg.attention == "xla" and model_cfg.dense == "custom"  # only what was left to auto
+    step = resolve(cfg.model, cfg.train, cfg.data.seq_len, "cpu", tried[0])
+    assert step.attention == "xla" and step.dense == "custom"  # only what was left to auto
 
 
 def test_every_candidate_computes_the_one_pass_xla_step():
@@ -59,4 +60,6 @@ def test_every_candidate_computes_the_one_pass_xla_step():
     for choice in tried:
         # Losses, not parameters: Adam's first updates are about ±learning rate per weight, so
         # a gradient of ~0 may flip sign with rounding; the losses that follow show any change.
-        assert losses(*applied(cfg.model, cfg.train, choice)) == pytest.approx(reference, rel=1e-4), choice
+        step = resolve(cfg.model, cfg.train, cfg.data.seq_len, "cpu", choice)
+        micro = cfg.train.model_copy(update={"micro_batch": step.rows_per_pass})
+        assert losses(step.model(cfg.model), micro, step.xla_options) == pytest.approx(reference, rel=1e-4), choice

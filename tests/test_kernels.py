@@ -64,4 +64,10 @@ def test_the_model_computes_the_same_with_either_kernel():
         loss, grads = nnx.value_and_grad(next_byte_loss)(model, tokens)
         results[kernel] = (model(tokens)[0], loss, nnx.to_pure_dict(grads))
     assert_close(results["custom"], results["xla"], 1e-5)
-    assert build_model(base, seed=0).blocks[0].attn.custom  # auto on this CPU: the hand-written ones
+    # The model never asks JAX for the platform: left to auto it takes the plain operations,
+    # and a training run builds it from the settings resolved for this CPU (the hand-written ones).
+    assert not build_model(base, seed=0).blocks[0].attn.custom
+    from bardflow.model.settings import resolve
+
+    resolved = resolve(base, build_config("tiny").train, base.max_seq_len, "cpu").model(base)
+    assert build_model(resolved, seed=0).blocks[0].attn.custom

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from bardflow.model.config import ConfigError, sweep_configurations
+from bardflow.flows.arguments import sweep_configurations
+from bardflow.model.config import ConfigError
 from tests.helpers import OUTPUT, bardflow
 
 

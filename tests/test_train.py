@@ -11,7 +11,6 @@ from bardflow.model.train import (
     TrainingError,
     init_state,
     make_train_step,
-    passes_per_step,
     train,
     val_batches,
 )
@@ -70,13 +69,20 @@ def test_data_parallel_step_really_shards_and_matches_one_device(split):
     np.testing.assert_allclose(float(loss_dp), float(loss_one), rtol=1e-6)
 
 
+def passes(micro_batch: int, per_device_batch: int, seq_len: int, platform: str) -> int:
+    from bardflow.model.settings import resolve
+
+    train_cfg = TINY.train.model_copy(update={"micro_batch": micro_batch, "per_device_batch": per_device_batch})
+    return resolve(TINY.model, train_cfg, seq_len, platform).passes(per_device_batch)
+
+
 def test_passes_per_step_keeps_cpu_passes_cache_sized():
-    assert passes_per_step(0, 32, 256, "cpu") == 16  # codelab: 2 rows of 256 per pass
-    assert passes_per_step(0, 16, 128, "cpu") == 4  # cpu preset: 4 rows of 128
-    assert passes_per_step(0, 4, 32, "cpu") == 1  # already small
-    assert passes_per_step(0, 12, 100, "cpu") == 3  # 5 rows would fit; 4 divides 12
-    assert passes_per_step(0, 32, 256, "gpu") == 1
-    assert passes_per_step(8, 32, 256, "gpu") == 4  # an explicit micro_batch wins
+    assert passes(0, 32, 256, "cpu") == 16  # codelab: 2 rows of 256 per pass
+    assert passes(0, 16, 128, "cpu") == 4  # cpu preset: 4 rows of 128
+    assert passes(0, 4, 32, "cpu") == 1  # already small
+    assert passes(0, 12, 100, "cpu") == 3  # 5 rows would fit; 4 divides 12
+    assert passes(0, 32, 256, "gpu") == 1
+    assert passes(8, 32, 256, "gpu") == 4  # an explicit micro_batch wins
 
 
 def _moments(state):
@@ -146,12 +152,21 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
     assert abs(last_half - last_full) < 0.05 * (first - last_full)
 
 
-def test_auto_precision_is_float32_only_on_cpu():
-    from bardflow.model.train import compute_dtype
+def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
+    from bardflow.model.settings import XLA_CPU_TUNED, resolve
 
-    assert compute_dtype("auto", "cpu") == jnp.float32
-    assert compute_dtype("auto", "gpu") == jnp.bfloat16
-    assert compute_dtype("float32", "gpu") == jnp.float32
+    cpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu")
+    gpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "gpu")
+    assert (cpu.attention, cpu.dense, cpu.precision, cpu.xla_options) == ("custom", "custom", "float32", XLA_CPU_TUNED)
+    assert (gpu.attention, gpu.dense, gpu.precision, gpu.xla_options) == ("xla", "xla", "bfloat16", {})
+    fixed = resolve(TINY.model.model_copy(update={"attention": "xla"}),
+                    TINY.train.model_copy(update={"precision": "float32"}), TINY.data.seq_len, "gpu")
+    assert (fixed.attention, fixed.precision) == ("xla", "float32")
+    measured = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu", {"kernels": "xla", "rows_per_pass": 2,
+                                                                         "xla": "default"})
+    assert (measured.attention, measured.dense, measured.rows_per_pass, measured.xla_options) == ("xla", "xla", 2, {})
+    assert cpu.model(TINY.model).attention == "custom"  # the model is built from concrete kernels
+    assert jnp.dtype(gpu.precision) == jnp.bfloat16
 
 
 def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step():

@@ -1,0 +1,174 @@
+"""The command line's words: its parser, ``--set key=value`` and a sweep's ``--grid`` and
+``--list``, each turned into settings and refused in one line when they do not parse."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bardflow.flows.settings import DEBUG, PRESET_NAMES
+from bardflow.model.config import ConfigError, build_config
+from bardflow.model.errors import BardflowError
+from bardflow.tasks.registry import NAMES
+
+
+class UsageError(BardflowError, ValueError):
+    """The command line asks for something that does not exist."""
+
+
+STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE or ./store)"
+
+
+def _pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """What `run` and `sweep` share."""
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="auto",
+                        help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
+                             "on a GPU), tiny (seconds); auto picks codelab on a GPU, else cpu")
+    parser.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
+                                         "or the public TinyShakespeare URL)")
+    parser.add_argument("--store", help=STORE_HELP)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                        help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
+    parser.add_argument("--cpu-devices", type=int, metavar="N",
+                        help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="run train_parallel as N processes of this host sharing its devices (default 1). "
+                             "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
+                             "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
+                             "runs the pipeline, the others join its train_parallel")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bardflow",
+        description="Train a byte-level transformer on TinyShakespeare as a Prefect flow of cached, versioned stages.",
+    )
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of explained errors too (or {DEBUG}=1)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the pipeline (stages already in the store come back cached)",
+                              description="Run the whole pipeline on Prefect's embedded server "
+                                          "(or the server PREFECT_API_URL points at).")
+    _pipeline_options(run)
+    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
+                     help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}")
+    run.add_argument("--join-timeout", type=int, default=3600, metavar="S",
+                     help="cluster processes other than 0: seconds to wait for process 0 to reach "
+                          "train_parallel (default 3600)")
+
+    sweep = commands.add_parser(
+        "sweep", help="run the pipeline once per configuration of a grid, and compare the runs",
+        description="Run one pipeline per configuration (child flow runs of one parent flow, on one store, so "
+                    "stages the configurations share are built once) and compare them in one table.")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
+                       help="a setting and its values; several --grid make every combination")
+    sweep.add_argument("--list", action="append", default=[], metavar="JSON", dest="listed",
+                       help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
+    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
+                       help="refuse sweeps of more than N runs (default 32)")
+    sweep.add_argument("--pool", metavar="NAME",
+                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
+                            "all at once: every worker of the pool trains one (needs a running server)")
+    _pipeline_options(sweep)
+
+    runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
+                               description="List the trained versions in the store with the settings in which "
+                                           "they differ; --diff A B compares two of them in full.")
+    runs.add_argument("--store", help=STORE_HELP)
+    runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="two version keys (or unique key prefixes)")
+    runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    presets = commands.add_parser("presets", help="show each preset's full configuration",
+                                  description="Print the configuration of each preset (or one) as JSON.")
+    presets.add_argument("name", nargs="?", choices=PRESET_NAMES[1:])
+
+    listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
+                                  description="List the stage versions in the store, newest first.")
+    listing.add_argument("stage", nargs="?", choices=NAMES)
+    listing.add_argument("--store", help=STORE_HELP)
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
+                             description="Start `prefect server start` with bardflow's settings "
+                                         "(bound to 127.0.0.1, no telemetry) in the foreground.")
+    ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ui.add_argument("--port", type=int, default=4200)
+    server = commands.add_parser(
+        "server", help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
+        description="start: a Prefect server in the background, bound to 127.0.0.1, which `run` and `sweep` "
+                    "use while it runs (unless PREFECT_API_URL names another); stop: stop it; status: say "
+                    "whether it runs (exit 3 if not).")
+    server.add_argument("action", choices=("start", "stop", "status"))
+    server.add_argument("--port", type=int, default=4200)
+    return parser
+
+
+def parse_value(raw: str) -> Any:
+    """A value from the command line: JSON when it parses as JSON, else the text itself."""
+    import json
+
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``key=value`` from the command line."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got {text!r}; e.g. --set train.steps=100")
+    return key.strip(), parse_value(raw)
+
+
+MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
+
+
+def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], listed: list[str],
+                         max_runs: int = MAX_SWEEP_RUNS) -> list[dict[str, Any]]:
+    """The settings that vary between a sweep's runs, one dict per run: every combination of
+    the ``grid`` (``key=v1,v2,…``, each value JSON when it parses as JSON), then each ``listed``
+    configuration (a JSON object of ``key: value``). Each is validated together with the
+    preset and ``base`` (the sweep's ``--set``), so a bad one is refused before any work."""
+    import itertools
+    import json
+
+    axes: dict[str, list[Any]] = {}
+    for text in grid:
+        key, values = parse_assignment(text)
+        raw = text.partition("=")[2]
+        if not raw.strip():
+            raise ConfigError(f"--grid {key}= lists no values; give them comma-separated, e.g. --grid {key}=1,2")
+        if key in axes:
+            raise ConfigError(f"--grid names {key} twice; give all its values in one --grid {key}=a,b,c")
+        axes[key] = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
+        if not axes[key]:
+            raise ConfigError(f"--grid {key} lists no values; give at least one")
+    runs = [dict(zip(axes, combination)) for combination in itertools.product(*axes.values())] if axes else []
+    for text in listed:
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--list expects a JSON object of settings, e.g. '{{\"train.steps\": 100}}'; "
+                              f"got {text!r} ({error.msg})") from error
+        if not isinstance(entry, dict) or not entry:
+            raise ConfigError(f"--list expects a non-empty JSON object of settings, got {text!r}")
+        runs.append(entry)
+    if not runs:
+        raise ConfigError("a sweep needs at least one --grid key=v1,v2 or --list '{\"key\": value}'")
+    if len(runs) > max_runs:
+        raise ConfigError(f"the sweep has {len(runs)} runs, more than the maximum of {max_runs}; "
+                          f"narrow the grid, or raise the limit with --max-runs {len(runs)}")
+    seen: dict[str, int] = {}
+    for number, varying in enumerate(runs, 1):
+        try:
+            config = build_config(preset, {**base, **varying})
+        except ConfigError as error:
+            shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in varying.items())
+            raise ConfigError(f"sweep run {number} ({shown}): {error}") from error
+        digest = config.model_dump_json()
+        if digest in seen:
+            raise ConfigError(f"sweep runs {seen[digest]} and {number} are the same configuration; drop one")
+        seen[digest] = number
+    return runs

@@ -1,0 +1,88 @@
+"""What the command line prints: the run's summary and samples, a sweep's table, the store's
+versions. Every table fits the terminal (``tables.fitted``); ``--json`` prints the same data."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from bardflow.flows.tables import Column, fitted, short_time
+from bardflow.tasks.registry import BY_NAME
+
+SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
+
+
+def headline(stage: str, metrics: dict[str, Any]) -> str:
+    """The figures worth a glance in a summary row, one to a line; the manifest has them all
+    (a checksum is shown by its first 12 digits, like a key)."""
+    known = BY_NAME.get(stage)
+    names = known.headline if known else list(metrics)[:4]
+    return "\n".join(f"{name}={_glance(metrics[name])}" for name in names if name in metrics)
+
+
+def _glance(value: Any) -> str:
+    text = str(value)
+    hexadecimal = len(text) >= 32 and all(c in "0123456789abcdef" for c in text)
+    return text[:SHORT_KEY] + "…" if hexadecimal else text
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The stages (readable at 80 columns: short keys, one figure a line) and the samples."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
+    rows = [[name, f"[{'green' if stage['state'] == 'ran' else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
+             headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
+    console = Console()
+    console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
+    console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
+    for sample in summary.get("samples", []):
+        prompt, text = sample["prompt"], sample["text"]
+        rest = text[len(prompt):] if text.startswith(prompt) else text
+        console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
+        console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
+
+
+def print_sweep(result: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    rows = result["rows"]
+    where = f", work pool {result['pool']}" if result.get("pool") else ""
+    # What tells the runs apart stays longest; versions and timings go first at a narrow width.
+    ranks = {"run": 5, "status": 4, "val_loss": 4, "tokens_per_s": 2, "val_bpb": 1, "training_s": 1,
+             "train_parallel": 0, "generate": 0}
+    columns = [Column(name, ranks.get(name, 3)) for name in rows[0]]
+    cells = []
+    for row in rows:
+        shown = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
+                 f"{v:,.0f}" if isinstance(v, float) and k == "tokens_per_s" else
+                 f"{v:.1f}" if isinstance(v, float) else "—" if v is None else
+                 str(v)[:SHORT_KEY] if k in ("train_parallel", "generate") else str(v) for k, v in row.items()]
+        if row["status"] != "completed":
+            shown[list(row).index("status")] = f"[red]{row['status']}"
+        cells.append(shown)
+    title = f"bardflow sweep: {len(rows)} runs, preset {result['preset']}{where}, store {result['store']}"
+    Console().print(fitted(title, columns, cells))
+    for number, run in enumerate(result["runs"], 1):
+        if run.get("error"):
+            print(f"run {number} failed: {run['error']}", file=sys.stderr)
+
+
+def print_versions(title: str, rows: list[dict[str, Any]]) -> None:
+    """``bardflow artifacts``: one row per version, newest first."""
+    from rich.console import Console
+
+    columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
+               Column("key figures", 2, text=True)]
+    cells = [[row["stage"], row["key"], short_time(row["created"]), f"{row['bytes'] / 1e6:.2f} MB",
+              headline(row["stage"], row["metrics"])] for row in rows]
+    Console().print(fitted(title, columns, cells))
+
+
+def show(result: dict[str, Any], as_json: bool, table) -> None:
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        table(result)
