@@ -18,6 +18,7 @@ import pytest
 from bardflow.model.checkpoint import load_train_state
 from bardflow.model.config import TrainingRequest, build_config
 from bardflow.model.data import Batches, encode, write_sequences
+from bardflow.model.settings import resolve
 from bardflow.model.train import Placement, init_state, train, val_batches
 from bardflow.runtime.distributed import DistributedError, ProcessGroup
 from bardflow.runtime.launch import launch_local, process_command, process_env
@@ -105,9 +106,10 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
                  on_step=lambda done, total: seen.append(done))
     assert seen[-1] == 40  # process 0 reported its progress
 
-    graphdef, state = init_state(TINY.model, cfg)
+    step = resolve(TINY.model, cfg, TINY.data.seq_len, "cpu")  # the settings a training run resolves here
+    graphdef, state = init_state(step.model(TINY.model), cfg)
     one = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8, multiple=2),
-                Placement.data_parallel(jax.devices()), cfg)
+                Placement.data_parallel(jax.devices()), cfg, step=step)
 
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["metrics"]["processes"] == 2 and result["metrics"]["devices"] == 2
