@@ -31,20 +31,29 @@ def source_of(module: str) -> Path | None:
         path / "__init__.py" if (path / "__init__.py").exists() else None)
 
 
+def imports(tree: ast.AST) -> set[str]:
+    """Every module a module's code imports, anywhere in it; ``from bardflow.runtime import
+    stopping`` names ``bardflow.runtime.stopping`` too."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module in {"bardflow", *(f"bardflow.{room}" for room in ROOMS)}:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
 def normalized(path: Path) -> tuple[str, set[str]]:
     """The module's code without comments or docstrings, and the bardflow modules it imports."""
     tree = ast.parse(path.read_text())
-    imported = set()
+    imported = imports(tree)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
-        if isinstance(node, ast.Import):
-            imported |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-            imported |= {f"{node.module}.{alias.name}" for alias in node.names}  # from bardflow.x import module
     return ast.unparse(tree), {name for name in imported if source_of(name)}
 
 

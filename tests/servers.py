@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from bardflow.runtime.launch import free_port
+from tests.helpers import REPO
 
 
 def stop(process: subprocess.Popen) -> None:

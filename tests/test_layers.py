@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from tests.code_versions import ROOMS
+from tests.code_versions import imports as imports_of
 from tests.helpers import REPO
 
-ROOMS = ("flows", "tasks", "runtime", "model", "artifacts")
 # What each room may import of bardflow's own rooms.
 ALLOWED = {"flows": set(ROOMS), "tasks": {"tasks", "runtime", "model", "artifacts"},
            "runtime": {"runtime", "model"}, "model": {"model"}, "artifacts": {"artifacts", "model"}}
@@ -20,15 +21,7 @@ MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dty
 
 
 def imports(path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            if node.module in {f"bardflow.{room}" for room in ROOMS}:  # from bardflow.runtime import stopping
-                found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
+    return imports_of(ast.parse(path.read_text()))
 
 
 def own_imports(path) -> set[str]:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from bardflow.runtime.launch import free_port
 from bardflow.tasks.registry import NAMES
 from tests.helpers import REPO, finish, md5_bytes, play_text, start
-from tests.servers import free_port
 
 pytestmark = pytest.mark.flow
 

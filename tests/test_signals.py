@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.flow
 STEPS = 400
