@@ -21,9 +21,13 @@ STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLO
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     """What `run` and `sweep` share."""
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="auto",
+    parser.add_argument("--preset", choices=PRESET_NAMES,
                         help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
-                             "on a GPU), tiny (seconds); auto picks codelab on a GPU, else cpu")
+                             "on a GPU), tiny (seconds); auto (the default, unless --config names one) picks "
+                             "codelab on a GPU, else cpu")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML or JSON file with any of the sections of `bardflow presets` and optionally "
+                             "a preset; --set applies on top (start from `bardflow presets --yaml NAME`)")
     parser.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
                                          "or the public TinyShakespeare URL)")
     parser.add_argument("--store", help=STORE_HELP)
@@ -83,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     presets = commands.add_parser("presets", help="show each preset's full configuration",
                                   description="Print the configuration of each preset (or one) as JSON.")
     presets.add_argument("name", nargs="?", choices=PRESET_NAMES[1:])
+    presets.add_argument("--yaml", action="store_true", help="print the preset (one must be named) as a complete "
+                                                             "config file for --config")
 
     listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
                                   description="List the stage versions in the store, newest first.")

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from bardflow.flows import printing
+from bardflow.flows import config_file, printing
 from bardflow.flows.arguments import UsageError, parse_assignment, parser
 from bardflow.flows.server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
 from bardflow.flows.settings import (
@@ -59,7 +59,9 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     global _embedded
     from bardflow.model.config import ConfigError, build_config
 
-    overrides = dict(parse_assignment(text) for text in args.settings)
+    named, overrides = config_file.read(args.config) if args.config else (None, {})
+    args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
+    overrides.update(parse_assignment(text) for text in args.settings)  # --set on top of the file
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
     # here when no preset `auto` may become accepts it, checked again once it is chosen.
     candidates = AUTO_CHOICES if args.preset == "auto" else (args.preset,)
@@ -168,6 +170,11 @@ def _cluster_follower():
 def _presets(args: argparse.Namespace) -> int:
     from bardflow.model.config import PRESETS, build_config
 
+    if args.yaml:
+        if not args.name:
+            raise UsageError("presets --yaml prints one preset: name it, e.g. bardflow presets --yaml cpu")
+        print(config_file.as_yaml(args.name), end="")
+        return 0
     names = [args.name] if args.name else list(PRESETS)
     print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
     return 0

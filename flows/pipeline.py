@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
 from bardflow.artifacts.store import Version
+from bardflow.flows import config_file
 from bardflow.flows.settings import (
     PRESET_NAMES,
     debugging,
@@ -38,6 +39,7 @@ from bardflow.model.config import ConfigError, GenerateConfig, PipelineConfig, P
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
 from bardflow.runtime.distributed import hardware
+from bardflow.tasks.fetch import pin
 from bardflow.tasks.registry import NAMES, STAGES
 from bardflow.tasks.stage import RunPlan, Stage, produce
 
@@ -80,18 +82,26 @@ STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
-               refresh: list[str], processes: int = 1) -> dict[str, Any]:
+               refresh: list[str], processes: int = 1, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
     logger = get_run_logger()
+    overrides: dict[str, Any] = {}
+    if settings is not None:
+        if config is not None:
+            raise ConfigError("give either config (a whole configuration) or settings (a config file's content), "
+                              "not both")
+        named, overrides = config_file.settings(settings, "the settings parameter")
+        preset = named or preset  # the file's own preset, over a deployment's default one
     chosen = pick_preset(preset)
-    config = config or build_config(chosen)
+    config = config or build_config(chosen, overrides)
     if corpus is not None and not corpus.strip():
         raise ConfigError(empty_corpus("corpus"))
     corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
     if corpus:
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
+    config = config.model_copy(update={"data": pin(config.data)})  # a local corpus's md5: computed, and keys it
     devices, platform = hardware()
     logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform)
     plan = RunPlan(config, devices, platform, processes)
@@ -128,15 +138,19 @@ def pipeline(
     store: str | None = None,
     refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
     processes: int = 1,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fetch, encode, train on one device and on all, compare, checkpoint, verify, generate.
 
-    ``config`` overrides the preset entirely when given; ``corpus`` overrides its source.
-    ``processes`` > 1 runs train_parallel as that many processes of this host, which
-    share its devices out (one per GPU, say) and train as one data-parallel run.
+    ``config`` overrides the preset entirely when given; ``settings`` is what a config file
+    for ``bardflow run --config`` holds (any sections, and a preset, which then replaces
+    ``preset``), applied over the preset;
+    ``corpus`` overrides its source. ``processes`` > 1 runs train_parallel as that many
+    processes of this host, which share its devices out (one per GPU, say) and train as
+    one data-parallel run.
     """
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
-    return run_stages(preset, config, corpus, store, list(refresh), processes)
+    return run_stages(preset, config, corpus, store, list(refresh), processes, settings)
 
 
 @flow(name="bardflow-samples", log_prints=True, persist_result=False)

@@ -36,7 +36,9 @@ MAX_STEPS = 10_000_000
 
 class DataConfig(_Section):
     corpus: str = Field(TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local path")
-    md5: str = Field(TINYSHAKESPEARE_MD5, pattern=r"^[0-9a-f]{32}$")
+    # None: computed from a local file or folder when the run starts, the known checksum of
+    # the default download; any other download needs its own (it is checked against it).
+    md5: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="md5 of the corpus (a local one: computed)")
     seq_len: int = Field(256, gt=1, description="bytes per training sequence")
     every_position: bool = Field(
         False, description="store windows of seq_len + 1 bytes, so that each of the model's seq_len "

@@ -1,9 +1,14 @@
-"""Stage 1: fetch the corpus from an https URL, a file:// URL or a local path, and
-check its md5. The version is keyed on the checksum alone: the same bytes from a
-mirror are the same corpus."""
+"""Stage 1: fetch the corpus from an https URL, a file:// URL, a local path or a local
+folder of ``.txt`` files (one corpus: the files in sorted order), and check its md5. The
+version is keyed on the checksum alone: the same bytes from a mirror are the same corpus.
+
+A local corpus needs no checksum from the user: ``pin`` computes it when the run starts,
+so the version is keyed as if it had been given. A download is checked against a known
+checksum: the default corpus's own, or the one the user gives (``data.md5``)."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 import urllib.error
@@ -13,7 +18,7 @@ from pathlib import Path
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Builder, file_digest
-from bardflow.model.config import TINYSHAKESPEARE_MD5, DataConfig
+from bardflow.model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
 from bardflow.model.errors import BardflowError
 from bardflow.tasks.registry import FETCH
 
@@ -27,15 +32,64 @@ class FetchError(BardflowError, RuntimeError):
     """The corpus could not be fetched or is not the expected file."""
 
 
-def _copy_local(path: Path, target: Path) -> None:
-    try:
-        shutil.copyfile(path, target)
-    except FileNotFoundError as error:
-        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS") from error
-    except IsADirectoryError as error:
-        raise FetchError(f"corpus path {path} is a folder; point --corpus at the text file") from error
-    except PermissionError as error:
-        raise FetchError(f"corpus file {path} is not readable; fix its permissions") from error
+def local_path(source: str) -> Path | None:
+    """The file or folder a path or file:// source names; None for a download."""
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path))
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a path (or a Windows drive letter)
+        return Path(source).expanduser()
+    return None
+
+
+def corpus_files(path: Path) -> list[Path]:
+    """What a local corpus is made of: the file itself, or a folder's ``.txt`` files
+    (hidden ones left out) in sorted order of their names within it."""
+    if not path.exists():
+        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS")
+    if not path.is_dir():
+        return [path]
+    files = sorted((p for p in path.rglob("*.txt") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(path).parts)), key=lambda p: p.relative_to(path).as_posix())
+    if not files:
+        raise FetchError(f"corpus folder {path} holds no .txt files; put the text in .txt files or point "
+                         "--corpus at one file")
+    return files
+
+
+def _chunks(files: list[Path]):
+    for file in files:
+        try:
+            with open(file, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    yield chunk
+        except PermissionError as error:
+            raise FetchError(f"corpus file {file} is not readable; fix its permissions") from error
+
+
+def pin(data: DataConfig) -> DataConfig:
+    """``data`` with the corpus's md5 filled in where the user gave none: computed for a local
+    file or folder, the known one for the default download. Any other download must name
+    its checksum, which the fetched bytes are then checked against."""
+    if data.md5 is not None:
+        return data
+    path = local_path(data.corpus)
+    if path is not None:
+        digest = hashlib.md5()
+        for chunk in _chunks(corpus_files(path)):
+            digest.update(chunk)
+        return data.model_copy(update={"md5": digest.hexdigest()})
+    if data.corpus == TINYSHAKESPEARE_URL:
+        return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
+    raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
+                      "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
+
+
+def _copy_local(path: Path, target: Path) -> list[Path]:
+    files = corpus_files(path)
+    with open(target, "wb") as out:
+        out.writelines(_chunks(files))
+    return files
 
 
 def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float = TIMEOUT_S) -> None:
@@ -61,21 +115,22 @@ def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float
     ) from last
 
 
-def fetch_to(source: str, target: Path) -> None:
-    parsed = urllib.parse.urlparse(source)
-    if parsed.scheme in ("http", "https"):
+def fetch_to(source: str, target: Path) -> list[Path] | None:
+    """Writes the corpus to ``target``; returns the local files it was made of (None for a download)."""
+    path = local_path(source)
+    if path is not None:
+        return _copy_local(path, target)
+    if urllib.parse.urlparse(source).scheme in ("http", "https"):
         _download(source, target)
-    elif parsed.scheme == "file":
-        _copy_local(Path(urllib.request.url2pathname(parsed.path)), target)
-    elif parsed.scheme == "" or len(parsed.scheme) == 1:  # a path (or a Windows drive letter)
-        _copy_local(Path(source).expanduser(), target)
-    else:
-        raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL or a path")
+        return None
+    raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL or a path")
 
 
 def build(settings: DataConfig, out: Builder) -> None:
+    if settings.md5 is None:
+        raise ConfigError("the corpus's md5 is not known: a run computes or checks it before its first stage (pin)")
     target = out.path(CORPUS)
-    fetch_to(settings.corpus, target)
+    files = fetch_to(settings.corpus, target)
     size = target.stat().st_size
     if size == 0:
         raise FetchError(f"the corpus at {settings.corpus} is empty (0 bytes); point --corpus at the text file")
@@ -93,6 +148,9 @@ def build(settings: DataConfig, out: Builder) -> None:
         )
     out.metrics.update({"bytes": size, "md5": actual})
     out.record["source"] = settings.corpus
+    path = local_path(settings.corpus)
+    if files is not None and path is not None and path.is_dir():
+        out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size} for f in files]
     ui.table(
         FETCH.name,
         [{"source": settings.corpus, "bytes": size, "md5": actual}],

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# The tests check what programs compute, not how fast: XLA:CPU's backend at -O0 compiles in
+# about half the time (docs/benchmarks.md, the test suite), and every process a test starts
+# inherits the flag with the rest of XLA_FLAGS.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Compiled programs are kept on disk and shared by every process of the session (the CLI

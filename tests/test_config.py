@@ -8,7 +8,7 @@ def test_presets_validate_and_codelab_is_the_codelab():
     cfg = build_config("codelab")
     assert (cfg.model.d_model, cfg.model.num_heads, cfg.model.ffn_dim, cfg.model.num_layers) == (256, 4, 1024, 4)
     assert (cfg.train.steps, cfg.train.per_device_batch, cfg.train.learning_rate) == (500, 32, 3e-4)
-    assert cfg.data.seq_len == 256 and cfg.data.md5 == "6fb458f1232090904fb40fe944165e91"
+    assert cfg.data.seq_len == 256 and cfg.data.corpus.endswith("/tinyshakespeare/input.txt")
     assert [(p.text, p.temperature) for p in cfg.generate.prompts] == [("ROMEO:", 0.8), ("To be, or not", 0.6)]
     for name in ("cpu", "tiny", "quality"):
         assert build_config(name).data.seq_len <= build_config(name).model.max_seq_len
@@ -116,3 +116,64 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
                     "single-device steps": train["single_device_steps"] or train["steps"],
                     "batch per device": train["per_device_batch"], "optimizer": train["optimizer"]}
         assert {k: rows[name][k] for k in expected} == {k: str(v) for k, v in expected.items()}, name
+
+
+def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(tmp_path):
+    """YAML or JSON; what it holds is validated by the same models, and a bad key or value is
+    named with the file it is in."""
+    import json
+
+    from bardflow.flows import config_file
+
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("preset: tiny\ntrain:\n  steps: 7\n  learning_rate: 1.0e-2\ngenerate:\n  seed: 3\n")
+    preset, overrides = config_file.read(run_yaml)
+    assert preset == "tiny" and overrides == {"train.steps": 7, "train.learning_rate": 0.01, "generate.seed": 3}
+    as_json = tmp_path / "run.json"
+    as_json.write_text(json.dumps({"train": {"steps": 7}}))
+    assert config_file.read(as_json) == (None, {"train.steps": 7})
+    # `bardflow presets --yaml NAME` is a complete file: read back, it is the preset itself.
+    whole = tmp_path / "cpu.yaml"
+    whole.write_text(config_file.as_yaml("cpu"))
+    assert build_config(*config_file.read(whole)) == build_config("cpu")
+
+    for text, words in [
+        ("trian:\n  steps: 3\n", [str(run_yaml), "unknown key 'trian'", "preset, data, model"]),
+        ("train:\n  stepz: 3\n", [str(run_yaml), "train.stepz = 3", "unknown setting 'train.stepz'"]),
+        ("train:\n  steps: 0\n", [str(run_yaml), "train.steps = 0", "greater than 0"]),
+        ("preset: huge\n", [str(run_yaml), "'huge' is not a preset"]),
+        ("train: [1, 2]\n", [str(run_yaml), "train: expected a mapping"]),
+        ("train:\n  steps: 3\n bad indent: [\n", [str(run_yaml), "not valid YAML or JSON at line"]),
+        ("- 1\n", [str(run_yaml), "expected a mapping of sections"]),
+    ]:
+        run_yaml.write_text(text)
+        with pytest.raises(ConfigError) as error:
+            config_file.read(run_yaml)
+        message = str(error.value)
+        assert "\n" not in message and all(w in message for w in words), (text, message)
+    with pytest.raises(ConfigError, match="does not exist; check --config"):
+        config_file.read(tmp_path / "gone.yaml")
+    # Naming no preset, a setting is refused only if no preset would accept it.
+    run_yaml.write_text("data:\n  seq_len: 256\n")
+    assert config_file.read(run_yaml) == (None, {"data.seq_len": 256})
+
+
+def test_the_command_takes_a_config_file_under_set_and_refuses_a_bad_one_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    bad = tmp_path / "run.yaml"
+    bad.write_text("preset: tiny\ntrain:\n  steps: -2\n")
+    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--config', "
+            "sys.argv[2]]); print('imported:', [m for m in ('jax', 'prefect') if m in sys.modules]); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    line = done.stderr.strip()
+    assert done.returncode == 1 and "imported: []" in done.stdout, done.stdout + done.stderr
+    assert line.startswith(f"bardflow: error: {bad}: train.steps = -2:") and "\n" not in line, line
+    assert not (tmp_path / "store").exists()
+    printed = subprocess.run([sys.executable, "-m", "bardflow", "presets", "--yaml", "tiny"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert printed.startswith("# bardflow run --config FILE") and "\npreset: tiny\n" in printed

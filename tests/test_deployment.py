@@ -136,38 +136,37 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
 
 
 def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deployed):
-    """`prefect flow-run cancel` (what the UI's Cancel does): the worker sends SIGTERM, the
+    """Cancelling, as the UI's Cancel and `prefect flow-run cancel` do: the worker sends SIGTERM, the
     flow run's process saves a checkpoint of the step it reached and exits well within the
     worker's grace period, the run ends Cancelled, and the rerun resumes from that step."""
-    from bardflow.model.config import build_config
-
     server, _, bucket = deployed
     store = bucket.prefix("cancelled")
-    config = build_config("tiny", {"train.steps": 4000, "train.log_every": 400, "train.checkpoint_every": 4000})
-    params = ["preset=tiny", f"store={store}", f"config={json.dumps(config.model_dump(mode='json'))}"]
+    # What `bardflow run --config` reads, as the deployment's settings (the preset named in it).
+    settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 100, "checkpoint_every": 4000}}
+    params = [f"store={store}", f"settings={json.dumps(settings)}"]
     # One device, as on a host with one GPU: train_parallel reuses train_single's version.
     one_device = ['env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}']
     done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow-pipeline/pipeline",
                       *[arg for p in params for arg in ("--param", p)], "--job-variable", one_device[0])
     run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
 
-    def messages() -> list[str]:
-        return [log["message"] for log in server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})]
-
     deadline = time.monotonic() + 300
-    while not any(m.startswith("train_single (") and "/4000" in m for m in messages()):
-        assert time.monotonic() < deadline, "the run never reached training"
+    while not any(m.startswith("train_single (") and "/4000" in m for m in messages_of(server, run_id)):  # a progress line
+        state = server.api(f"/flow_runs/{run_id}")["state"]
+        assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING") and time.monotonic() < deadline, \
+            f"the run never reached training: {state['type']} {state.get('message')}\n" + "\n".join(messages_of(server, run_id)[-20:])
         time.sleep(0.5)
     pid = int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
     cancelled = time.monotonic()
-    assert server.run(str(BIN / "prefect"), "flow-run", "cancel", run_id).returncode == 0
+    cancelling = {"state": {"type": "CANCELLING", "name": "Cancelling"}}  # what the UI's Cancel and the CLI send
+    assert server.api(f"/flow_runs/{run_id}/set_state", cancelling)["status"] == "ACCEPT"
     while (state := server.api(f"/flow_runs/{run_id}")["state"])["type"] not in ("CANCELLED", "FAILED", "COMPLETED",
                                                                                    "CRASHED"):
         assert time.monotonic() - cancelled < 30, "not stopped within the worker's grace period"
         time.sleep(0.3)
     assert state["type"] == "CANCELLED", state
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    stopped = [m for m in messages() if "stopped by SIGTERM during train_single at step" in m]
+    stopped = [m for m in messages_of(server, run_id) if "stopped by SIGTERM during train_single at step" in m]
     assert stopped and "checkpoint of step" in stopped[-1]
     step = int(re.search(r"at step (\d+)", stopped[-1]).group(1))
 
@@ -177,5 +176,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
 
 
 def messages_of(server: Server, run_id: str) -> list[str]:
-    return [log["message"] for log in server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}},
-                                                                  "limit": 200})]
+    """The run's newest 200 log messages, oldest first (the API returns at most 200 at a time)."""
+    newest = server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC",
+                                          "limit": 200})
+    return [log["message"] for log in reversed(newest)]

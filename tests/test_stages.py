@@ -10,13 +10,14 @@ import pytest
 
 from bardflow.artifacts.store import Store
 from bardflow.model.checkpoint import save_model
-from bardflow.model.config import DataConfig, TrainingRequest, VerifyConfig, build_config
+from bardflow.model.config import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.fetch import FetchError, _download
+from bardflow.tasks.fetch import FetchError, _download, pin
 from bardflow.tasks.registry import CHECKPOINT, ENCODE, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model
 from bardflow.tasks.verify import VerificationError
+from tests.helpers import md5_bytes
 
 
 def make(stage, settings, store, **upstream):
@@ -62,13 +63,45 @@ def test_a_fetched_corpus_is_not_fetched_again(tmp_path, small_corpus):
 
 
 def test_the_real_corpus_matches_the_default_checksum(tmp_path, shakespeare):
-    out = fetch(DataConfig(corpus=str(shakespeare)), tmp_path)
+    out = fetch(DataConfig(corpus=str(shakespeare), md5="6fb458f1232090904fb40fe944165e91"), tmp_path)
     assert out.metrics == {"bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91"}
+    assert pin(DataConfig()).md5 == "6fb458f1232090904fb40fe944165e91"  # the default download's known sum
+
+
+def test_your_own_text_needs_no_checksum_and_a_folder_is_one_corpus(tmp_path, small_corpus):
+    """A local file's md5 is computed when the run starts and keys its version as a given one
+    would; a folder's .txt files are one corpus, in sorted order, listed in the manifest."""
+    path, md5 = small_corpus
+    assert pin(DataConfig(corpus=str(path))).md5 == md5 == pin(DataConfig(corpus=path.as_uri())).md5
+    given, _ = make(FETCH, DataConfig(corpus=str(path), md5=md5), tmp_path / "a")
+    computed, ran = make(FETCH, pin(DataConfig(corpus=str(path))), tmp_path / "b")
+    assert ran and computed.key == given.key and computed.metrics["md5"] == md5
+
+    books = tmp_path / "books"
+    (books / "b").mkdir(parents=True)
+    parts = {"b/second.txt": b"To be, or not to be.\n", "a.txt": b"ROMEO:\nBut soft!\n", "z.txt": b"Exeunt.\n"}
+    for name, text in parts.items():
+        (books / name).write_bytes(text)
+    (books / "notes.md").write_text("not text of the corpus")
+    (books / ".hidden.txt").write_text("nor this")
+    folder, _ = make(FETCH, pin(DataConfig(corpus=str(books))), tmp_path / "c")
+    whole = parts["a.txt"] + parts["b/second.txt"] + parts["z.txt"]
+    assert folder.file("corpus.txt").read_bytes() == whole and folder.metrics["md5"] == md5_bytes(whole)
+    assert [f["name"] for f in folder.manifest["corpus_files"]] == ["a.txt", "b/second.txt", "z.txt"]
+
+    with pytest.raises(FetchError, match="gone.txt does not exist; check --corpus"):
+        pin(DataConfig(corpus=str(tmp_path / "gone.txt")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FetchError, match="holds no .txt files"):
+        pin(DataConfig(corpus=str(tmp_path / "empty")))
+    with pytest.raises(ConfigError, match=r"has none; pass it with --set data.md5="):
+        pin(DataConfig(corpus="https://example.com/my-text.txt"))  # a download: checked against a known sum
+    assert pin(DataConfig(corpus="https://example.com/my-text.txt", md5=md5)).md5 == md5
 
 
 def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
     with pytest.raises(FetchError, match="does not exist; check --corpus"):
-        fetch(DataConfig(corpus=str(tmp_path / "nope.txt")), tmp_path / "s")
+        fetch(DataConfig(corpus=str(tmp_path / "nope.txt"), md5="0" * 32), tmp_path / "s")
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
