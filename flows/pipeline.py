@@ -1,7 +1,7 @@
 """The pipeline: the codelab's journey as one Prefect flow of cached, versioned stages.
 
     fetch -> encode -> train_single -> train_parallel -> compare
-          -> checkpoint -> verify -> generate
+          -> checkpoint -> export -> verify -> generate
 
 The stages, their order and what each reads are ``tasks/registry.py``. Each stage runs as
 a Prefect task that asks the store for its version and builds it only when the store does
@@ -140,7 +140,7 @@ def pipeline(
     processes: int = 1,
     settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Fetch, encode, train on one device and on all, compare, checkpoint, verify, generate.
+    """Fetch, encode, train on one device and on all, compare, checkpoint, export, verify, generate.
 
     ``config`` overrides the preset entirely when given; ``settings`` is what a config file
     for ``bardflow run --config`` holds (any sections, and a preset, which then replaces

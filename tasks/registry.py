@@ -48,6 +48,10 @@ CHECKPOINT = Stage(
     "checkpoint", "1", reads=("train_parallel",),
     settings=lambda run: {},
     builds=("model",), headline=("parameters", "bytes"))
+EXPORT = Stage(
+    "export", "1", reads=("checkpoint",),
+    settings=lambda run: {},
+    builds=("export",), headline=("bytes", "max_abs_diff"))
 VERIFY = Stage(
     "verify", "1", reads=("checkpoint", "train_parallel", "encode"),
     settings=lambda run: run.config.verify,
@@ -57,6 +61,6 @@ GENERATE = Stage(
     settings=lambda run: run.config.generate,
     builds=("samples.json",), headline=("samples", "bytes_per_s"))
 
-STAGES = (FETCH, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, VERIFY, GENERATE)
+STAGES = (FETCH, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, EXPORT, VERIFY, GENERATE)
 BY_NAME = {stage.name: stage for stage in STAGES}
 NAMES = tuple(BY_NAME)

@@ -139,3 +139,22 @@ def test_a_read_only_store_serves_a_cached_run_and_refuses_only_a_build(workspac
         assert last.startswith(f"bardflow: error: cannot write to the store at {view}") and "Read-only" in last, last
     finally:
         subprocess.run(["umount", "-l", str(view)], capture_output=True)
+
+
+def test_the_exported_model_generates_text_without_bardflow(first_run):
+    """examples/generate_from_export.py, which imports jax, numpy and safetensors only, samples
+    from the export stage's folder."""
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import REPO
+
+    folder = Path(first_run["stages"]["export"]["path"]) / "export"
+    done = subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_from_export.py"), str(folder),
+                           "--prompt", "ROMEO:", "--bytes", "40", "--seed", "1"], capture_output=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    text = done.stdout.rstrip(b"\n")
+    assert text.startswith(b"ROMEO:") and 40 <= len(text) - len(b"ROMEO:") <= 40 * 3  # 40 bytes (utf-8 replaced)
+    source = (REPO / "examples" / "generate_from_export.py").read_text()
+    assert "bardflow" not in source.split('"""', 2)[2]  # no bardflow import, only its docstring names it

@@ -1,11 +1,13 @@
 """Stages run through the stage contract (``tasks.stage.produce``) over a real store:
 no Prefect server."""
 
+import json
 import socket
 import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from bardflow.artifacts.store import Store
@@ -13,7 +15,7 @@ from bardflow.model.checkpoint import save_model
 from bardflow.model.config import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.tasks.checkpoint import MODEL
 from bardflow.tasks.fetch import FetchError, _download, pin
-from bardflow.tasks.registry import CHECKPOINT, ENCODE, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
+from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model
 from bardflow.tasks.verify import VerificationError
@@ -111,7 +113,8 @@ def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
     assert time.monotonic() - started < 10
 
 
-def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_path, small_corpus):
+def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_one(tmp_path, small_corpus,
+                                                                                   monkeypatch):
     path, md5 = small_corpus
     store = tmp_path / "store"
     cfg = build_config("tiny", {"train.steps": 3})
@@ -134,6 +137,38 @@ def test_verify_passes_on_the_real_checkpoint_and_fails_on_a_perturbed_one(tmp_p
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
         make(VERIFY, VerifyConfig(), store, **{**upstream, "checkpoint": bad})
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
+
+    # The export: safetensors by path name that numpy alone reads, and a forward pass that a
+    # fresh interpreter without bardflow ran (the stage checked it), for CPU and CUDA.
+    from safetensors.numpy import load_file
+
+    from bardflow.model.export import flat_params
+    from bardflow.tasks import export
+
+    exported, _ = make(EXPORT, {}, store, checkpoint=saved)
+    folder = exported.file("export")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "forward.jax", "model.safetensors"]
+    weights = load_file(str(folder / "model.safetensors"))
+    ours = flat_params(trained_model(Store(store).require(trained))[0])
+    assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights
+    assert all(np.array_equal(weights[name], ours[name]) for name in ours)
+    assert exported.metrics["max_abs_diff"] <= 1e-5 and exported.metrics["platforms"] == "cpu,cuda"
+    assert json.loads((folder / "config.json").read_text())["max_seq_len"] == cfg.model.max_seq_len
+
+    def nudged(folder, model, cfg):  # an export whose weights are not the checkpoint's
+        held = write(folder, model, cfg)
+        tensors = load_file(str(folder / "model.safetensors"))
+        tensors["lm_head.kernel"] = tensors["lm_head.kernel"] + 0.05
+        save_file(tensors, str(folder / "model.safetensors"))
+        return held
+
+    from safetensors.numpy import save_file
+
+    write = export.write_export
+    monkeypatch.setattr(export, "write_export", nudged)
+    with pytest.raises(export.ExportError, match=r"differ from the checkpoint's by .* --refresh export"):
+        produce(EXPORT, {}, {"checkpoint": saved}, Store(store), force=True)
+    assert len(Store(store).versions("export")) == 1  # nothing half-written was published
 
 
 def test_with_one_device_train_parallel_takes_over_train_single_instead_of_training_again(tmp_path, small_corpus):
