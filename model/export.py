@@ -19,20 +19,20 @@ from bardflow.model.transformer import Transformer
 PLATFORMS = ("cpu", "cuda")  # lowered for both from any host (docs/architecture.md, "Export")
 
 
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by their dotted path names."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
 def flat_params(model: Transformer) -> dict[str, np.ndarray]:
     """Every parameter by its dotted path name, as numpy arrays."""
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    flat: dict[str, np.ndarray] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), value)
-        else:
-            flat[prefix] = np.asarray(jax.device_get(node))
-
-    walk("", pure)
-    return flat
+    flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return {name: np.asarray(value) for name, value in jax.device_get(flat).items()}
 
 
 def _nested(flat: dict[str, Any], template: Any, prefix: str = "") -> Any:
@@ -44,7 +44,7 @@ def _nested(flat: dict[str, Any], template: Any, prefix: str = "") -> Any:
 
 def forward_of(model: Transformer):
     """``forward(params, tokens) -> logits``: the model's forward as a pure function of its
-    flat parameters, with the plain XLA ops (portable to every platform)."""
+    flat parameters."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     template = nnx.to_pure_dict(params)
 
@@ -61,7 +61,8 @@ def export_forward(model: Transformer, cfg: ModelConfig, platforms: tuple[str, .
     from jax import export
 
     batch, length = export.symbolic_shape("batch, length", constraints=(f"length <= {cfg.max_seq_len}",))
-    params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in flat_params(model).items()}
+    params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)
+              for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     exported = export.export(jax.jit(forward_of(model)), platforms=platforms)(params, tokens)
     return bytes(exported.serialize())

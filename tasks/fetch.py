@@ -148,8 +148,7 @@ def build(settings: DataConfig, out: Builder) -> None:
         )
     out.metrics.update({"bytes": size, "md5": actual})
     out.record["source"] = settings.corpus
-    path = local_path(settings.corpus)
-    if files is not None and path is not None and path.is_dir():
+    if files is not None and (path := local_path(settings.corpus)).is_dir():  # a folder: which files, in order
         out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size} for f in files]
     ui.table(
         FETCH.name,
