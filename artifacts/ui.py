@@ -40,6 +40,15 @@ def log(message: str, *args: Any) -> None:
     logger.info(message, *args)
 
 
+def warning(message: str) -> None:
+    """A warning line, to the run's log in the UI when inside a run."""
+    import logging
+
+    from prefect.logging import get_run_logger
+
+    (get_run_logger() if _in_run() else logging.getLogger("bardflow")).warning(message)
+
+
 def table(stage: str, rows: list[dict[str, Any]], description: str, what: str = "") -> None:
     if _in_run():
         create_table_artifact(table=rows, key=artifact_key(stage, what), description=description)

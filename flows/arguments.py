@@ -33,6 +33,9 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", help=STORE_HELP)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                         help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
+    parser.add_argument("--track", action="append", default=[], metavar="mlflow[=URI]|tensorboard[=DIR]",
+                        help="track the run as it trains: MLflow (default $MLFLOW_TRACKING_URI or ./mlflow.db) "
+                             "or TensorBoard event files (default ./runs); repeatable")
     parser.add_argument("--cpu-devices", type=int, metavar="N",
                         help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
     parser.add_argument("--processes", type=int, default=1, metavar="N",

@@ -21,6 +21,7 @@ from bardflow.flows.settings import (
     prepare_environment,
     store_location,
 )
+from bardflow.flows.tracking import check_installed, track_settings
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
 from bardflow.tasks.registry import NAMES
@@ -62,6 +63,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     named, overrides = config_file.read(args.config) if args.config else (None, {})
     args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
     overrides.update(parse_assignment(text) for text in args.settings)  # --set on top of the file
+    overrides.update(track_settings(args.track))
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
     # here when no preset `auto` may become accepts it, checked again once it is chosen.
     candidates = AUTO_CHOICES if args.preset == "auto" else (args.preset,)
@@ -73,6 +75,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             errors.append(error)
     if not accepted:
         raise errors[0]
+    check_installed(accepted[0].track)  # --track mlflow without MLflow: refused now, not mid-run
     if args.processes > 1:
         # Whether the devices share out evenly needs JAX's count of them: asked now, before
         # the run's server starts, so that the refusal comes first, like every other one.

@@ -35,7 +35,16 @@ from bardflow.flows.settings import (
     prepare_environment,
     store_location,
 )
-from bardflow.model.config import ConfigError, GenerateConfig, PipelineConfig, Prompt, build_config
+from bardflow.flows.tracking import RunTracking, track_settings
+from bardflow.model.config import (
+    ConfigError,
+    GenerateConfig,
+    PipelineConfig,
+    Prompt,
+    TrackConfig,
+    TrainingRequest,
+    build_config,
+)
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
 from bardflow.runtime.distributed import hardware
@@ -82,7 +91,8 @@ STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
-               refresh: list[str], processes: int = 1, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+               refresh: list[str], processes: int = 1, settings: dict[str, Any] | None = None,
+               track: list[str] | None = None) -> dict[str, Any]:
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
@@ -96,6 +106,13 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
         preset = named or preset  # the file's own preset, over a deployment's default one
     chosen = pick_preset(preset)
     config = config or build_config(chosen, overrides)
+    if track:  # the flow's own parameter, as the command line's --track
+        fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
+        try:
+            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
+                                                                                   **fields})})
+        except ValidationError as error:
+            raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
     if corpus is not None and not corpus.strip():
         raise ConfigError(empty_corpus("corpus"))
     corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
@@ -108,18 +125,31 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
     root = store_location(store)
     checked_store(root)  # an unreachable bucket or wrong credentials: one line, before any work
+    tracked = RunTracking.start(config, chosen, root, logger.warning)  # None: not asked for
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}
-    for stage in STAGES:
-        stopping.check(f"before {stage.name}")
-        stopping.at(f"during {stage.name}")
-        started = time.perf_counter()
-        state = STAGE_TASKS[stage.name](settings[stage.name], {name: versions[name] for name in stage.reads},
-                                        root, stage.name in refresh, return_state=True)
-        versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
-        summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
-                               "path": version.location, "metrics": version.metrics,
-                               "seconds": round(time.perf_counter() - started, 3)}
+    try:
+        for stage in STAGES:
+            stopping.check(f"before {stage.name}")
+            stopping.at(f"during {stage.name}")
+            started = time.perf_counter()
+            stage_settings = settings[stage.name]
+            if tracked is not None and isinstance(stage_settings, TrainingRequest):
+                stage_settings = stage_settings.model_copy(update={"report": tracked.target(stage.name)})
+            state = STAGE_TASKS[stage.name](stage_settings, {name: versions[name] for name in stage.reads},
+                                            root, stage.name in refresh, return_state=True)
+            versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
+            summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
+                                   "path": version.location, "metrics": version.metrics,
+                                   "seconds": round(time.perf_counter() - started, 3)}
+            if tracked is not None:
+                tracked.stage_done(stage.name, summary[stage.name]["state"], version)
+    except BaseException as error:
+        if tracked is not None:
+            tracked.end("KILLED" if isinstance(error, stopping.Stopped) else "FAILED")
+        raise
+    if tracked is not None:
+        tracked.end("FINISHED")
     # The run's summary in the UI, which is also how a sweep's parent learns, from another
     # machine, what a child it ran on a worker produced.
     ui.table(RUN_ARTIFACT, [{"stage": name, "state": row["state"], "key": row["key"], "seconds": row["seconds"]}
@@ -139,6 +169,7 @@ def pipeline(
     refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
     processes: int = 1,
     settings: dict[str, Any] | None = None,
+    track: list[str] | None = None,
 ) -> dict[str, Any]:
     """Fetch, encode, train on one device and on all, compare, checkpoint, export, verify, generate.
 
@@ -147,10 +178,11 @@ def pipeline(
     ``preset``), applied over the preset;
     ``corpus`` overrides its source. ``processes`` > 1 runs train_parallel as that many
     processes of this host, which share its devices out (one per GPU, say) and train as
-    one data-parallel run.
+    one data-parallel run. ``track``: where the run is tracked as it trains, as ``--track``
+    takes it (``mlflow=URI``, ``tensorboard=DIR``).
     """
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
-    return run_stages(preset, config, corpus, store, list(refresh), processes, settings)
+    return run_stages(preset, config, corpus, store, list(refresh), processes, settings, track)
 
 
 @flow(name="bardflow-samples", log_prints=True, persist_result=False)

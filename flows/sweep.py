@@ -26,7 +26,7 @@ from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
 from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
 from bardflow.flows.settings import pick_preset, store_location
-from bardflow.model.config import ConfigError, build_config
+from bardflow.model.config import ConfigError, PipelineConfig, build_config
 from bardflow.runtime import stopping
 from bardflow.tasks.compare import plot_validation_curves
 
@@ -88,7 +88,7 @@ def sweep(
     ``bardflow-pipeline/sweep`` deployment on that work pool. A failed run fails its row, not the sweep."""
     quiet_explained_errors()
     chosen, root = pick_preset(preset), store_location(store)
-    configs = [build_config(chosen, {**settings, **varying}) for varying in configurations]
+    configs = [_in_one_experiment(build_config(chosen, {**settings, **varying})) for varying in configurations]
     total = len(configs)
     where = f" on work pool {pool}" if pool else ""
     with ui.Progress(SWEEP, total, f"sweep of {total} runs, preset {chosen}{where}") as progress:
@@ -101,6 +101,17 @@ def sweep(
     from prefect.runtime import flow_run
 
     return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs}
+
+
+def _in_one_experiment(config: PipelineConfig) -> PipelineConfig:
+    """Every child tracked in MLflow is a run of one experiment named after the sweep, so
+    that MLflow's compare view lines them up (unless the sweep names its own)."""
+    if config.track.mlflow is None or config.track.experiment is not None:
+        return config
+    from prefect.runtime import flow_run
+
+    experiment = f"sweep-{flow_run.name}"
+    return config.model_copy(update={"track": config.track.model_copy(update={"experiment": experiment})})
 
 
 def _child_name(number: int, total: int) -> str:

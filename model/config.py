@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bardflow.model.errors import BardflowError
 
@@ -153,12 +153,33 @@ class VerifyConfig(_Section):
     probe_sequences: int = Field(4, gt=0, description="validation sequences in the probe batch")
 
 
+class TrackConfig(_Section):
+    """Where a run reports its configuration and curves while it trains: nowhere by default.
+    Never part of a version key: where a run is watched does not change what it builds."""
+
+    mlflow: str | None = Field(None, min_length=1, description="MLflow tracking URI (sqlite:///path.db, "
+                               "http://host:5000, ...); the run is one MLflow run")
+    tensorboard: str | None = Field(None, min_length=1, description="folder for TensorBoard event files, "
+                                    "one subfolder per run and training stage")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment (default bardflow; "
+                                   "a sweep's children: the sweep's own)")
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _local_folder(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            raise ValueError(f"{value!r} is not a local folder; TensorBoard event files are written to a local "
+                             "folder (point TensorBoard's --logdir at it)")
+        return value
+
+
 class PipelineConfig(_Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     verify: VerifyConfig = VerifyConfig()
     generate: GenerateConfig = GenerateConfig()
+    track: TrackConfig = TrackConfig()
 
     @model_validator(mode="after")
     def _sections_agree(self) -> PipelineConfig:
@@ -180,6 +201,15 @@ class PipelineConfig(_Section):
         return self
 
 
+class TrackingTarget(_Section):
+    """Where one training stage writes its records as they happen (runtime/tracking.py)."""
+
+    stage: str
+    mlflow: str | None = None  # tracking URI
+    mlflow_run: str | None = None  # the pipeline run's MLflow run id
+    tensorboard: str | None = None  # this stage's event folder
+
+
 class TrainingRequest(_Section):
     """What a training stage trains, and on what: ``devices`` (of all processes together),
     ``platform`` and ``processes`` are part of the version key, since the same recipe on
@@ -192,6 +222,7 @@ class TrainingRequest(_Section):
     processes: int = Field(1, gt=0)
     stop_after: int | None = Field(None, gt=0, description="run only the first N steps of train.steps' "
                                    "schedule (train_single's throughput measurement); None = all")
+    report: TrackingTarget | None = None  # where its records go as it trains; not part of the recipe
 
     @property
     def steps(self) -> int:
@@ -203,7 +234,7 @@ class TrainingRequest(_Section):
         two equal kernels computes it, nor how far the other training stage runs."""
         recipe = self.model_dump(mode="json", exclude={
             "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps"},
-            "model": {"attention", "dense"}})
+            "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
         return recipe

@@ -10,13 +10,14 @@ from which the stage writes the version.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from bardflow.model.config import TrainingRequest
 from bardflow.model.multihost import broadcast_json
 from bardflow.runtime.distributed import DistributedError, ProcessGroup, initialize
-from bardflow.runtime.launch import PROGRESS
+from bardflow.runtime.launch import PROGRESS, WARNING
 
 if TYPE_CHECKING:
     from bardflow.runtime.training import RunFiles
@@ -52,7 +53,10 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
         if leader:
             print(f"{PROGRESS} {done} {total}", flush=True)
 
+    def warn(message: str) -> None:  # to the stage's log, through the launcher
+        print(f"{WARNING} {message}", flush=True)
+
     files = files_of(spec, leader)
-    summary = run_training(request, files, devices, parallel=True, on_step=report)
+    summary = run_training(request, files, devices, parallel=True, on_step=report, warn=warn)
     if leader:  # the stage makes the version's other files and its manifest from this
         Path(spec["result"]).write_text(json.dumps(summary))

@@ -4,9 +4,10 @@ own process, and what every process of a multi-process run does. No Prefect, no 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -23,7 +24,7 @@ from bardflow.model.train import (
     train,
     val_batches,
 )
-from bardflow.runtime import stopping
+from bardflow.runtime import stopping, tracking
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -66,10 +67,12 @@ def stop_hook() -> Hook:
 
 
 def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
-                 on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 on_step: Callable[[int, int], None] | None = None,
+                 warn: tracking.Warn = tracking.warn_on_stderr) -> dict[str, Any]:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
-    final state at ``files.state`` (every process calls this; process 0 writes). Returns the
+    final state at ``files.state`` (every process calls this; process 0 writes, and reports
+    each record to ``request.report``'s trackers, warning through ``warn``). Returns the
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
     global_batch = request.train.per_device_batch * len(devices)
@@ -94,12 +97,16 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
+    hooks = [stop_hook()]
+    if request.report is not None and jax.process_index() == 0:  # process 0 alone writes
+        hooks.append(tracking.history_hook(request.report, warn))
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
                        request.train, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
-                       step=step, hooks=[stop_hook()])
+                       step=step, hooks=hooks)
     finally:
         checkpoints.close()
+        tracking.close(request.report)
     save_train_state(files.state, result.state)
     metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
                "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,

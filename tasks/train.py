@@ -20,7 +20,7 @@ from bardflow.artifacts.store import Builder, Version, canonical_json
 from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state
 from bardflow.model.config import TrainingRequest
 from bardflow.model.train import TrainingError, init_state, model_from_state
-from bardflow.runtime import stopping
+from bardflow.runtime import stopping, tracking
 from bardflow.runtime.distributed import ProcessGroup, hardware
 from bardflow.runtime.launch import ProcessFailure, launch_leader, launch_local
 from bardflow.runtime.training import RunFiles, run_training
@@ -45,7 +45,8 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     if settings.steps < settings.train.steps:
         label += f", the first {settings.steps} of {settings.train.steps} steps"
     with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
-        summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress)
+        summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
+                               warn=ui.warning)
     _finish(TRAIN_SINGLE.name, out, summary)
 
 
@@ -70,7 +71,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
     with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
-        summary = run_training(settings, files, jax.devices(), parallel=True, on_step=progress)
+        summary = run_training(settings, files, jax.devices(), parallel=True, on_step=progress, warn=ui.warning)
     _finish(TRAIN_PARALLEL.name, out, summary)
 
 
@@ -107,9 +108,10 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
         with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
                 launch_local(train_process, launch / "spec.json", settings.processes,
-                             settings.devices // settings.processes, settings.platform, on_step=progress)
+                             settings.devices // settings.processes, settings.platform, on_step=progress,
+                             on_warning=_relay(settings))
             else:
-                launch_leader(train_process, launch / "spec.json", on_step=progress)
+                launch_leader(train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings))
     except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
         resume = (f"rerun the same command to resume from the checkpoint of step {kept[-1]}" if kept
@@ -121,6 +123,17 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
         separator = "; " if "\n" not in str(failure) else "\n"  # a log's last lines stay below the message
         raise TrainingError(f"train_parallel failed: {failure}{separator}{resume}") from failure
     _finish(TRAIN_PARALLEL.name, out, json.loads((launch / RESULT).read_text()))
+
+
+def _relay(settings: TrainingRequest):
+    """A training process's warning, to this stage's log. It is about a tracker (the one
+    thing a training process warns of), which is then off here too: one warning, not two."""
+
+    def relay(message: str) -> None:
+        ui.warning(message)
+        tracking.turn_off(settings.report, message)
+
+    return relay
 
 
 def training_fingerprint(summary: dict[str, Any]) -> str:

@@ -63,9 +63,10 @@ def swept(tmp_path_factory, prefect_server):
     store = root / "store"
     arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "2",
                  "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5"]
+    tracked = f"sqlite:///{root / 'mlflow.db'}"
     done = bardflow("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
-                    "--list", '{"train.learning_rate": 1e30}', "--json", env=env)
-    return store, {**json.loads(done.stdout), "arguments": arguments}
+                    "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=env)
+    return store, {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked}
 
 
 @pytest.mark.flow
@@ -85,6 +86,18 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
     assert len(ours) == 3
     parents = {prefect_server.api(f"/task_runs/{run['parent_task_run_id']}")["flow_run_id"] for run in ours}
     assert parents == {result["flow_run"]}
+
+    # Tracked, the children are the runs of one MLflow experiment named after the sweep.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(result["mlflow"])
+    (experiment,) = [e for e in client.search_experiments() if e.name.startswith("sweep-")]
+    parent = prefect_server.api(f"/flow_runs/{result['flow_run']}")
+    assert experiment.name == f"sweep-{parent['name']}"
+    tracked = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    assert [run.info.run_name for run in tracked] == [f"sweep-run-{n}-of-3" for n in (1, 2, 3)]
+    assert [run.data.params["train.learning_rate"] for run in tracked] == ["0.003", "0.01", "1e+30"]
+    assert [run.info.status for run in tracked] == ["FINISHED", "FINISHED", "FAILED"]
 
     artifact = prefect_server.api("/artifacts/filter", {"artifacts": {
         "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [result["flow_run"]]}}})[0]
