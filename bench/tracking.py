@@ -2,8 +2,10 @@
 step. Training writes one record (loss, val_loss, val_bpb, tokens/s) every ``train.log_every``
 steps, through the same hook as a run (``runtime/tracking.py``): this times that write for
 each destination (MLflow on a local SQLite database, MLflow over HTTP when ``--server`` names
-one, TensorBoard event files) and divides by each preset's ``log_every``. The record's
-evaluation is the run's own cost, not tracking's, and is not timed here.
+one, TensorBoard event files) and divides by each preset's ``log_every``; then it runs the
+``cpu`` preset's training loop (the production step and ``run_steps``) with and without the
+tracking hook, in alternating rounds, for ms/step both ways. A record's evaluation is the
+run's own cost, not tracking's: the loop appends records without evaluating.
 """
 
 from __future__ import annotations
@@ -32,10 +34,53 @@ def record_ms(target, records: int) -> list[float]:
     return times[1:]  # the first opens the destination
 
 
+def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
+    """ms/step of the ``cpu`` preset's loop without and with the tracking hook."""
+    import jax
+    import numpy as np
+
+    from bardflow.model.config import build_config
+    from bardflow.model.settings import resolve
+    from bardflow.model.train import Hook, RunRecord, every, init_state, make_train_step, run_steps
+    from bardflow.runtime.tracking import history_hook
+    from bench.run import alternating
+
+    cfg = build_config("cpu")
+    batch, seq_len, log_every = cfg.train.per_device_batch, cfg.data.seq_len, cfg.train.log_every
+    stream = np.random.default_rng(0).integers(0, 256, (16, batch, seq_len), dtype=np.int32)
+    step = resolve(cfg.model, cfg.train, seq_len, jax.default_backend())
+    graphdef, state = init_state(step.model(cfg.model), cfg.train)
+    compiled = make_train_step(graphdef, dtype=jax.numpy.dtype(step.precision), passes=step.passes(batch)).lower(
+        state, stream[0]).compile(compiler_options=step.xla_options)
+    box = {"state": state}
+
+    def records(info) -> None:
+        info.record.history.append({"step": info.step, "loss": float(info.loss), "val_loss": 2.0, "val_bpb": 2.9,
+                                    "tokens": info.tokens, "seconds": info.record.trained_s()})
+
+    def timed(tracked: bool):
+        def run() -> float:
+            hooks = [Hook(records, every(log_every, and_last=True))] + ([history_hook(target)] if tracked else [])
+            record = RunRecord([])
+            started = record.started = time.perf_counter()
+            box["state"] = run_steps(compiled, box["state"], lambda s: stream[s % len(stream)], range(steps),
+                                     batch * (seq_len - 1), hooks, record)
+            jax.block_until_ready(box["state"])
+            return 1e3 * (time.perf_counter() - started) / steps
+        return run
+
+    timed(False)()  # warm-up
+    without, with_tracker = alternating([timed(False), timed(True)], rounds)
+    return {"steps": steps, "rounds": rounds, "log_every": log_every, "without_ms_per_step": without,
+            "with_ms_per_step": with_tracker}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tracking", description=__doc__)
     parser.add_argument("--records", type=int, default=50, help="records written per destination (default 50)")
     parser.add_argument("--server", help="an MLflow server's URL to time as well (http://127.0.0.1:5000)")
+    parser.add_argument("--loop-steps", type=int, default=190, help="steps per timed loop, cpu preset (default 190)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds without and with (default 3)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     from bardflow.model.config import PRESETS, TrackingTarget, build_config
@@ -53,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             run.end("FINISHED")
         measured["tensorboard"] = record_ms(TrackingTarget(stage="train_single", tensorboard=f"{tmp}/tb"),
                                             args.records)
+        loop_uri = destinations.get("mlflow_http", destinations["mlflow_sqlite"])
+        run = MlflowRun.create(loop_uri, "bench-tracking", "loop", {}, print)
+        loop = loop_ms_per_step(TrackingTarget(stage="train_single", mlflow=loop_uri, mlflow_run=run.run_id,
+                                               tensorboard=f"{tmp}/tb-loop"), args.loop_steps, args.rounds)
+        loop["destinations"] = [loop_uri.split(":")[0], "tensorboard"]
     log_every = {preset: build_config(preset).train.log_every for preset in PRESETS}
     flat = {}
     for name, times in measured.items():
@@ -60,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         flat[f"{name}_ms_per_record"] = round(median, 3)
         for preset, every in log_every.items():
             flat[f"{name}_ms_per_step_{preset}"] = round(median / every, 4)
+    flat["cpu_loop_ms_per_step_without"] = round(statistics.median(loop["without_ms_per_step"]), 2)
+    flat["cpu_loop_ms_per_step_with"] = round(statistics.median(loop["with_ms_per_step"]), 2)
     report = {"machine": machine(), "records": args.records, "log_every": log_every,
-              "ms_per_record": {name: times for name, times in measured.items()}}
+              "ms_per_record": {name: times for name, times in measured.items()}, "cpu_loop": loop}
     write_report(report, flat, args.out, "tracking")
     return 0
 

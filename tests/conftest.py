@@ -61,10 +61,13 @@ def shakespeare() -> Path:
 
 def pytest_collection_modifyitems(items):
     """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
-    inner loop."""
+    inner loop. Modules with slow tests go first, so that parallel workers (the README's
+    ``-n 2 --dist loadfile``) start the long ones early and end on short ones together."""
     for item in items:
         if item.get_closest_marker("flow") or item.get_closest_marker("processes"):
             item.add_marker(pytest.mark.slow)
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)  # stable: file order within
 
 
 @pytest.fixture(scope="session")

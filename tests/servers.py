@@ -18,9 +18,9 @@ from bardflow.runtime.launch import free_port
 from tests.helpers import REPO
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, grace_s: float = 15) -> None:
     """TERM, then INT, then KILL, each to the whole process group, until it is gone."""
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGINT, 10), (signal.SIGKILL, 10)):
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGINT, min(grace_s, 10)), (signal.SIGKILL, 10)):
         if process.poll() is not None:
             return
         try:
@@ -69,9 +69,14 @@ class Server:
         assert done.returncode == 0, done.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
         return self
 
-    def stop(self, process: subprocess.Popen) -> None:
-        stop(process)
+    def stop(self, process: subprocess.Popen, grace_s: float = 15) -> None:
+        stop(process, grace_s)
         self.processes.remove(process)
+
+    def stop_worker(self, worker: subprocess.Popen) -> None:
+        """An idle ``prefect worker`` (3.9) logs that it got SIGTERM, then SIGINT, and keeps
+        polling for a minute or more: once the tests are done with it, it is killed."""
+        self.stop(worker, grace_s=1)
 
     def stop_all(self) -> None:
         for process in reversed(self.processes):

@@ -43,7 +43,7 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
     try:
         yield prefect_server, store, object_server
     finally:
-        prefect_server.stop(worker)
+        prefect_server.stop_worker(worker)
         assert worker.poll() is not None, "the worker was left running"
 
 

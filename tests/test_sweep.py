@@ -159,7 +159,7 @@ def pool_workers(prefect_server):
         yield workers
     finally:
         for worker in workers.values():
-            prefect_server.stop(worker)
+            prefect_server.stop_worker(worker)
         assert all(worker.poll() is not None for worker in workers.values()), "a worker was left running"
 
 
