@@ -72,7 +72,8 @@ def quiet_mlflow() -> None:
     failures reach the user as one warning line. A server that stops answering is given
     up on within seconds, not retried for minutes."""
     for variable, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                            ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
+                            ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
+                            ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):  # stdout is the summary's
         os.environ.setdefault(variable, value)
     import mlflow  # noqa: F401 - first: importing it sets its loggers' levels
 

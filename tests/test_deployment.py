@@ -142,7 +142,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     server, _, bucket = deployed
     store = bucket.prefix("cancelled")
     # What `bardflow run --config` reads, as the deployment's settings (the preset named in it).
-    settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 100, "checkpoint_every": 4000}}
+    settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 1000, "checkpoint_every": 4000}}
     params = [f"store={store}", f"settings={json.dumps(settings)}"]
     # One device, as on a host with one GPU: train_parallel reuses train_single's version.
     one_device = ['env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}']
