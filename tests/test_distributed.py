@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bardflow.model.checkpoint import load_train_state
-from bardflow.model.config import TrainingRequest, build_config
+from bardflow.model.config import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.data import Batches, encode, write_sequences
 from bardflow.model.settings import resolve
 from bardflow.model.train import Placement, init_state, train, val_batches
@@ -82,12 +82,12 @@ def test_every_process_gets_its_share_of_the_devices_and_no_gpu_preallocation():
             os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = saved
 
 
-def describe_run(folder: Path, cfg) -> object:
+def describe_run(folder: Path, cfg, report: TrackingTarget | None = None) -> object:
     """Arrow files of a generated corpus and the description process 0 gets: ``spec.json``."""
     split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
     write_sequences(folder / "train.arrow", split.train, {})
     write_sequences(folder / "val.arrow", split.val, {})
-    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2)
+    request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2, report=report)
     (folder / "out").mkdir()
     spec = {"request": request.model_dump(mode="json"), "train": str(folder / "train.arrow"),
             "val": str(folder / "val.arrow"), "state": str(folder / "out" / "state"),
@@ -100,7 +100,8 @@ def describe_run(folder: Path, cfg) -> object:
 def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path):
     # Two passes per step: each process sums its passes' gradients, then one all-reduce.
     cfg = TINY.train.model_copy(update={"steps": 40, "micro_batch": 2})
-    split = describe_run(tmp_path, cfg)
+    # Both processes are told where to track; process 0 alone writes.
+    split = describe_run(tmp_path, cfg, TrackingTarget(stage="train_parallel", tensorboard=str(tmp_path / "tb")))
     seen = []
     launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
                  on_step=lambda done, total: seen.append(done))
@@ -125,6 +126,12 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     for theirs, ours in zip(saved, jax.tree.leaves(jax.device_get(one.state))):
         if np.issubdtype(np.asarray(ours).dtype, np.floating):
             np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-6, atol=1e-7)
+    (events,) = (tmp_path / "tb").iterdir()  # one writer: process 0's
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(events))
+    reader.Reload()
+    assert [e.step for e in reader.Scalars("loss")] == [h["step"] for h in result["history"]]
     # Each process read only its own half of every batch.
     for index, rows in enumerate(("[0, 4)", "[4, 8)")):
         assert f"process {index} of 2: rows {rows} of every global batch of 8" in (tmp_path / f"process-{index}.log").read_text()
