@@ -51,8 +51,9 @@ class Backend:
 
     name = "tracker"
 
-    def __init__(self, where: str, warn: Warn):
+    def __init__(self, where: str, warn: Warn, name: str | None = None):
         self.where, self.warn, self.off = where, warn, False
+        self.name = name or self.name
 
     def call(self, what: str, operation: Callable[[], Any]) -> Any:
         if self.off:
@@ -90,13 +91,15 @@ class MlflowRun(Backend):
 
     name = "MLflow"
 
-    def __init__(self, uri: str, run_id: str, warn: Warn):
+    def __init__(self, uri: str, run_id: str, warn: Warn, client=None):
         super().__init__(uri, warn)
         self.run_id = run_id
-        quiet_mlflow()
-        from mlflow.tracking import MlflowClient
+        if client is None:
+            quiet_mlflow()
+            from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(uri)
+            client = MlflowClient(uri)
+        self.client = client
 
     @classmethod
     def create(cls, uri: str, experiment: str, name: str, tags: dict[str, str], warn: Warn) -> MlflowRun | None:
@@ -120,13 +123,11 @@ class MlflowRun(Backend):
                 experiment_id = found.experiment_id
             return client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
 
-        guard = Backend(uri, warn)
-        guard.name = cls.name
-        run_id = guard.call(f"creating a run in experiment {experiment!r}", create)
+        run_id = Backend(uri, warn, cls.name).call(f"creating a run in experiment {experiment!r}", create)
         if run_id is None:
             return None
-        run = cls(uri, run_id, warn)
-        _backends["mlflow", f"{uri}#{run_id}"] = run
+        run = cls(uri, run_id, warn, client)
+        _backends[_mlflow_key(uri, run_id)] = run
         return run
 
     def params(self, values: dict[str, str]) -> None:
@@ -205,24 +206,28 @@ def _artifacts_beside(uri: str) -> str | None:
 _backends: dict[tuple[str, str], Backend] = {}
 
 
+def _mlflow_key(uri: str, run_id: str) -> tuple[str, str]:
+    return "mlflow", f"{uri}#{run_id}"
+
+
 def backends(target: TrackingTarget | None, warn: Warn = warn_on_stderr) -> list[Backend]:
     if target is None:
         return []
+    wanted = []
+    if target.mlflow is not None and target.mlflow_run is not None:
+        wanted.append((_mlflow_key(target.mlflow, target.mlflow_run),
+                       lambda: MlflowRun(target.mlflow, target.mlflow_run, warn)))
+    if target.tensorboard is not None:
+        wanted.append((("tensorboard", target.tensorboard), lambda: EventFiles(target.tensorboard, warn)))
     found = []
-    for kind, key, make in (
-        ("mlflow", f"{target.mlflow}#{target.mlflow_run}",
-         lambda: MlflowRun(target.mlflow, target.mlflow_run, warn)),
-        ("tensorboard", target.tensorboard, lambda: EventFiles(target.tensorboard, warn)),
-    ):
-        if getattr(target, kind) is None or (kind == "mlflow" and target.mlflow_run is None):
-            continue
-        if (kind, key) not in _backends:
+    for key, make in wanted:
+        if key not in _backends:
             try:
-                _backends[kind, key] = make()
+                _backends[key] = make()
             except Exception as error:  # noqa: BLE001 - say it, and train without it
-                warn(f"{kind} tracking is off for this run ({error.__class__.__name__}: {error})")
+                warn(f"{key[0]} tracking is off for this run ({error.__class__.__name__}: {error})")
                 continue
-        found.append(_backends[kind, key])
+        found.append(_backends[key])
     return found
 
 
