@@ -83,6 +83,7 @@ class Progress:
     CLOSE_WAIT_S = 5.0  # the last value gets this long to reach the server
 
     def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0):
+        import contextvars
         import threading
 
         self.total, self.every_s, self.label = total, every_s, label
@@ -96,7 +97,9 @@ class Progress:
             self._artifact = create_progress_artifact(
                 progress=0.0, key=artifact_key(stage, "progress"), description=label
             )
-            self._sender = threading.Thread(target=self._send, name="bardflow-progress", daemon=True)
+            # In this run's context (its settings: which server), as Prefect's own threads are.
+            self._sender = threading.Thread(target=contextvars.copy_context().run, args=(self._send,),
+                                            name="bardflow-progress", daemon=True)
             self._sender.start()
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar

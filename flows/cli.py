@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from bardflow.flows import config_file, printing
@@ -27,6 +28,7 @@ from bardflow.runtime import stopping
 from bardflow.tasks.registry import NAMES
 
 _embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
+
 
 def _ui(args: argparse.Namespace) -> int:
     prepare_environment()
@@ -87,26 +89,32 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return root, overrides
 
 
+@contextmanager
 def _terminal_run():
-    """Prefect settings for a flow run in this terminal. No run heartbeats unless the user
-    asks (PREFECT_FLOWS_HEARTBEAT_FREQUENCY): this process reports its own end, heartbeats
-    only feed automations a user would have to create, and the heartbeat thread, which
-    sleeps in whole seconds, holds up the end of every run by up to a second (a third of a
-    fully cached run). Deployment runs on workers keep Prefect's default."""
-    from contextlib import nullcontext
-
+    """Prefect settings for a flow run in this terminal, and a watch over its server for as
+    long as it runs. No run heartbeats unless the user asks (PREFECT_FLOWS_HEARTBEAT_FREQUENCY):
+    this process reports its own end, heartbeats only feed automations a user would have to
+    create, and the heartbeat thread, which sleeps in whole seconds, holds up the end of
+    every run by up to a second (a third of a fully cached run). Deployment runs on workers
+    keep Prefect's default."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+    watch = None
     if _embedded is not None:
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
         from bardflow.flows.server import watch_chosen
 
-        watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
-    if any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
-        return nullcontext()
-    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+        watch = watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
+    asked = any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
+                                                  "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"))
+    try:
+        with nullcontext() if asked else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield
+    finally:
+        if watch is not None:
+            watch.set()
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

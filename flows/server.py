@@ -209,16 +209,18 @@ GOING_ON = "finished stages come back cached, training resumes from its checkpoi
 SILENT_FOR_S = 4.0  # a server that answers no health check for this long is gone
 
 
-def watch_chosen(api: str, every_s: float = 1.0) -> None:
+def watch_chosen(api: str, every_s: float = 1.0):
     """The same watch over a server the run found (the background one, PREFECT_API_URL),
     which is not this process's child: its health is asked every ``every_s`` seconds, and a
-    server silent for ``SILENT_FOR_S`` stops the run in one line."""
+    server silent for ``SILENT_FOR_S`` stops the run in one line. The watch ends when the
+    event it returns is set (the run's end: the process may go on, as a caller's does)."""
     import threading
+
+    done = threading.Event()
 
     def poll() -> None:
         silent_since = None
-        while True:
-            time.sleep(every_s)
+        while not done.wait(every_s):
             try:
                 _health(api, timeout_s=every_s)
                 silent_since = None
@@ -226,12 +228,13 @@ def watch_chosen(api: str, every_s: float = 1.0) -> None:
             except OSError as error:
                 reason = getattr(error, "reason", None) or error
                 silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since >= SILENT_FOR_S:
+            if time.monotonic() - silent_since >= SILENT_FOR_S and not done.is_set():
                 server_gone(f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
                             f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})")
                 return
 
     threading.Thread(target=poll, name="bardflow-server-watch", daemon=True).start()
+    return done
 
 
 def server_gone(why: str) -> None:

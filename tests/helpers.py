@@ -49,6 +49,75 @@ def bardflow(*args, env=None, check=True):
     return done
 
 
+def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
+    """``bardflow ARGS`` called in this process (``bardflow.flows.cli.main``), its output
+    captured: what a test that is not about the process itself (its signals, its exit, its
+    start-up) runs, without a new interpreter's imports and compilations. ``env`` is the
+    command's whole environment, as for ``bardflow``; it must name a Prefect server, so that
+    no embedded one is started here."""
+    import contextlib
+    import io
+    import signal
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from bardflow.flows.cli import main
+    from bardflow.runtime import stopping
+
+    env = dict(env or os.environ)
+    if args[0] in ("run", "sweep"):
+        assert env.get("PREFECT_API_URL"), "an in-process run needs the session's Prefect server (run_env)"
+    saved, handlers = dict(os.environ), {s: signal.getsignal(s) for s in stopping.SIGNALS}
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(env)
+    consoles = {handler: handler.stream for handler in _console_handlers()}
+    for handler in consoles:  # Prefect's log lines go where the command's stderr goes
+        handler.setStream(err)
+        handler.console.file = err
+    try:
+        with (temporary_settings(updates={PREFECT_API_URL: env.get("PREFECT_API_URL")}),
+              contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
+            try:
+                code = main([str(arg) for arg in args])
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code if isinstance(exit.code, int) else 2
+        settle_reports()
+    finally:
+        for handler, stream in consoles.items():
+            handler.setStream(stream)
+            handler.console.file = stream
+        os.environ.clear()
+        os.environ.update(saved)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert stopping.requested() is None, "an in-process run was stopped: this process cannot run another"
+    done = subprocess.CompletedProcess(["bardflow", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"bardflow {' '.join(map(str, args))} returned {code}:\n{done.stderr[-4000:]}")
+    return done
+
+
+def _console_handlers() -> list:
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
+    return list({id(h): h for logger in loggers for h in getattr(logger, "handlers", [])
+                 if isinstance(h, PrefectConsoleHandler)}.values())
+
+
+def settle_reports() -> None:
+    """Sends what Prefect still holds for the server from this process (logs, events), as the
+    command does at its exit: not later, when the session's server may be gone."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
+
+
 def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     """``bardflow ARGS`` in the background, in a session of its own, stderr to ``log``."""
     return subprocess.Popen(cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,

@@ -55,10 +55,10 @@ def first_deployment_run(deployed) -> dict:
     return {"id": run_id, "started": started}
 
 
-def deployment_run(server: Server, name: str, *params: str, job_variables: list[str] = ()) -> tuple[str, float]:
+def deployment_run(server: Server, name: str, *params: str) -> tuple[str, float]:
     """Runs the README's command; returns the flow run id and when the command started."""
     started = time.time()
-    args = [arg for p in params for arg in ("--param", p)] + [a for v in job_variables for a in ("--job-variable", v)]
+    args = [arg for p in params for arg in ("--param", p)]
     done = server.run(str(BIN / "prefect"), "deployment", "run", name, *args, "--watch", timeout=900)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     match = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
@@ -138,23 +138,38 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
 def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deployed):
     """Cancelling, as the UI's Cancel and `prefect flow-run cancel` do: the worker sends SIGTERM, the
     flow run's process saves a checkpoint of the step it reached and exits well within the
-    worker's grace period, the run ends Cancelled, and the rerun resumes from that step."""
-    server, _, bucket = deployed
-    store = bucket.prefix("cancelled")
+    worker's grace period, the run ends Cancelled, and the rerun resumes from that step (and
+    is cancelled in turn: training to the end is test_signals.py's)."""
+    server, store, _ = deployed  # the first run's data, if it ran, come back cached
     # What `bardflow run --config` reads, as the deployment's settings (the preset named in it).
     settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 1000, "checkpoint_every": 4000}}
     params = [f"store={store}", f"settings={json.dumps(settings)}"]
     # One device, as on a host with one GPU: train_parallel reuses train_single's version.
-    one_device = ['env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}']
-    done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow-pipeline/pipeline",
-                      *[arg for p in params for arg in ("--param", p)], "--job-variable", one_device[0])
-    run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+    one_device = '{"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}'
 
+    def start_run() -> str:
+        done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow-pipeline/pipeline",
+                          *[arg for p in params for arg in ("--param", p)], "--job-variable", f"env={one_device}")
+        return re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+
+    run_id = start_run()
+    stopped = cancel_in_training(server, run_id)
+    step = int(re.search(r"at step (\d+)", stopped).group(1))
+
+    rerun = start_run()
+    cancel_in_training(server, rerun)
+    assert f"train_single: resuming from its checkpoint of step {step}" in messages_of(server, rerun)
+
+
+def cancel_in_training(server: Server, run_id: str) -> str:
+    """Cancels the run once train_single reports progress; the run's line saying where it stopped."""
     deadline = time.monotonic() + 300
-    while not any(m.startswith("train_single (") and "/4000" in m for m in messages_of(server, run_id)):  # a progress line
+    # A progress line: training is under way.
+    while not any(m.startswith("train_single (") and "/4000" in m for m in messages_of(server, run_id)):
         state = server.api(f"/flow_runs/{run_id}")["state"]
         assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING") and time.monotonic() < deadline, \
-            f"the run never reached training: {state['type']} {state.get('message')}\n" + "\n".join(messages_of(server, run_id)[-20:])
+            f"the run never reached training: {state['type']} {state.get('message')}\n" + \
+            "\n".join(messages_of(server, run_id)[-20:])
         time.sleep(0.5)
     pid = int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
     cancelled = time.monotonic()
@@ -168,11 +183,7 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     stopped = [m for m in messages_of(server, run_id) if "stopped by SIGTERM during train_single at step" in m]
     assert stopped and "checkpoint of step" in stopped[-1]
-    step = int(re.search(r"at step (\d+)", stopped[-1]).group(1))
-
-    rerun, _ = deployment_run(server, "bardflow-pipeline/pipeline", *params, job_variables=one_device)
-    resumed = [m for m in messages_of(server, rerun) if "train_single resumed from its checkpoint at step" in m]
-    assert resumed and f"at step {step} " in resumed[0]
+    return stopped[-1]
 
 
 def messages_of(server: Server, run_id: str) -> list[str]:

@@ -23,7 +23,7 @@ from bardflow.model.train import Placement, init_state, train, val_batches
 from bardflow.runtime.distributed import DistributedError, ProcessGroup
 from bardflow.runtime.launch import launch_local, process_command, process_env
 from bardflow.tasks import train_process
-from tests.helpers import REPO, base_args, checkpoint_steps, finish, play_text, start
+from tests.helpers import REPO, base_args, call, checkpoint_steps, play_text, start
 
 TINY = build_config("tiny")
 
@@ -161,7 +161,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     assert f"rerun the same command to resume from the checkpoint of step {saved}" in "\n".join(error)
     assert not list(store.glob("train_parallel/[0-9a-f]*"))  # nothing published
 
-    summary = finish(start(base_args(corpus, store, *long), tmp_path / "rerun.log", run_env))
+    summary = json.loads(call(*base_args(corpus, store, *long), env=run_env).stdout)
     metrics = summary["stages"]["train_parallel"]["metrics"]
     assert summary["stages"]["train_parallel"]["state"] == "ran"
     assert metrics["resumed_from_step"] == saved and metrics["processes"] == 2 and metrics["steps"] == 100

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from bardflow.tasks.registry import NAMES
-from tests.helpers import bardflow
+from tests.helpers import call
 
 pytestmark = pytest.mark.flow
 STAGES = list(NAMES)
@@ -33,11 +33,11 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(workspace, run_env):
     """The pipeline on a fresh store: every stage runs."""
-    return json.loads(bardflow("run", *workspace[1], env=run_env).stdout)
+    return json.loads(call("run", *workspace[1], env=run_env).stdout)
 
 
 def run(common, *extra, env):
-    summary = json.loads(bardflow("run", *common, *extra, env=env).stdout)
+    summary = json.loads(call("run", *common, *extra, env=env).stdout)
     return summary, {name: stage["state"] for name, stage in summary["stages"].items()}
 
 
@@ -63,10 +63,10 @@ def test_a_fresh_run_builds_every_stage(workspace, first_run):
     # The store is the cache: nothing of a run is pickled or kept beside it.
     assert sorted(p.name for p in store.iterdir()) == sorted(STAGES)
 
-    listing = json.loads(bardflow("artifacts", "--store", str(store), "--json").stdout)
+    listing = json.loads(call("artifacts", "--store", str(store), "--json").stdout)
     assert {row["stage"] for row in listing} == set(STAGES)
     assert all(row["bytes"] > 0 and row["created"] for row in listing)
-    table = bardflow("artifacts", "train_parallel", "--store", str(store)).stdout
+    table = call("artifacts", "train_parallel", "--store", str(store)).stdout
     assert stages["train_parallel"]["key"] in table and "tokens_per_s" in table
 
 
@@ -133,7 +133,7 @@ def test_a_read_only_store_serves_a_cached_run_and_refuses_only_a_build(workspac
     try:
         args = [str(view) if arg == str(store) else arg for arg in common]
         assert run(args, env=run_env)[1] == only()
-        refused = bardflow("run", *args, "--refresh", "generate", env=run_env, check=False)
+        refused = call("run", *args, "--refresh", "generate", env=run_env, check=False)
         assert refused.returncode == 1
         last = refused.stderr.strip().splitlines()[-1]
         assert last.startswith(f"bardflow: error: cannot write to the store at {view}") and "Read-only" in last, last

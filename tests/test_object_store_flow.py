@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 
 from bardflow.runtime.launch import free_port
 from bardflow.tasks.registry import NAMES
-from tests.helpers import REPO, finish, md5_bytes, play_text, start
+from tests.helpers import call, finish, md5_bytes, play_text, start
 
 pytestmark = pytest.mark.flow
 
@@ -108,22 +106,20 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
         shared_bucket, object_server, corpus, run_env):
     store, root, runs = shared_bucket
     env = machine(run_env, object_server, root / "third")
-    cached = finish(start(args(corpus, store, "--cpu-devices", "2", "--processes", "2"), root / "third.log", env))
+    cached = json.loads(call(*args(corpus, store, "--cpu-devices", "2", "--processes", "2"), env=env).stdout)
     assert {s["state"] for s in cached["stages"].values()} == {"cached"}
     assert cached["stages"]["train_parallel"]["key"] == runs["cluster"]["stages"]["train_parallel"]["key"]
-    listing = subprocess.run([sys.executable, "-m", "bardflow", "artifacts", "--store", store, "--json"], cwd=REPO,
-                             env=env, capture_output=True, text=True, check=True)
-    rows = json.loads(listing.stdout)
+    rows = json.loads(call("artifacts", "--store", store, "--json", env=env).stdout)
     assert {row["stage"] for row in rows} == set(NAMES) and all(row["path"].startswith(store) for row in rows)
 
     fs = object_server.filesystem()
     (corpus_object,) = fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")
     fs.pipe_file(corpus_object, b"X" + fs.cat_file(corpus_object)[1:])  # bit rot in the bucket
-    repaired = finish(start(args(corpus, store, "--cpu-devices", "2", "--refresh", "generate"),
-                            root / "repaired.log", env))
+    repaired = call(*args(corpus, store, "--cpu-devices", "2", "--refresh", "generate"), env=env)
+    log, repaired = repaired.stderr, json.loads(repaired.stdout)
     states = {name: stage["state"] for name, stage in repaired["stages"].items()}
     assert states == {name: "ran" if name in ("fetch", "generate") else "cached" for name in NAMES}
-    assert "damaged" in (root / "repaired.log").read_text()
+    assert "damaged" in log
     assert repaired["stages"]["fetch"]["key"] == runs["plain"]["stages"]["fetch"]["key"]
     assert fs.cat_file(fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")[0]) == corpus.read_bytes()
 

@@ -3,6 +3,7 @@ store, and bad input gets one clear error, a non-zero exit and loses nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from bardflow.artifacts.store import Store
 from bardflow.model.config import DataConfig
 from bardflow.tasks.registry import FETCH
 from bardflow.tasks.stage import produce
-from tests.helpers import REPO, base_args, checkpoint_steps, cli, finish, md5_bytes, play_text, start
+from tests.helpers import base_args, call, checkpoint_steps, finish, md5_bytes, play_text, start
 
 pytestmark = pytest.mark.flow
 
@@ -110,8 +111,7 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
             arg = arg.replace("{" + name + "}", str(value))
         return arg
 
-    args = base_args(corpus, store, *map(fill, extra))
-    done = subprocess.run(cli(*args), cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600)
+    done = call(*base_args(corpus, store, *map(fill, extra)), env=run_env, check=False)
 
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("bardflow: error: ")]
@@ -151,8 +151,7 @@ def small_disk(tmp_path, request):
 ], indirect=["small_disk"], ids=["version", "checkpoint"])
 def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, line, corpus, run_env):
     store = small_disk / "store"
-    done = subprocess.run(cli(*base_args(corpus, store)), cwd=REPO, env=run_env, capture_output=True, text=True,
-                          timeout=300)
+    done = call(*base_args(corpus, store), env=run_env, check=False)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(line)
     assert "free some space or put the store on a larger disk" in done.stderr
@@ -162,7 +161,7 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
         return
     assert (store / "encode").is_dir()  # the stages before it are kept
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-    states = {name: s["state"] for name, s in finish(start(base_args(corpus, store), small_disk / "log", run_env))[
+    states = {name: s["state"] for name, s in json.loads(call(*base_args(corpus, store), env=run_env).stdout)[
         "stages"].items()}
     assert states["encode"] == "cached" and states["train_single"] == "ran"
 

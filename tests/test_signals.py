@@ -24,7 +24,7 @@ import pytest
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.flow
-STEPS = 400
+STEPS = 200
 
 
 def descendants(pid: int) -> list[int]:
@@ -169,12 +169,12 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
     from bardflow.runtime.training import RunFiles, run_training
     from bardflow.tasks.encode import TRAIN, VAL
     from bardflow.tasks.train import training_fingerprint
-    from tests.helpers import bardflow
+    from tests.helpers import call
 
     if not list(chain["store"].glob("train_parallel/.resume-*")):  # run on its own: stop once first
         assert stop_run(chain, chain["shared"], "train_parallel", signal.SIGTERM, True)["code"] == 143
-    resumed = json.loads(bardflow("run", *chain["args"], "--store", str(chain["store"]), "--json",
-                                  env=chain["shared"]).stdout)["stages"]
+    resumed = json.loads(call("run", *chain["args"], "--store", str(chain["store"]), "--json",
+                              env=chain["shared"]).stdout)["stages"]
     assert resumed["train_parallel"]["metrics"]["resumed_from_step"] > 0
     store = Store(chain["store"])
     encode = store.lookup("encode", resumed["encode"]["key"])

@@ -11,7 +11,7 @@ import pytest
 
 from bardflow.flows.arguments import sweep_configurations
 from bardflow.model.config import ConfigError
-from tests.helpers import OUTPUT, bardflow
+from tests.helpers import OUTPUT, bardflow, call
 
 
 @pytest.mark.parametrize("grid, listed, max_runs, words", [
@@ -47,15 +47,9 @@ def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory, prefect_server):
-    """A sweep that finds the session's server as users find theirs: the background server
-    `bardflow server start` left running (no PREFECT_API_URL)."""
+def swept(tmp_path_factory, run_env):
+    """A local sweep of three configurations (one diverges), tracked in MLflow."""
     from tests.helpers import md5_bytes, play_text
-
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(BARDFLOW_SERVER_FILE=prefect_server.env["BARDFLOW_SERVER_FILE"], PYTHONUNBUFFERED="1")
-    status = bardflow("server", "status", env=env)
-    assert status.stdout.startswith(f"running at {prefect_server.url}")
 
     root = tmp_path_factory.mktemp("sweep")
     corpus = root / "corpus.txt"
@@ -64,8 +58,8 @@ def swept(tmp_path_factory, prefect_server):
     arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "2",
                  "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5"]
     tracked = f"sqlite:///{root / 'mlflow.db'}"
-    done = bardflow("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
-                    "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=env)
+    done = call("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
+                "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=run_env)
     return store, {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked}
 
 
@@ -125,18 +119,18 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
 def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
     store, result = swept
     env = {"PREFECT_API_URL": "http://127.0.0.1:9/api"}  # no server is needed (none answers there)
-    listing = json.loads(bardflow("runs", "--store", str(store), "--json", env={**os.environ, **env}).stdout)
+    listing = json.loads(call("runs", "--store", str(store), "--json", env={**os.environ, **env}).stdout)
     parallel = [row for row in listing if row["stage"] == "train_parallel"]
     assert {row["differs"]["train.learning_rate"] for row in parallel} >= {0.003, 0.01}  # (the pool's sweep adds one)
     assert all(row["val_loss"] > 0 for row in parallel)
     a, b = result["rows"][0]["train_parallel"], result["rows"][1]["train_parallel"]
-    diff = json.loads(bardflow("runs", "--store", str(store), "--diff", a[:8], b[:8], "--json",
-                               env={**os.environ, **env}).stdout)
+    diff = json.loads(call("runs", "--store", str(store), "--diff", a[:8], b[:8], "--json",
+                           env={**os.environ, **env}).stdout)
     assert diff["differences"]["settings.train.learning_rate"] == {"a": 0.003, "b": 0.01}
     assert not any(key.startswith(("libraries.", "data.")) for key in diff["differences"])  # same data, same libraries
     assert diff["figures"]["val_loss"]["b_minus_a"] == pytest.approx(
         result["rows"][1]["val_loss"] - result["rows"][0]["val_loss"])
-    missing = bardflow("runs", "--store", str(store), "--diff", "zzzz", b, check=False)
+    missing = call("runs", "--store", str(store), "--diff", "zzzz", b, check=False)
     assert missing.returncode == 1 and "no trained version with a key starting 'zzzz'" in missing.stderr
 
 
@@ -164,13 +158,13 @@ def pool_workers(prefect_server):
 
 
 @pytest.mark.flow
-def test_a_sweep_fans_out_over_the_workers_of_a_pool(swept, prefect_server, pool_workers):
+def test_a_sweep_fans_out_over_the_workers_of_a_pool(swept, prefect_server, pool_workers, run_env):
     """The local sweep's store and data again, one learning rate more: the workers find what
     the store holds (as a pool shares one) and train only the new configuration."""
     store, local = swept
-    done = bardflow("sweep", *local["arguments"], "--pool", "sweepers",
-                    "--grid", "train.learning_rate=0.003,0.03", "--list", '{"train.learning_rate": 1e30}',
-                    "--json", env={**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]})
+    done = call("sweep", *local["arguments"], "--pool", "sweepers",
+                "--grid", "train.learning_rate=0.003,0.03", "--list", '{"train.learning_rate": 1e30}', "--json",
+                env=run_env)
     result = json.loads(done.stdout)
     rows = result["rows"]
     assert [row["train.learning_rate"] for row in rows] == ["0.003", "0.03", "1e+30"]  # all three named
@@ -191,9 +185,8 @@ def test_a_sweep_fans_out_over_the_workers_of_a_pool(swept, prefect_server, pool
              for name in pool_workers}
     assert all(taken.values()) and set().union(*taken.values()) == set(children), taken
 
-    elsewhere = bardflow("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
-                         "--grid", "train.steps=1,2", env={**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]},
-                         check=False)
+    elsewhere = call("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
+                     "--grid", "train.steps=1,2", env=run_env, check=False)
     assert elsewhere.returncode == 1 and "bardflow: error: deployment bardflow-pipeline/sweep runs on work pool 'sweepers', " \
         "not 'elsewhere'" in elsewhere.stderr and "Traceback" not in elsewhere.stderr
 

@@ -20,7 +20,7 @@ from bardflow.flows.tracking import track_settings
 from bardflow.model.config import ConfigError, build_config
 from bardflow.runtime.launch import free_port
 from bardflow.runtime.tracking import scalars
-from tests.helpers import bardflow, base_args, finish, play_text, start
+from tests.helpers import base_args, call, finish, play_text, start
 from tests.servers import stop
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking")
@@ -95,8 +95,8 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
     corpus.write_bytes(play_text(64_000, seed=11))
     uri, events = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "tb"
     args = base_args(corpus, tmp_path / "store", "--track", f"mlflow={uri}", "--track", f"tensorboard={events}")
-    first = json.loads(bardflow(*args, env=run_env).stdout)
-    second = json.loads(bardflow(*args, env=run_env).stdout)
+    first = json.loads(call(*args, env=run_env).stdout)
+    second = json.loads(call(*args, env=run_env).stdout)
     assert {s["state"] for s in second["stages"].values()} == {"cached"}
 
     client = mlflow_tracking.MlflowClient(uri)
