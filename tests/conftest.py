@@ -74,29 +74,47 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.module.__name__ not in slow_modules)  # stable: file order within
 
 
+def _session_root(tmp_path_factory) -> Path:
+    """The folder that every pytest-xdist worker of this session shares (its own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """One Prefect server (``bardflow ui``) for the session's end-to-end tests: a CLI run
-    pointed at it skips the embedded server's start-up (10-30 s a run here)."""
-    from tests.servers import Server
+    """One Prefect server (``bardflow server start``) for the session's end-to-end tests, in
+    every worker: a CLI run pointed at it skips the embedded server's start-up (10-30 s a run
+    here). What a worker starts beside it (pool workers) it stops itself."""
+    from tests.servers import Server, shared
 
-    server = Server(tmp_path_factory.mktemp("prefect-server"), dict(os.environ))
-    try:
-        yield server.serve()
-    finally:
-        server.stop_all()
+    env = dict(os.environ)
+
+    def start(home: Path) -> dict:
+        return {"home": str(home), "port": Server(home, env).serve().port}
+
+    def stop(record: dict) -> None:
+        Server(Path(record["home"]), env, record["port"]).stop_all()
+
+    with shared(_session_root(tmp_path_factory) / "prefect-server", start, stop) as record:
+        server = Server(Path(record["home"]), env, record["port"])
+        try:
+            yield server
+        finally:
+            server.stop_processes()
 
 
 @pytest.fixture(scope="session")
 def object_server(tmp_path_factory):
-    """One S3 server (SeaweedFS) for the session's object-store tests."""
-    from tests.servers import ObjectServer
+    """One S3 server (SeaweedFS) for the session's object-store tests, in every worker."""
+    from tests.servers import ObjectServer, shared
 
-    server = ObjectServer(tmp_path_factory.mktemp("s3-server"))
-    try:
-        yield server.serve()
-    finally:
-        server.stop()
+    def start(home: Path) -> dict:
+        server = ObjectServer(home).serve()
+        return {"home": str(home), "port": server.port, "pid": server.process.pid}
+
+    with shared(_session_root(tmp_path_factory) / "s3-server", start, lambda record: ObjectServer.kill(record["pid"])
+                ) as record:
+        yield ObjectServer(Path(record["home"]), record["port"])
 
 
 @pytest.fixture(scope="session")

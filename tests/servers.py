@@ -3,6 +3,7 @@ tests: started once, stopped for sure."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bardflow.runtime.launch import free_port
@@ -33,15 +36,45 @@ def stop(process: subprocess.Popen, grace_s: float = 15) -> None:
             continue
 
 
-class Server:
-    """``bardflow ui`` on a free loopback port with a Prefect home of its own."""
+@contextmanager
+def shared(root: Path, start: Callable[[Path], dict], stop: Callable[[dict], None]) -> Iterator[dict]:
+    """A server that the session's pytest-xdist workers share: the first to need it starts it
+    (``start(root)`` returns what the others need to reach it), the last one done stops it."""
+    root.mkdir(parents=True, exist_ok=True)
+    record = root / "record.json"
 
-    def __init__(self, home: Path, env: dict[str, str]):
-        self.port = free_port()
+    @contextmanager
+    def locked():
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    with locked():
+        state = json.loads(record.read_text()) if record.exists() else {"users": 0}
+        if state["users"] == 0:
+            state = {"users": 0, "server": start(root)}
+        state["users"] += 1
+        record.write_text(json.dumps(state))
+    try:
+        yield state["server"]
+    finally:
+        with locked():
+            state = json.loads(record.read_text())
+            state["users"] -= 1
+            if state["users"] == 0:
+                stop(state["server"])
+            record.write_text(json.dumps(state))
+
+
+class Server:
+    """``bardflow ui`` on a loopback port with a Prefect home of its own."""
+
+    def __init__(self, home: Path, env: dict[str, str], port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
         self.env = {**env, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{self.url}/api",
-                    "PREFECT_WORKER_QUERY_SECONDS": "2"}
+                    "PREFECT_WORKER_QUERY_SECONDS": "2", "BARDFLOW_SERVER_FILE": str(home / "server.json")}
         self.processes: list[subprocess.Popen] = []
 
     def start(self, name: str, *command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -62,7 +95,6 @@ class Server:
 
     def serve(self, timeout_s: float = 240) -> Server:
         """``bardflow server start``: the background server users keep running."""
-        self.env["BARDFLOW_SERVER_FILE"] = str(self.home / "server.json")
         done = self.run(sys.executable, "-m", "bardflow", "server", "start", "--port", str(self.port),
                         timeout=timeout_s)
         log = self.home / "server.log"
@@ -78,9 +110,14 @@ class Server:
         polling for a minute or more: once the tests are done with it, it is killed."""
         self.stop(worker, grace_s=1)
 
-    def stop_all(self) -> None:
+    def stop_processes(self) -> None:
+        """What this process started beside the server (workers)."""
         for process in reversed(self.processes):
             stop(process)
+        self.processes.clear()
+
+    def stop_all(self) -> None:
+        self.stop_processes()
         done = self.run(sys.executable, "-m", "bardflow", "server", "stop", timeout=60)
         assert done.stdout.strip() == "stopped", done.stdout + done.stderr
 
@@ -93,9 +130,9 @@ class ObjectServer:
     ACCESS_KEY, SECRET_KEY = "bardflow-test", "bardflow-test-secret"
     BUCKET = "bardflow-tests"  # one bucket; each test its own prefix
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, port: int | None = None):
         self.home = home
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
@@ -107,7 +144,7 @@ class ObjectServer:
         config.write_text(json.dumps({"identities": [{"name": "bardflow", "credentials": [
             {"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        (self.home / "data").mkdir()
+        (self.home / "data").mkdir(exist_ok=True)
         ports = {f"-{part}": free_port() for part in ("master.port", "master.port.grpc", "volume.port",
                                                        "volume.port.grpc", "filer.port", "filer.port.grpc",
                                                        "s3.port.grpc")}
@@ -145,3 +182,11 @@ class ObjectServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+    @staticmethod
+    def kill(pid: int) -> None:
+        """Stops the server started as ``pid`` in another process of the session."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -15,6 +15,13 @@ from bench.codelab import codelab_generate, codelab_train_step
 TINY = build_config("tiny")
 
 
+def model_config(preset: str, positions: str):
+    """The preset's layers and widths, its window at most 48 bytes: sliding past a window
+    is the same code at any length, and the cpu preset's 128 costs three times the bytes."""
+    cfg = build_config(preset).model
+    return cfg.model_copy(update={"positions": positions, "max_seq_len": min(cfg.max_seq_len, 48)})
+
+
 @pytest.mark.parametrize("passes", [8 // default_rows_per_pass(8, TINY.data.seq_len, "cpu"), 4])
 def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     from bardflow.model.data import encode
@@ -41,7 +48,7 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
 @pytest.mark.parametrize("preset, positions", [("tiny", "learned"), ("cpu", "learned"), ("tiny", "rope"),
                                                ("cpu", "rope")])
 def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions):
-    cfg = build_config(preset).model.model_copy(update={"positions": positions})
+    cfg = model_config(preset, positions)
     model = build_model(cfg, seed=5)
     window = cfg.max_seq_len
     new = window + 13 - 5  # "KING:" + new > window: slides (or wraps) for 13 bytes
@@ -79,7 +86,7 @@ def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(prese
     from bench.codelab import codelab_generate_batch
 
     # Learned positions: past the window the codelab batch recomputes it, as the sampler does.
-    cfg = build_config(preset).model.model_copy(update={"positions": "learned"})
+    cfg = model_config(preset, "learned")
     model = build_model(cfg, seed=5)
     window, seeds = cfg.max_seq_len, list(range(3, 11))  # a batch of 8
     new = window + 13 - 5
