@@ -7,6 +7,7 @@ artifacts as a person would."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -144,8 +145,9 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     # What `bardflow run --config` reads, as the deployment's settings (the preset named in it).
     settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 1000, "checkpoint_every": 4000}}
     params = [f"store={store}", f"settings={json.dumps(settings)}"]
-    # One device, as on a host with one GPU: train_parallel reuses train_single's version.
-    one_device = '{"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}'
+    # One device, as on a host with one GPU: train_parallel reuses train_single's version (and
+    # the tests' other XLA flags, tests/conftest.py, stay: the last device count counts).
+    one_device = json.dumps({"XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"})
 
     def start_run() -> str:
         done = server.run(str(BIN / "prefect"), "deployment", "run", "bardflow-pipeline/pipeline",

@@ -73,9 +73,10 @@ def shared_bucket(tmp_path_factory, corpus, run_env, object_server):
                    machine(run_env, object_server, root / "host-0", BARDFLOW_PROCESS_ID="0", **cluster))
     follower = start(args(corpus, store, "--cpu-devices", "1"), root / "follower.log",
                      machine(run_env, object_server, root / "host-1", BARDFLOW_PROCESS_ID="1", **cluster))
-    plain = start(args(corpus, store, "--cpu-devices", "2"), root / "plain.log",
-                  machine(run_env, object_server, root / "laptop"))
-    runs = {"cluster": finish(leader), "plain": finish(plain)}
+    # The plain run in this process, while the cluster's two run beside it.
+    plain = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
+                            env=machine(run_env, object_server, root / "laptop")).stdout)
+    runs = {"cluster": finish(leader), "plain": plain}
     follower.communicate(timeout=60)
     assert follower.returncode == 0, (root / "follower.log").read_text()[-2000:]
     return store, root, runs
@@ -143,8 +144,8 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     victim.wait()
     saved = max(committed_steps())
 
-    resumed = finish(start(args(corpus, store, "--cpu-devices", "2", *long), tmp_path / "resumed.log",
-                           machine(run_env, object_server, tmp_path / "replacement")))
+    resumed = json.loads(call(*args(corpus, store, "--cpu-devices", "2", *long),
+                              env=machine(run_env, object_server, tmp_path / "replacement")).stdout)
     single = resumed["stages"]["train_single"]
     assert single["state"] == "ran" and single["metrics"]["resumed_from_step"] == saved >= 100
 

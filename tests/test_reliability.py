@@ -34,8 +34,8 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
     store = tmp_path / "store"
     plain = {k: v for k, v in run_env.items() if k != "PREFECT_API_URL"}
     first = start(base_args(corpus, store), tmp_path / "a.log", plain)
-    second = start(base_args(corpus, store), tmp_path / "b.log", run_env)
-    a, b = finish(first), finish(second)
+    b = json.loads(call(*base_args(corpus, store), env=run_env).stdout)  # in this process, while the first runs
+    a = finish(first)
     assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
     for stage in a["stages"]:
         versions = [p for p in (store / stage).iterdir() if not p.name.startswith(".")]
@@ -193,5 +193,6 @@ def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed
     assert f"rerun the same command to resume from the checkpoint of step {saved}" in last
     assert "--cpu-devices 1" in last and "process-0.log" in last
     assert "Traceback" not in stderr and "Fatal Python error" not in stderr and " @ " not in stderr
-    newest = prefect_server.api("/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})[0]
-    assert newest["state"]["type"] in ("FAILED", "CRASHED"), newest["state"]
+    recent = prefect_server.api("/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 50})  # the server is shared
+    (ours,) = [run for run in recent if run["parameters"].get("store") == str(store)]
+    assert ours["state"]["type"] in ("FAILED", "CRASHED"), ours["state"]
