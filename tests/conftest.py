@@ -42,7 +42,7 @@ os.environ.pop("PREFECT_API_URL", None)
 
 # Prefect sets up logging on first use, closing the handlers already there: among them the
 # one JAX's absl logging puts on this session's captured stderr. It goes first, then.
-import prefect.main  # noqa: E402, F401 - after the environment above
+import prefect.main  # noqa: F401 - after the environment above
 
 from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - after the environment above
 
