@@ -7,6 +7,7 @@ Nothing is written inside the repository: what tests keep for people to look at
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -41,8 +42,10 @@ for name, value in {
 os.environ.pop("PREFECT_API_URL", None)
 
 # Prefect sets up logging on first use, closing the handlers already there: among them the
-# one JAX's absl logging puts on this session's captured stderr. It goes first, then.
-import prefect.main  # noqa: F401 - after the environment above
+# one JAX's absl logging puts on this session's captured stderr. It goes first, then (where it
+# is installed: the model's tests run without it).
+if importlib.util.find_spec("prefect") is not None:
+    import prefect.main  # noqa: F401 - after the environment above
 
 from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - after the environment above
 
@@ -61,6 +64,13 @@ def shakespeare() -> Path:
     if not SHARED_CORPUS.exists():
         pytest.skip(f"the TinyShakespeare copy is not at {SHARED_CORPUS}")
     return SHARED_CORPUS
+
+
+def pytest_configure(config):
+    """With ``-n``, files go to the workers in the order below (the long ones first), not in
+    pytest-xdist's own (the files with the most tests first: the deployment module last)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
