@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        _settle_reports()
+        settle_reports()
         print(f"bardflow: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     except Exception:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
 
 
-def _settle_reports(timeout_s: float = 5.0) -> None:
+def settle_reports(timeout_s: float = 5.0) -> None:
     """Sends what Prefect still holds for the server (the failed run's events and logs)
     before the error line, so that its own drain messages ("Still processing items") come
     before that line rather than after it."""

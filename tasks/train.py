@@ -32,15 +32,18 @@ STATE, HISTORY = TRAIN_SINGLE.builds
 RESULT = "result.json"  # process 0's summary of a multi-process run
 
 
-def _files(stage: str, encode: Version, out: Builder) -> RunFiles:
+def _files(encode: Version, out: Builder) -> RunFiles:
     """Checkpoints stay in ``out.resume`` (local); on an object store each complete one is
-    copied to the bucket as well, so a rerun on another machine picks it up. A run that
-    finds one says so before it starts (the resume itself is reported when it ends)."""
+    copied to the bucket as well, so a rerun on another machine picks it up."""
+    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume.path, state=out.path(STATE),
+                    saved=out.resume.push if out.resume.url else None)
+
+
+def _say_if_resuming(stage: str, out: Builder) -> None:
+    """Said before training starts (the resume itself is reported when it ends)."""
     kept = TrainingCheckpoints.steps(out.resume.path)
     if kept:
         ui.log("%s: resuming from its checkpoint of step %d", stage, kept[-1])
-    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume.path, state=out.path(STATE),
-                    saved=out.resume.push if out.resume.url else None)
 
 
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
@@ -48,16 +51,18 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
         label += f", the first {settings.steps} of {settings.train.steps} steps"
+    _say_if_resuming(TRAIN_SINGLE.name, out)
     with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
-        summary = run_training(settings, _files(TRAIN_SINGLE.name, encode, out), [device], parallel=False,
-                               on_step=progress, warn=ui.warning)
+        summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
+                               warn=ui.warning)
     _finish(TRAIN_SINGLE.name, out, summary)
 
 
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
     if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
         return _reuse(train_single, out)
-    files = _files(TRAIN_PARALLEL.name, encode, out)
+    _say_if_resuming(TRAIN_PARALLEL.name, out)
+    files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
         return _build_in_processes(settings, files, out, encode)
     visible, platform = hardware()

@@ -61,7 +61,7 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.flows.cli import main
+    from bardflow.flows.cli import main, settle_reports
     from bardflow.runtime import stopping
 
     env = dict(env or os.environ)
@@ -82,7 +82,7 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
                 code = main([str(arg) for arg in args])
             except SystemExit as exit:  # argparse's usage errors
                 code = exit.code if isinstance(exit.code, int) else 2
-        settle_reports()
+        settle_reports()  # as the command's exit does: now, while the session's server is up
     finally:
         for handler, stream in consoles.items():
             handler.setStream(stream)
@@ -106,16 +106,6 @@ def _console_handlers() -> list:
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
     return list({id(h): h for logger in loggers for h in getattr(logger, "handlers", [])
                  if isinstance(h, PrefectConsoleHandler)}.values())
-
-
-def settle_reports() -> None:
-    """Sends what Prefect still holds for the server from this process (logs, events), as the
-    command does at its exit: not later, when the session's server may be gone."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=30)
 
 
 def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:

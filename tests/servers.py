@@ -180,7 +180,7 @@ class ObjectServer:
     def stop(self) -> None:
         """Its data is a temporary folder: no need to wait for a clean shutdown."""
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            self.kill(self.process.pid)
             self.process.wait()
 
     @staticmethod
