@@ -46,11 +46,13 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.model_validate(restored["config"])
 
 
-def load_model(path: Path, init_seed: int = 99) -> Transformer:
-    """A fresh model built from the checkpoint's own config (initialised with ``init_seed``,
-    then overwritten) holding the saved parameters."""
+def load_model(path: Path, init_seed: int | None = None) -> Transformer:
+    """A model built from the checkpoint's own config holding the saved parameters. With
+    ``init_seed`` it is first initialised from that seed, then overwritten (what the verify
+    stage checks); without, only its shapes are made (initialising op by op only to
+    overwrite every value takes a good part of a second)."""
     cfg = load_config(path)
-    model = build_model(cfg, init_seed)
+    model = build_model(cfg, init_seed) if init_seed is not None else nnx.eval_shape(lambda: build_model(cfg, 0))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
         nnx.to_pure_dict(nnx.state(model, nnx.Param)),

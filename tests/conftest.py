@@ -131,3 +131,26 @@ def object_server(tmp_path_factory):
 def run_env(prefect_server) -> dict[str, str]:
     """The environment of a ``bardflow run`` that uses the shared server."""
     return {**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"], "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def mlflow_db(tmp_path_factory):
+    """``mlflow_db(path)`` puts an empty MLflow database (SQLite) at ``path`` and returns its
+    URI: a copy of one made once for the session, so that MLflow's schema migrations (seconds
+    of CPU) run once, not once per database."""
+    import shutil
+
+    from tests.servers import made_once
+
+    def make(path: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(f"sqlite:///{path}").search_experiments()  # creates and migrates it
+
+    template = made_once(_session_root(tmp_path_factory) / "mlflow-template" / "mlflow.db", make)
+
+    def copy(path: Path) -> str:
+        shutil.copyfile(template, path)
+        return f"sqlite:///{path}"
+
+    return copy

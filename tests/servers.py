@@ -37,19 +37,28 @@ def stop(process: subprocess.Popen, grace_s: float = 15) -> None:
 
 
 @contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """``root``, held by one process of the session at a time."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def made_once(path: Path, make: Callable[[Path], None]) -> Path:
+    """``path``, made by the first process of the session that asks for it."""
+    with locked(path.parent):
+        if not path.exists():
+            make(path)
+    return path
+
+
+@contextmanager
 def shared(root: Path, start: Callable[[Path], dict], stop: Callable[[dict], None]) -> Iterator[dict]:
     """A server that the session's pytest-xdist workers share: the first to need it starts it
     (``start(root)`` returns what the others need to reach it), the last one done stops it."""
-    root.mkdir(parents=True, exist_ok=True)
     record = root / "record.json"
-
-    @contextmanager
-    def locked():
-        with open(root / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
-
-    with locked():
+    with locked(root):
         state = json.loads(record.read_text()) if record.exists() else {"users": 0}
         if state["users"] == 0:
             state = {"users": 0, "server": start(root)}
@@ -58,7 +67,7 @@ def shared(root: Path, start: Callable[[Path], dict], stop: Callable[[dict], Non
     try:
         yield state["server"]
     finally:
-        with locked():
+        with locked(root):
             state = json.loads(record.read_text())
             state["users"] -= 1
             if state["users"] == 0:
@@ -87,11 +96,19 @@ class Server:
     def run(self, *command: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def api(self, path: str, body: dict | None = None) -> list[dict] | dict:
-        """POST ``body`` (a filter) to the API, or GET ``path`` without one."""
+    def api(self, path: str, body: dict | None = None, tries: int = 5) -> list[dict] | dict:
+        """POST ``body`` (a filter) to the API, or GET ``path`` without one. A 503 (the server's
+        SQLite database busy with another writer) is retried, as Prefect's own client does."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}/api{path}", data=data, headers={"content-type": "application/json"})
-        return json.loads(urllib.request.urlopen(request, timeout=30).read())
+        for attempt in range(tries):
+            try:
+                return json.loads(urllib.request.urlopen(request, timeout=30).read())
+            except urllib.error.HTTPError as error:
+                if error.code != 503 or attempt == tries - 1:
+                    raise
+                time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def serve(self, timeout_s: float = 240) -> Server:
         """``bardflow server start``: the background server users keep running."""

@@ -142,7 +142,8 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = tmp_path / "store"
-    long = ("--processes", "2", "--set", "train.steps=100", "--set", "train.checkpoint_every=20")
+    long = ("--processes", "2", "--set", "train.steps=100", "--set", "train.checkpoint_every=20",
+            "--set", "train.single_device_steps=5")
     run = start(base_args(corpus, store, *long), tmp_path / "killed.log", run_env)
     deadline = time.monotonic() + 300
     while not [s for s in checkpoint_steps(store, "train_parallel") if s >= 40]:

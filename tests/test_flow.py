@@ -1,10 +1,12 @@
 """The pipeline end to end through the real CLI, with 2 emulated CPU devices and the tiny
-preset, on the session's shared Prefect server. (A run on the embedded server that a plain
+preset, on the session's shared Prefect server; its first run tracked in MLflow and
+TensorBoard, read back with their own readers. (A run on the embedded server that a plain
 ``bardflow run`` starts: tests/test_reliability.py, two runs on one store.)"""
 
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,10 +32,17 @@ def workspace(tmp_path_factory):
     return root / "store", common, md5_bytes(corpus.read_bytes())
 
 
+def tracked(root):
+    """Where a run is tracked: MLflow in a SQLite file, and TensorBoard event files."""
+    return ["--track", f"mlflow=sqlite:///{root / 'mlflow.db'}", "--track", f"tensorboard={root / 'tb'}"]
+
+
 @pytest.fixture(scope="module")
-def first_run(workspace, run_env):
-    """The pipeline on a fresh store: every stage runs."""
-    return json.loads(call("run", *workspace[1], env=run_env).stdout)
+def first_run(workspace, run_env, mlflow_db):
+    """The pipeline on a fresh store, tracked in MLflow and TensorBoard: every stage runs."""
+    store, common, _ = workspace
+    mlflow_db(store.parent / "mlflow.db")
+    return json.loads(call("run", *common, *tracked(store.parent), env=run_env).stdout)
 
 
 def run(common, *extra, env):
@@ -158,3 +167,58 @@ def test_the_exported_model_generates_text_without_bardflow(first_run):
     assert text.startswith(b"ROMEO:") and 40 <= len(text) - len(b"ROMEO:") <= 40 * 3  # 40 bytes (utf-8 replaced)
     source = (REPO / "examples" / "generate_from_export.py").read_text()
     assert "bardflow" not in source.split('"""', 2)[2]  # no bardflow import, only its docstring names it
+
+
+def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_same(workspace, first_run, run_env):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from bardflow.model.config import build_config
+
+    store, common, _ = workspace
+    root = store.parent
+    second = json.loads(call("run", *common, *tracked(root), env=run_env).stdout)
+    assert {s["state"] for s in second["stages"].values()} == {"cached"}
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("bardflow")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
+    preset = build_config("tiny")
+    for run, summary in zip(runs, (first_run, second)):
+        tags, params = run.data.tags, run.data.params
+        assert tags["prefect.flow_run_id"] == summary["flow_run"]
+        assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run']}")
+        assert tags["bardflow.store"] == str(store)
+        assert {stage: tags[f"bardflow.version.{stage}"] for stage in summary["stages"]} == {
+            stage: row["key"] for stage, row in summary["stages"].items()}
+        # The whole configuration, as resolved: the preset, the corpus and the config file's setting.
+        assert params["train.steps"] == str(preset.train.steps) and params["model.d_model"] == str(preset.model.d_model)
+        assert params["train.single_device_steps"] == "10" and params["data.corpus"] == str(root / "corpus.txt")
+        assert {key.partition(".")[0] for key in params} == {"data", "model", "train", "verify", "generate"}
+        for stage in ("train_single", "train_parallel"):
+            history = json.loads((Path(summary["stages"][stage]["path"]) / "history.json").read_text())
+            for name in ("loss", "val_loss", "val_bpb"):
+                assert_curve(logged(client, run.info.run_id, f"{stage}/{name}"), history, name)
+            throughput = logged(client, run.info.run_id, f"{stage}/tokens_per_s")
+            assert [step for step, _ in throughput] == [h["step"] for h in history[1:]]
+            assert all(value > 0 for _, value in throughput)
+            # The same scalars in TensorBoard's event files, one folder per run and stage.
+            reader = EventAccumulator(str(root / "tb" / run.info.run_name / stage))
+            reader.Reload()
+            for name in ("loss", "val_loss"):
+                assert_curve([(e.step, e.value) for e in reader.Scalars(name)], history, name)
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert artifacts == {"curves.png", "throughput.png", "samples.json", "export"}
+        exported = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "export")}
+        assert {"model.safetensors", "config.json", "forward.jax"} <= exported
+    assert not list(Path.cwd().glob("mlartifacts")), "artifacts were written to the working directory"
+
+
+def logged(client, run_id: str, name: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
+
+
+def assert_curve(found: list[tuple[int, float]], history: list[dict], name: str) -> None:
+    assert [step for step, _ in found] == [h["step"] for h in history], name
+    assert [value for _, value in found] == pytest.approx([h[name] for h in history]), name

@@ -184,10 +184,9 @@ def test_a_store_that_cannot_be_used_stops_the_run_in_one_line(case, tmp_path, c
     store = "s3://no-such-bucket-here/x" if case == "missing bucket" else object_server.prefix("refused")
     extra = {"wrong credentials": {"AWS_SECRET_ACCESS_KEY": "wrong"},
              "unreachable endpoint": {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}}.get(case, {})
-    process = start(args(corpus, store), tmp_path / "err.log", machine(run_env, object_server, tmp_path / "w", **extra))
-    process.communicate(timeout=120)
-    error = (tmp_path / "err.log").read_text().strip()
-    assert process.returncode == 1
+    done = call(*args(corpus, store), env=machine(run_env, object_server, tmp_path / "w", **extra), check=False)
+    error = done.stderr.strip()
+    assert done.returncode == 1
     lines = [line for line in error.splitlines() if line.startswith("bardflow: error:")]
     assert len(lines) == 1 and len(error.splitlines()) == 1, error
     assert {"missing bucket": "does not exist", "wrong credentials": "AWS_SECRET_ACCESS_KEY",

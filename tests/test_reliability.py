@@ -174,8 +174,8 @@ def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed
     stage's failure: one line naming the step and both fixes, the trace left in the log,
     the Prefect run Failed, not Running."""
     store = tmp_path / "store"
-    run = start(base_args(corpus, store, "--set", "train.steps=2000", "--set", "train.checkpoint_every=50"),
-                tmp_path / "run.log", run_env)
+    run = start(base_args(corpus, store, "--set", "train.steps=2000", "--set", "train.checkpoint_every=50",
+                          "--set", "train.single_device_steps=5"), tmp_path / "run.log", run_env)
     deadline = time.monotonic() + 300
     while not (list(store.glob("train_parallel/.resume-*/launch/process-0.pid"))
                and [s for s in checkpoint_steps(store, "train_parallel") if s >= 50]):

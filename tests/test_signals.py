@@ -3,11 +3,11 @@ within 10 s, saves a checkpoint of the step it reached, exits 130 or 143 with on
 leaves no process behind, and the rerun resumes to exactly the weights of a run never
 interrupted.
 
-One store is stopped four times in a row (SIGINT and SIGTERM, to the process group and to
-the main process alone; in train_single and in a two-process train_parallel), then run to
-the end, and compared with an uninterrupted run. The first two stops use the run's own
-embedded Prefect server (the one a group Ctrl-C used to kill first, and the one a SIGTERM to
-the main process used to orphan); the others use the session's server."""
+One store is stopped twice in a row (SIGINT to the process group in train_single, SIGTERM to
+the main process alone in a two-process train_parallel), then run to the end, and compared
+with an uninterrupted run. Both stops use the run's own embedded Prefect server (the one a
+group Ctrl-C used to kill first, and the one a SIGTERM to the main process used to orphan);
+a stop on a chosen server is the deployment tests' cancel (tests/test_deployment.py)."""
 
 from __future__ import annotations
 
@@ -82,21 +82,18 @@ def stop_run(chain, env, stage: str, sig: signal.Signals, group: bool) -> dict:
             "last_line": rest.strip().splitlines()[-1], "stderr": rest}
 
 
-@pytest.mark.parametrize("server, stage, sig, group", [
-    ("own_server", "train_single", signal.SIGINT, True),
-    ("own_server", "train_single", signal.SIGTERM, False),
-    ("shared", "train_parallel", signal.SIGTERM, True),
-    ("shared", "train_parallel", signal.SIGINT, False),
-], ids=["group-SIGINT", "main-SIGTERM", "group-SIGTERM-processes", "main-SIGINT-processes"])
-def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, server, stage, sig, group):
-    stopped = stop_run(chain, chain[server], stage, sig, group)
+@pytest.mark.parametrize("stage, sig, group", [
+    ("train_single", signal.SIGINT, True),
+    ("train_parallel", signal.SIGTERM, False),
+], ids=["group-SIGINT", "main-SIGTERM-processes"])
+def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, stage, sig, group):
+    stopped = stop_run(chain, chain["own_server"], stage, sig, group)
     assert stopped["code"] == 128 + sig, stopped["stderr"][-3000:]
     assert stopped["seconds"] < 10, stopped["seconds"]
     assert stopped["last_line"].startswith(f"bardflow: stopped by {sig.name} during {stage}")
     assert "checkpoint of step" in stopped["last_line"] and "resume" in stopped["last_line"]
     assert "Traceback" not in stopped["stderr"]
-    if server == "own_server":  # the embedded server was among them
-        assert stopped["children"], "the run had no child process (its embedded server)"
+    assert stopped["children"], "the run had no child process (its embedded server)"
     time.sleep(0.5)
     assert not [pid for pid in stopped["children"] if alive(pid)], "a process was left behind"
 
@@ -160,7 +157,7 @@ def test_a_background_server_that_stops_mid_run_ends_it_in_one_line(chain, tmp_p
 
 
 def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_path):
-    """After four stops, the rerun ends with exactly the weights and losses of each training
+    """After two stops, the rerun ends with exactly the weights and losses of each training
     stage trained in one go (here, in this process, from the same request and data)."""
     import jax
 
