@@ -36,6 +36,24 @@ def md5_bytes(data: bytes) -> str:
     return hashlib.md5(data).hexdigest()
 
 
+def jitted(model):
+    """``model``'s forward pass compiled whole, once per shape (as the sampler and training
+    run it), for tests that call it many times: run op by op, each of its hundreds of
+    operations is a program of its own to compile, and to dispatch at every call."""
+    from functools import partial
+
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @partial(jax.jit, static_argnames=("last_only", "span"))
+    def forward(state, tokens, positions=None, cache=None, last_only=False, span=None):
+        return nnx.merge(graphdef, state)(tokens, positions, cache, last_only=last_only, span=span)
+
+    return lambda tokens, positions=None, cache=None, **options: forward(state, tokens, positions, cache, **options)
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "bardflow", *args]
 

@@ -13,6 +13,7 @@ from bardflow.model.checkpoint import (
 from bardflow.model.config import build_config
 from bardflow.model.sampling import PromptError, as_text, generate
 from bardflow.model.transformer import build_model
+from tests.helpers import jitted
 
 CFG = build_config("tiny").model
 PROBE = (np.arange(4 * CFG.max_seq_len).reshape(4, -1) * 7 % 256).astype(np.int32)
@@ -53,7 +54,7 @@ SHAPES = [("tiny", "learned"), ("cpu", "learned"), ("cpu", "rope")]
 @pytest.mark.parametrize("preset, positions", SHAPES)
 def test_the_last_position_forward_is_the_full_forward_at_the_last_position(preset, positions):
     cfg = build_config(preset).model.model_copy(update={"positions": positions})
-    model = build_model(cfg, seed=3)
+    model = jitted(build_model(cfg, seed=3))
     probe = (np.arange(4 * cfg.max_seq_len).reshape(4, -1) * 7 % 256).astype(np.int32)
     full = np.asarray(model(jnp.asarray(probe))[0][:, -1])
     last, cache = model(jnp.asarray(probe), last_only=True)
@@ -67,13 +68,13 @@ def test_feeding_one_byte_at_a_time_through_the_cache_is_the_full_forward(preset
     """Every layer's cache is written and read: with two layers, the lower one's cached keys
     feed the upper one's."""
     cfg = build_config(preset).model.model_copy(update={"positions": positions})
-    model = build_model(cfg, seed=3)
-    length = 20
-    tokens = jnp.asarray((np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32))
+    built = build_model(cfg, seed=3)
+    model, length = jitted(built), 20
+    tokens = (np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32)  # sliced on the host
     full = np.asarray(model(tokens)[0])
-    cache = model.init_cache(2, cfg.max_seq_len)
+    cache = built.init_cache(2, cfg.max_seq_len)
     for pos in range(length):
-        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        logits, cache = model(tokens[:, pos : pos + 1], np.asarray([pos], np.int32), cache)
         np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, pos], atol=1e-5, err_msg=f"position {pos}")
     assert len(cache) == cfg.num_layers and all(np.abs(np.asarray(layer.keys[:, :length])).max() > 0 for layer in cache)
 
@@ -96,11 +97,12 @@ def test_with_rotary_positions_the_cache_wraps_and_still_equals_the_window_recom
     """One layer: past the window, the newest key replaces the oldest, and each position's
     logits equal a forward pass over the window that ends there, positions from 0."""
     cfg = build_config("tiny").model.model_copy(update={"positions": "rope"})
-    model, window, length = build_model(cfg, seed=3), cfg.max_seq_len, cfg.max_seq_len * 3
-    tokens = jnp.asarray((np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32))
-    cache = model.init_cache(2, window)
+    built, window, length = build_model(cfg, seed=3), cfg.max_seq_len, cfg.max_seq_len * 3
+    model = jitted(built)
+    tokens = (np.arange(2 * length).reshape(2, -1) * 11 % 256).astype(np.int32)  # sliced on the host
+    cache = built.init_cache(2, window)
     for pos in range(length):
-        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        logits, cache = model(tokens[:, pos : pos + 1], np.asarray([pos], np.int32), cache)
         if pos in (window - 1, window, 2 * window + 5, length - 1):
             recomputed = model(tokens[:, max(0, pos - window + 1) : pos + 1])[0][:, -1]
             np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(recomputed), atol=2e-5, err_msg=f"{pos}")
@@ -110,11 +112,12 @@ def test_with_more_layers_the_wrapped_cache_is_sliding_window_attention():
     """Two layers: the cache computes the whole text's forward pass with every position
     attending to its last ``window`` (the lower layer's keys carry older context up)."""
     cfg = build_config("cpu").model.model_copy(update={"positions": "rope", "max_seq_len": 16})
-    model, window, length = build_model(cfg, seed=3), 16, 50
-    tokens = jnp.asarray((np.arange(length)[None] * 11 % 256).astype(np.int32))
+    built, window, length = build_model(cfg, seed=3), 16, 50
+    model = jitted(built)
+    tokens = (np.arange(length)[None] * 11 % 256).astype(np.int32)  # sliced on the host
     spanned = np.asarray(model(tokens, span=window)[0][0])
-    cache = model.init_cache(1, window)
+    cache = built.init_cache(1, window)
     for pos in range(length):
-        logits, cache = model(tokens[:, pos : pos + 1], jnp.asarray([pos]), cache)
+        logits, cache = model(tokens[:, pos : pos + 1], np.asarray([pos], np.int32), cache)
         np.testing.assert_allclose(np.asarray(logits[0, 0]), spanned[pos], atol=2e-5, err_msg=f"{pos}")
     assert np.abs(spanned[-1] - np.asarray(model(tokens[:, -window:])[0][0, -1])).max() > 1e-3  # not the recomputed window

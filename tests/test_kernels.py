@@ -61,8 +61,9 @@ def test_the_model_computes_the_same_with_either_kernel():
         model = build_model(base.model_copy(update={"attention": kernel, "dense": kernel}), seed=0)
         blocks = model.blocks
         assert blocks[0].attn.custom is blocks[1].mlp.up.custom is (kernel == "custom")
-        loss, grads = nnx.value_and_grad(next_byte_loss)(model, tokens)
-        results[kernel] = (model(tokens)[0], loss, nnx.to_pure_dict(grads))
+        # Compiled whole, as training runs it (op by op, each operation compiles on its own).
+        loss, grads = nnx.jit(nnx.value_and_grad(next_byte_loss))(model, tokens)
+        results[kernel] = (nnx.jit(lambda m, t: m(t)[0])(model, tokens), loss, nnx.to_pure_dict(grads))
     assert_close(results["custom"], results["xla"], 1e-5)
     # The model never asks JAX for the platform: left to auto it takes the plain operations,
     # and a training run builds it from the settings resolved for this CPU (the hand-written ones).

@@ -5,6 +5,7 @@ import pytest
 
 from bardflow.model.config import ModelConfig, build_config
 from bardflow.model.transformer import build_model, count_params
+from tests.helpers import jitted
 
 
 def test_codelab_config_has_the_codelab_parameter_count():
@@ -22,7 +23,7 @@ def test_logits_have_one_distribution_per_position(preset):
 
 def test_changing_a_later_token_never_changes_earlier_logits():
     cfg = ModelConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2, max_seq_len=24)
-    model = build_model(cfg, seed=0)
+    model = jitted(build_model(cfg, seed=0))
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
     base = np.asarray(model(tokens)[0])
     for position in (5, 17, 23):
