@@ -99,12 +99,16 @@ def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, stage, sig, g
 
 
 def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
-    """Not a signal to the run: its embedded Prefect server killed while training goes on."""
-    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"])]
+    """Not a signal to the run: its embedded Prefect server killed while training goes on.
+    (The run then stops as on SIGTERM, whose way through train_parallel's processes is the
+    stop test's above.)"""
+    steps = 30 * STEPS  # a training of its own, still going when the server is gone
+    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"]),
+               "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}"]
     process = subprocess.Popen(command, cwd=REPO, env={**chain["own_server"], "PYTHONUNBUFFERED": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in process.stderr:
-        if "train_parallel (" in line and f"/{STEPS} (" in line:
+        if "train_single (" in line and f"/{steps} (" in line:
             break
     listed = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
                             text=True).stdout.splitlines()
