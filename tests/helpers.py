@@ -54,6 +54,11 @@ def jitted(model):
     return lambda tokens, positions=None, cache=None, **options: forward(state, tokens, positions, cache, **options)
 
 
+def logged(client, run_id: str, name: str) -> list[tuple[int, float]]:
+    """An MLflow run's metric ``name``, as (step, value) pairs."""
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "bardflow", *args]
 

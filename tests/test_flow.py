@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bardflow.tasks.registry import NAMES
-from tests.helpers import call
+from tests.helpers import call, logged
 
 pytestmark = pytest.mark.flow
 STAGES = list(NAMES)
@@ -213,10 +213,6 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
         exported = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "export")}
         assert {"model.safetensors", "config.json", "forward.jax"} <= exported
     assert not list(Path.cwd().glob("mlartifacts")), "artifacts were written to the working directory"
-
-
-def logged(client, run_id: str, name: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
 
 
 def assert_curve(found: list[tuple[int, float]], history: list[dict], name: str) -> None:

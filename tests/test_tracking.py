@@ -18,7 +18,7 @@ from bardflow.flows.tracking import track_settings
 from bardflow.model.config import ConfigError
 from bardflow.runtime.launch import free_port
 from bardflow.runtime.tracking import scalars
-from tests.helpers import base_args, finish, play_text, start
+from tests.helpers import base_args, finish, logged, play_text, start
 from tests.servers import stop
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking")
@@ -74,9 +74,6 @@ def wait_up(server: dict, timeout_s: float = 180) -> None:
             time.sleep(0.3)
     raise AssertionError("mlflow server did not come up:\n" + server["log"].read_text()[-3000:])
 
-
-def logged(client, run_id: str, name: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
 
 
 @pytest.mark.flow
