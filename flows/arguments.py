@@ -110,6 +110,18 @@ def parser() -> argparse.ArgumentParser:
                     "whether it runs (exit 3 if not).")
     server.add_argument("action", choices=("start", "stop", "status"))
     server.add_argument("--port", type=int, default=4200)
+    notify = commands.add_parser(
+        "notify", help="a message when a run fails or crashes, or a sweep finishes (automations on the server)",
+        description="add: send a message to a webhook URL (or through a notification block made in the UI) "
+                    "when a pipeline run fails or crashes and when a sweep finishes, naming the run, the stage "
+                    "and the error (or the best configuration), with a link; list: show them; remove: stop one. "
+                    "Needs the server the runs report to (PREFECT_API_URL, or `bardflow server start`).")
+    notify.add_argument("action", choices=("add", "list", "remove"))
+    notify.add_argument("url", nargs="?", help="add: an http(s) webhook URL (Slack's are sent in its format)")
+    notify.add_argument("--name", default="default", help="the destination's name (default: default)")
+    notify.add_argument("--block", metavar="TYPE/NAME",
+                        help="add: send through this notification block instead of a URL, e.g. slack-webhook/alerts")
+    notify.add_argument("--json", action="store_true", help="list: print JSON")
     return parser
 
 

@@ -35,6 +35,7 @@ def _ui(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     # The UI's browser code asks the server where its API is; tell it this port, not 4200.
     os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
+    os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (flows/notify.py)
     os.environ.setdefault("PREFECT_SERVER_API_HOST", args.host)
     os.environ.setdefault("PREFECT_SERVER_API_PORT", str(args.port))
     print(f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\n"
@@ -224,6 +225,34 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _notify(args: argparse.Namespace) -> int:
+    if args.action == "add" and bool(args.url) == bool(args.block):
+        raise UsageError("notify add takes a webhook URL or --block TYPE/NAME (one of them)")
+    if args.action == "remove" and args.url:
+        args.name = args.url  # `notify remove NAME` reads naturally too
+    use_running_server()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UsageError("notifications live on the Prefect server that runs report to: start one "
+                         "(`bardflow server start`) or set PREFECT_API_URL")
+    check_chosen_server()
+    from bardflow.flows import notify
+
+    if args.action == "add":
+        created = notify.add(args.url, args.name, args.block)
+        print(f"bardflow: {args.name}: a message for every failed or crashed run and finished sweep reported to "
+              f"{os.environ['PREFECT_API_URL']} (automations {', '.join(created)})")
+    elif args.action == "remove":
+        notify.remove(args.name)
+        print(f"bardflow: {args.name}: removed")
+    else:
+        rows = notify.listed()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        for row in [] if args.json else rows:
+            print(f"{row['name']}: {', '.join(row['messages'])}{'' if row['enabled'] else ' (disabled)'}")
+    return 0
+
+
 def _run_command(args: argparse.Namespace) -> int:
     follower = _cluster_follower()
     if follower is not None:
@@ -234,7 +263,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _run_command, "sweep": _sweep_command, "runs": _runs, "presets": _presets,
-            "artifacts": _artifacts, "ui": _ui, "server": _server}
+            "artifacts": _artifacts, "ui": _ui, "server": _server, "notify": _notify}
 
 
 def main(argv: list[str] | None = None) -> int:

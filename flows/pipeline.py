@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from typing import Any, Literal
 
 from prefect import flow, task
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
 from bardflow.artifacts.store import Version
-from bardflow.flows import config_file
+from bardflow.flows import config_file, notify
 from bardflow.flows.settings import (
     PRESET_NAMES,
     debugging,
@@ -35,6 +36,7 @@ from bardflow.flows.settings import (
     prepare_environment,
     store_location,
 )
+from bardflow.flows.slots import training_slot
 from bardflow.flows.tracking import RunTracking, track_settings
 from bardflow.model.config import (
     ConfigError,
@@ -75,10 +77,22 @@ def quiet_explained_errors() -> None:
             handler.addFilter(ExplainedErrorFilter())
 
 
+def one_line(error: BaseException) -> str:
+    """An error as one line: an explained error's own first line, else its type and text."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (text if isinstance(error, BardflowError) else f"{type(error).__name__}: {text}".rstrip(": "))[:500]
+
+
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
+        around = None
+        if isinstance(settings, TrainingRequest):  # one training at a time on a host (flows/slots.py)
+            from prefect.runtime import flow_run
+
+            logger = get_run_logger()
+            around = partial(training_slot, stage.name, logger.info, flow_run.id)
         version, built = produce(stage, settings, upstream, checked_store(store), force,
-                                 notice=get_run_logger().warning)
+                                 notice=get_run_logger().warning, around=around)
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -128,8 +142,10 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     tracked = RunTracking.start(config, chosen, root, logger.warning)  # None: not asked for
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}
+    current = STAGES[0].name
     try:
         for stage in STAGES:
+            current = stage.name
             stopping.check(f"before {stage.name}")
             stopping.at(f"during {stage.name}")
             started = time.perf_counter()
@@ -147,6 +163,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     except BaseException as error:
         if tracked is not None:
             tracked.end("KILLED" if isinstance(error, stopping.Stopped) else "FAILED")
+        if not isinstance(error, (stopping.Stopped, KeyboardInterrupt)) and stopping.requested() is None:
+            notify.emit(notify.RUN_FAILED, {"stage": current, "error": one_line(error)})  # a message, if asked for
         raise
     if tracked is not None:
         tracked.end("FINISHED")

@@ -24,6 +24,7 @@ from prefect.logging import get_run_logger
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
+from bardflow.flows import notify
 from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
 from bardflow.flows.settings import pick_preset, store_location
 from bardflow.model.config import ConfigError, PipelineConfig, build_config
@@ -57,6 +58,25 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         })
         rows.append(row)
     return rows
+
+
+def set_line(varying: dict[str, Any]) -> str:
+    """A configuration as the ``--set`` options that give it, ready to paste."""
+    import shlex
+
+    return " ".join(f"--set {shlex.quote(f'{key}={_shown(value)}')}" for key, value in varying.items())
+
+
+def best_run(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The finished run with the lowest validation loss: its number, its loss and its ``--set`` line."""
+    finished = [(row["val_loss"], row["run"]) for row in rows if row["status"] == "completed"
+                and row["val_loss"] is not None]
+    if not finished:
+        return None
+    val_loss, number = min(finished)
+    line = set_line(runs[number - 1]["varying"])
+    return {"run": number, "val_loss": val_loss, "set": line,
+            "line": f"run {number}, validation loss {val_loss:.4f}: {line}"}
 
 
 def _histories(runs: list[dict[str, Any]], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -97,7 +117,11 @@ def sweep(
         else:
             runs = _here(configurations, configs, chosen, corpus, root, processes, progress)
     rows = comparison_rows(runs)
-    publish(rows, _histories(runs, root), chosen)
+    best = best_run(rows, runs)
+    publish(rows, _histories(runs, root), chosen, best)
+    failed = sum(row["status"] != "completed" for row in rows)
+    notify.emit(notify.SWEEP_FINISHED, {"summary": f"{len(rows)} runs, {failed} failed",
+                                        "best": best["line"] if best else "none: every run failed"})
     from prefect.runtime import flow_run
 
     return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs}
@@ -227,8 +251,10 @@ def _child_summary(client, run_id, root: str) -> dict[str, Any]:
     return {"stages": stages, "flow_run": str(run_id)}
 
 
-def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str) -> None:
-    """The sweep's artifact: the table and the overlaid curves (embedded: they render offline)."""
+def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str,
+            best: dict[str, Any] | None = None) -> None:
+    """The sweep's artifact: the table, the overlaid curves (embedded: they render offline)
+    and the best run as a ready ``--set`` line."""
     header = list(rows[0])
     text = ui.markdown_table(header, [[row[key] if row[key] is not None else "—" for key in header] for row in rows])
     if curves:
@@ -236,6 +262,8 @@ def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, A
             png = Path(tmp) / "curves.png"
             plot_validation_curves(curves, png, "Validation loss of each sweep run")
             text += "\n" + ui.png_markdown("Validation loss against tokens and against seconds", png)
+    if best is not None:
+        text += f"\n\n**Best**: run {best['run']}, validation loss {best['val_loss']:.4f}: `{best['set']}`\n"
     failed = sum(row["status"] != "completed" for row in rows)
     ui.markdown(SWEEP, text, description=f"sweep of {len(rows)} runs, preset {preset}"
                 + (f", {failed} failed" if failed else ""))

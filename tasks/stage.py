@@ -13,6 +13,7 @@ imports Prefect: the flow wraps ``produce`` in a task.
 from __future__ import annotations
 
 import importlib
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -101,15 +102,18 @@ class Stage:
 
 
 def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: Store, force: bool = False,
-            notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
+            notice: Callable[[str], None] | None = None,
+            around: Callable[[], AbstractContextManager] | None = None) -> tuple[Version, bool]:
     """``stage``'s version for these settings and upstream versions: the one in the store if
-    it is there and intact (unless ``force``), else built now. Returns it and whether it was
-    built. This answer is the one cache decision: the flow reports it to Prefect as the task's
+    it is there and intact (unless ``force``), else built now, inside ``around()`` when given
+    (the flow holds the host's training slot there). Returns it and whether it was built.
+    This answer is the one cache decision: the flow reports it to Prefect as the task's
     state, and the run summary reads that state."""
     checked = {name: store.require(version) for name, version in upstream.items()}
 
     def work(out: Builder) -> None:
-        stage.build()(settings, out, **checked)  # imported only when it has work to do
+        with around() if around is not None else nullcontext():
+            stage.build()(settings, out, **checked)  # imported only when it has work to do
         out.record["code_version"] = stage.code_version  # for `bardflow runs --diff`
         missing = [name for name in stage.builds if not (out.dir / name).exists()]
         if missing:  # a broken contract, not bad input: a bug in the stage

@@ -37,6 +37,10 @@ for name, value in {
     # The CPU step's settings are measured once per machine and shape (runtime/cpu_tuning.py):
     # the suite's many shapes would each pay for it; tests/test_cpu_tuning.py turns it on.
     "BARDFLOW_CPU_TUNING": "off",
+    # One training per host (flows/slots.py) would queue the suite's runs, which train beside
+    # each other on this one machine on purpose, and a run a test kills would hold its slot
+    # until it is noticed; the tests of the slot name one of their own.
+    "BARDFLOW_TRAINING_SLOT": "off",
 }.items():
     os.environ[name] = value
 os.environ.pop("PREFECT_API_URL", None)

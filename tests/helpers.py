@@ -157,3 +157,42 @@ def checkpoint_steps(store: Path, stage: str) -> list[int]:
 def without_seconds(history):
     """The record of a run but its clock, which no two runs share."""
     return [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]
+
+
+class Webhook:
+    """A webhook receiver on 127.0.0.1, as a chat service's would be: what it was sent, in order."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers.get("content-length", 0)))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, test, timeout_s: float = 60) -> dict:
+        """The first message that ``test`` accepts, waiting for it to arrive."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [message for message in self.received if test(message)]
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no such message within {timeout_s} s; received: {self.received}")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

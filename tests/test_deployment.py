@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from datetime import datetime
@@ -18,7 +19,7 @@ import pytest
 
 from bardflow.tasks.registry import NAMES
 from tests.cdp import Browser, chromium_binary
-from tests.helpers import OUTPUT, SHARED_CORPUS
+from tests.helpers import OUTPUT, SHARED_CORPUS, Webhook, call
 from tests.servers import Server
 
 pytestmark = pytest.mark.flow
@@ -133,12 +134,14 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
         browser.close()
 
 
-def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deployed):
+def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_crashed(deployed, run_env):
     """Cancelling, as the UI's Cancel and `prefect flow-run cancel` do: the worker sends SIGTERM, the
     flow run's process saves a checkpoint of the step it reached and exits well within the
-    worker's grace period, the run ends Cancelled, and the rerun resumes from that step (and
-    is cancelled in turn: training to the end is test_signals.py's)."""
-    server, store, _ = deployed  # the first run's data, if it ran, come back cached
+    worker's grace period, the run ends Cancelled, and the rerun resumes from that step. That
+    rerun's process is then killed outright (out of memory, say): the worker reports the run
+    Crashed within seconds, a message says so (bardflow notify), and the store keeps what the
+    reliability table promises. (Training to the end after a stop is test_signals.py's.)"""
+    server, store, bucket = deployed  # the first run's data, if it ran, come back cached
     # What `bardflow run --config` reads, as the deployment's settings (the preset named in it).
     settings = {"preset": "tiny", "train": {"steps": 4000, "log_every": 1000, "checkpoint_every": 4000}}
     params = {"store": store, "settings": settings}
@@ -158,13 +161,38 @@ def test_cancelling_a_deployment_run_stops_training_and_the_rerun_resumes(deploy
     stopped = cancel_in_training(server, run_id)
     step = int(re.search(r"at step (\d+)", stopped).group(1))
 
-    rerun = start_run()
-    cancel_in_training(server, rerun)
-    assert f"train_single: resuming from its checkpoint of step {step}" in messages_of(server, rerun)
+    hook = Webhook()
+    call("notify", "add", hook.url, "--name", "deployment-tests", env=run_env)
+    try:
+        rerun = start_run()
+        pid = wait_for_training(server, rerun)
+        assert f"train_single: resuming from its checkpoint of step {step}" in messages_of(server, rerun)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while (state := server.api(f"/flow_runs/{rerun}")["state"])["type"] == "RUNNING":
+            assert time.monotonic() - killed < CRASHED_WITHIN_S, "still Running"
+            time.sleep(0.3)
+        assert state["type"] == "CRASHED", state
+        name = server.api(f"/flow_runs/{rerun}")["name"]
+        message = hook.wait_for(lambda m: m["subject"] == f"bardflow: {name} crashed")
+        assert message["body"].startswith(f"bardflow run {name} (bardflow-pipeline) crashed: ")
+        assert message["body"].endswith(f"/runs/flow-run/{rerun}")
+    finally:
+        call("notify", "remove", "deployment-tests", env=run_env)
+        hook.close()
+    # The store as after any kill: the checkpoint that the cancel saved is in the bucket (its
+    # commit record last), and no train_single version of this training was published.
+    fs = bucket.filesystem()
+    assert fs.glob(f"{store[5:]}/train_single/.resume-*/{step}.json")
+    published = [json.loads(fs.cat_file(path)) for path in fs.glob(f"{store[5:]}/train_single/*/manifest.json")]
+    assert not [m for m in published if m["params"]["train"]["steps"] == 4000]
 
 
-def cancel_in_training(server: Server, run_id: str) -> str:
-    """Cancels the run once train_single reports progress; the run's line saying where it stopped."""
+CRASHED_WITHIN_S = 15  # the worker reports its flow run's process gone (docs/reliability.md)
+
+
+def wait_for_training(server: Server, run_id: str) -> int:
+    """Waits until train_single reports progress; the flow run's process id."""
     deadline = time.monotonic() + 300
     # A progress line: training is under way.
     while not any(m.startswith("train_single (") and "/4000" in m for m in messages_of(server, run_id)):
@@ -173,7 +201,12 @@ def cancel_in_training(server: Server, run_id: str) -> str:
             f"the run never reached training: {state['type']} {state.get('message')}\n" + \
             "\n".join(messages_of(server, run_id)[-20:])
         time.sleep(0.5)
-    pid = int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+    return int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+
+
+def cancel_in_training(server: Server, run_id: str) -> str:
+    """Cancels the run once train_single reports progress; the run's line saying where it stopped."""
+    pid = wait_for_training(server, run_id)
     cancelled = time.monotonic()
     cancelling = {"state": {"type": "CANCELLING", "name": "Cancelling"}}  # what the UI's Cancel and the CLI send
     assert server.api(f"/flow_runs/{run_id}/set_state", cancelling)["status"] == "ACCEPT"

@@ -6,12 +6,14 @@ trained versions listed and diffed from the store alone."""
 
 import json
 import os
+import threading
+import time
 
 import pytest
 
 from bardflow.flows.arguments import sweep_configurations
 from bardflow.model.config import ConfigError
-from tests.helpers import OUTPUT, bardflow, call
+from tests.helpers import OUTPUT, Webhook, bardflow, call
 
 
 @pytest.mark.parametrize("grid, listed, max_runs, words", [
@@ -58,9 +60,47 @@ def swept(tmp_path_factory, run_env, mlflow_db):
     arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "2",
                  "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5"]
     tracked = mlflow_db(root / "mlflow.db")
-    done = call("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
-                "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=run_env)
-    return store, {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked}
+    # Told by a webhook (bardflow notify): the failed run and the finished sweep.
+    hook = Webhook()
+    call("notify", "add", hook.url, "--name", "sweep-tests", env=run_env)
+    try:
+        done = call("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
+                    "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=run_env)
+        yield store, {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked, "hook": hook,
+                      "env": run_env}
+    finally:
+        call("notify", "remove", "sweep-tests", env=run_env)
+        hook.close()
+
+
+@pytest.mark.flow
+def test_a_failed_run_and_a_finished_sweep_each_send_one_message_with_a_link(swept, prefect_server):
+    _, result = swept
+    hook = result["hook"]
+    failed = hook.wait_for(lambda m: m["subject"] == "bardflow: sweep-run-3-of-3 failed in train_single")
+    assert failed["body"].startswith("bardflow run sweep-run-3-of-3 (bardflow-pipeline) failed in stage "
+                                     "train_single: loss became nan at step")
+    link = failed["body"].splitlines()[-1]
+    assert link.startswith(f"{prefect_server.url}/runs/flow-run/")
+    assert prefect_server.api(f"/flow_runs/{link.rsplit('/', 1)[1]}")["name"] == "sweep-run-3-of-3"
+
+    parent = prefect_server.api(f"/flow_runs/{result['flow_run']}")["name"]
+    finished = hook.wait_for(lambda m: m["subject"] == f"bardflow: sweep {parent} finished")
+    best = min((row for row in result["rows"] if row["status"] == "completed"), key=lambda row: row["val_loss"])
+    assert f"finished: 3 runs, 1 failed\nbest: run {best['run']}, validation loss {best['val_loss']:.4f}: " \
+           f"--set train.learning_rate={best['train.learning_rate']}\n" in finished["body"]
+    assert finished["body"].endswith(f"{prefect_server.url}/runs/flow-run/{result['flow_run']}")
+    time.sleep(1)  # one message each, not one per retry or per state
+    assert sum(m["subject"] in (failed["subject"], finished["subject"]) for m in hook.received) == 2
+
+    listed = json.loads(call("notify", "list", "--json", env=result["env"]).stdout)
+    assert {"name": "sweep-tests", "messages": ["crashed", "failed", "sweep"], "enabled": True} in listed
+    for args, words in ((["add", "mailto:ops@example.org"], "is not an http(s) webhook URL"),
+                        (["add"], "takes a webhook URL or --block TYPE/NAME"),
+                        (["add", "--block", "slack-webhook/none-such"], "no block slack-webhook/none-such"),
+                        (["remove", "none-such"], "no notification named 'none-such'")):
+        refused = call("notify", *args, env=result["env"], check=False)
+        assert refused.returncode in (1, 2) and words in refused.stderr.strip().splitlines()[-1], refused.stderr
 
 
 @pytest.mark.flow
@@ -97,6 +137,10 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
         "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [result["flow_run"]]}}})[0]
     assert "train.learning_rate" in artifact["data"] and "failed" in artifact["data"]
     assert artifact["data"].count("data:image/png;base64,") == 1
+    best = min((row for row in rows if row["status"] == "completed"), key=lambda row: row["val_loss"])
+    assert artifact["data"].rstrip().endswith(  # ranked last: the best, ready to paste
+        f"**Best**: run {best['run']}, validation loss {best['val_loss']:.4f}: "
+        f"`--set train.learning_rate={best['train.learning_rate']}`")
 
     from tests.cdp import Browser, chromium_binary
 
@@ -134,6 +178,25 @@ def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
     assert missing.returncode == 1 and "no trained version with a key starting 'zzzz'" in missing.stderr
 
 
+SLOT_NAME = "bardflow-training-sweepers-host"
+
+
+def hold_the_slot_until(server, name: str, waiting: threading.Event, timeout_s: float = 120) -> None:
+    """Holds the training slot ``name`` until a run logs that it waits for it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from bardflow.flows.slots import training_slot
+
+    with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}), \
+            training_slot("another run", lambda line: None, name=name):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not waiting.is_set():
+            found = server.api("/logs/filter", {"sort": "TIMESTAMP_DESC", "limit": 50})
+            if any(f"waiting for this host's training slot {name}" in log["message"] for log in found):
+                waiting.set()
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def pool_workers(prefect_server):
     """The README's pool of workers, on this machine: a process pool, the `sweep` deployment
@@ -146,8 +209,10 @@ def pool_workers(prefect_server):
                     ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"]):
         done = prefect_server.run(prefect, *command)
         assert done.returncode == 0, done.stdout + done.stderr
+    # Two workers of one host: their runs take turns at the host's training slot (flows/slots.py).
+    env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME}
     workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,
-                                          "--limit", "1")
+                                          "--limit", "1", env=env)
                for name in ("sweeper-a", "sweeper-b")}
     try:
         yield workers
@@ -158,20 +223,30 @@ def pool_workers(prefect_server):
 
 
 @pytest.mark.flow
-def test_a_sweep_fans_out_over_the_workers_of_a_pool(swept, prefect_server, pool_workers, run_env):
+def test_a_sweep_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(swept, prefect_server, pool_workers,
+                                                                                 run_env):
     """The local sweep's store and data again: a worker finds what the store holds (as a pool
-    shares one) and trains nothing, and a child that fails on its worker fails its row with
-    the worker's error, not the sweep. (Deployment runs that train: tests/test_deployment.py.)"""
+    shares one); two new configurations train on two workers of one host, one at a time (the
+    host's training slot), and both finish; a child that fails on its worker fails its row
+    with the worker's error, not the sweep. (Deployment runs: tests/test_deployment.py.)"""
     store, local = swept
-    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--grid", "train.learning_rate=0.003",
+    # Another run trains on this host as the sweep starts (here, a slot held by this process
+    # until a child says it waits): the children queue behind it, then take turns.
+    waiting = threading.Event()
+    holder = threading.Thread(target=hold_the_slot_until, args=(prefect_server, SLOT_NAME, waiting), daemon=True)
+    holder.start()
+    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--grid", "train.learning_rate=0.003,0.002,0.005",
                 "--list", '{"train.learning_rate": 1e30}', "--json", env=run_env)
+    holder.join(timeout=30)
+    assert waiting.is_set(), "no child waited for the host's training slot"
     result = json.loads(done.stdout)
     rows = result["rows"]
-    assert [row["train.learning_rate"] for row in rows] == ["0.003", "1e+30"]  # both named
-    assert [row["status"] for row in rows] == ["completed", "failed"]
-    assert "loss became nan" in result["runs"][1]["error"]  # its row says why; the sweep went on
+    assert [row["train.learning_rate"] for row in rows] == ["0.003", "0.002", "0.005", "1e+30"]  # all named
+    assert [row["status"] for row in rows] == ["completed", "completed", "completed", "failed"]
+    assert "loss became nan" in result["runs"][3]["error"]  # its row says why; the sweep went on
     assert rows[0]["val_loss"] > 0 and rows[0]["train_parallel"] == local["rows"][0]["train_parallel"]
     assert {stage["state"] for stage in result["runs"][0]["stages"].values()} == {"cached"}
+    assert all(result["runs"][n]["stages"]["train_parallel"]["state"] == "ran" for n in (1, 2))
 
     # Each child is a deployment run linked to the parent, and both workers took some.
     children = [run["flow_run_id"] for run in result["runs"]]
@@ -182,6 +257,21 @@ def test_a_sweep_fans_out_over_the_workers_of_a_pool(swept, prefect_server, pool
     taken = {name: {child for child in children if child in (prefect_server.home / f"{name}.log").read_text()}
              for name in pool_workers}
     assert all(taken.values()) and set().union(*taken.values()) == set(children), taken
+
+    # The host's slot: every training stage held it alone, and whoever found it taken waited.
+    held, waited = [], 0
+    for child in children[1:]:
+        logs = prefect_server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [child]}}, "sort": "TIMESTAMP_ASC",
+                                                    "limit": 200})
+        marks = [(log["timestamp"], log["message"]) for log in logs if "training slot" in log["message"]]
+        waited += sum("waiting for this host's training slot" in message for _, message in marks)
+        takes = [at for at, message in marks if "holds this host's training slot" in message]
+        gives = [at for at, message in marks if "released this host's training slot" in message]
+        assert len(takes) == len(gives) >= 1, marks
+        held += zip(takes, gives)
+    held.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(held, held[1:])), held  # no two at once
+    assert waited >= 1
 
     elsewhere = call("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
                      "--grid", "train.steps=1,2", env=run_env, check=False)
