@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from bardflow.flows.settings import DEBUG, PRESET_NAMES
@@ -75,6 +76,14 @@ def parser() -> argparse.ArgumentParser:
                        help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
     sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
                        help="refuse sweeps of more than N runs (default 32)")
+    sweep.add_argument("--search", type=int, metavar="N",
+                       help="search instead of a grid: N trials proposed by Optuna (pip install 'bardflow[search]') "
+                            "within the ranges given as --set KEY=LOW..HIGH[:log] (and --grid KEY=A,B as choices), "
+                            "minimising the validation loss; the study is kept in the store, and the same command "
+                            "again resumes it (more trials with a larger N)")
+    sweep.add_argument("--parallel", type=int, default=1, metavar="K",
+                       help="with --search and --pool: K trials at a time on the pool's workers (default 1)")
+    sweep.add_argument("--seed", type=int, default=0, help="with --search: the sampler's seed (default 0)")
     sweep.add_argument("--pool", metavar="NAME",
                        help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
                             "all at once: every worker of the pool trains one (needs a running server)")
@@ -193,3 +202,50 @@ def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], lis
             raise ConfigError(f"sweep runs {seen[digest]} and {number} are the same configuration; drop one")
         seen[digest] = number
     return runs
+
+
+def parse_range(key: str, raw: str) -> dict[str, Any] | None:
+    """``LOW..HIGH`` or ``LOW..HIGH:log`` as a search dimension (int when both ends are
+    integers), None when ``raw`` is no range."""
+    text, _, scale = raw.partition(":")
+    low_text, sep, high_text = text.partition("..")
+    if not sep:
+        return None
+    if scale not in ("", "log"):
+        raise ConfigError(f"--set {key}={raw}: a range ends in :log or nothing, e.g. {key}=1e-3..3e-2:log")
+    try:
+        low, high = json.loads(low_text), json.loads(high_text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH of two numbers, e.g. {key}=1e-3..3e-2:log") \
+            from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low < high:
+        raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH with LOW < HIGH, e.g. {key}=1e-3..3e-2:log")
+    if scale and low <= 0:
+        raise ConfigError(f"--set {key}={raw}: a :log range needs LOW > 0")
+    kind = "int" if isinstance(low, int) and isinstance(high, int) else "float"
+    return {"type": kind, "low": low, "high": high, "log": bool(scale)}
+
+
+def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid: list[str]) -> dict[str, dict]:
+    """A search's dimensions: each ``--set KEY=LOW..HIGH[:log]`` a range, each ``--grid
+    KEY=V1,V2`` a choice. Both ends of every range and every choice are validated with the
+    preset and ``base``, so a bad one is refused before any work."""
+    import json
+
+    space = {key: parse_range(key, raw) for key, raw in ranges.items()}
+    for text in grid:
+        key, values = parse_assignment(text)
+        raw = text.partition("=")[2]
+        choices = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
+        if key in space or len(choices) < 2:
+            raise ConfigError(f"--grid {text}: a search choice names a setting once, with two values or more")
+        space[key] = {"type": "categorical", "choices": choices}
+    if not space:
+        raise ConfigError("--search needs a range to search, e.g. --set train.learning_rate=1e-3..3e-2:log")
+    for key, spec in space.items():
+        for value in spec["choices"] if spec["type"] == "categorical" else (spec["low"], spec["high"]):
+            try:
+                build_config(preset, {**base, key: value})
+            except ConfigError as error:
+                raise ConfigError(f"search range {key} ({json.dumps(value)}): {error}") from error
+    return space

@@ -136,18 +136,44 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from bardflow.flows.arguments import MAX_SWEEP_RUNS, parse_range, search_space, sweep_configurations
+
+    ranges = {}
+    for text in list(args.settings):  # a search's ranges are --set KEY=LOW..HIGH[:log]
+        key, _, raw = text.partition("=")
+        if parse_range(key.strip(), raw) is not None:
+            if args.search is None:
+                raise UsageError(f"--set {text} is a range: search it with --search N, or give one value")
+            ranges[key.strip()] = raw
+            args.settings.remove(text)
+    if args.search is not None and not 1 <= args.search <= (args.max_runs or MAX_SWEEP_RUNS):
+        raise UsageError(f"--search takes 1 to {args.max_runs or MAX_SWEEP_RUNS} trials (raise the limit with "
+                         "--max-runs)")
+    if args.parallel < 1 or (args.parallel > 1 and not args.pool):
+        raise UsageError("--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
+                         "(here, trials run one at a time)")
     root, base = _prepare(args)
     from bardflow.artifacts.objects import checked_store
-    from bardflow.flows.arguments import MAX_SWEEP_RUNS, sweep_configurations
 
     preset = pick_preset(args.preset)
-    configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
+    search = None
+    if args.search is not None:
+        from bardflow.flows.search import study_name
+
+        space = search_space(preset, base, ranges, args.grid)
+        configurations = [json.loads(text) for text in args.listed]
+        if configurations:
+            sweep_configurations(preset, base, [], args.listed, args.max_runs or MAX_SWEEP_RUNS)  # each checked
+        search = {"trials": args.search, "parallel": args.parallel, "space": space, "seed": args.seed,
+                  "study": study_name(preset, base, space, configurations, args.seed)}
+    else:
+        configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
     checked_store(root)
     from bardflow.flows.sweep import sweep
 
     with _terminal_run():
         return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
-                     processes=args.processes, pool=args.pool)
+                     processes=args.processes, pool=args.pool, search=search)
 
 
 def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:

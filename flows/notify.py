@@ -75,10 +75,15 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
         if not saved:
             raise NotifyError(f"--block expects TYPE/NAME as the UI's Blocks page shows it, e.g. "
                               f"slack-webhook/alerts; got {block!r}")
+        from prefect.blocks.abstract import NotificationBlock
+
         try:
             document = Block.load(f"{kind}/{saved}")
         except ValueError as error:
             raise NotifyError(f"no block {block} on this server ({error}); make it in the UI (Blocks)") from None
+        if not isinstance(document, NotificationBlock):
+            raise NotifyError(f"block {block} sends no notifications; name a notification block (Slack, Teams, "
+                              "e-mail, a custom webhook, …)")
         block_id = document._block_document_id
     else:
         block_id = _block_for(url or "", name).save(f"{PREFIX}-{name}", overwrite=True)

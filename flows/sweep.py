@@ -45,7 +45,7 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = list(dict.fromkeys(key for run in runs for key in run["varying"]))
     rows = []
     for number, run in enumerate(runs, 1):
-        row: dict[str, Any] = {"run": number}
+        row: dict[str, Any] = {"run": run.get("trial", number)}
         row.update({key: _shown(run["varying"].get(key, "(preset)")) for key in keys})
         stages = run.get("stages") or {}
         metrics = stages.get("train_parallel", {}).get("metrics", {})
@@ -68,13 +68,14 @@ def set_line(varying: dict[str, Any]) -> str:
 
 
 def best_run(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The finished run with the lowest validation loss: its number, its loss and its ``--set`` line."""
-    finished = [(row["val_loss"], row["run"]) for row in rows if row["status"] == "completed"
-                and row["val_loss"] is not None]
+    """The finished run with the lowest validation loss: its number, its loss and its ``--set``
+    line (``rows`` as ``comparison_rows`` made them from ``runs``, in the same order)."""
+    finished = [(row["val_loss"], row["run"], run) for row, run in zip(rows, runs)
+                if row["status"] == "completed" and row["val_loss"] is not None]
     if not finished:
         return None
-    val_loss, number = min(finished)
-    line = set_line(runs[number - 1]["varying"])
+    val_loss, number, run = min(finished, key=lambda entry: entry[:2])
+    line = set_line(run["varying"])
     return {"run": number, "val_loss": val_loss, "set": line,
             "line": f"run {number}, validation loss {val_loss:.4f}: {line}"}
 
@@ -88,7 +89,7 @@ def _histories(runs: list[dict[str, Any]], root: str) -> list[tuple[str, list[di
         version = stage and store.lookup("train_parallel", stage["key"])
         if version is None:
             continue
-        label = f"{number}: " + ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run["varying"].items())
+        label = f"{run.get('trial', number)}: " + ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run["varying"].items())
         curves.append((label, json.loads(version.file("history.json").read_text())))
     return curves
 
@@ -102,29 +103,94 @@ def sweep(
     store: str | None = None,
     processes: int = 1,
     pool: str | None = None,
+    search: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One pipeline per configuration (its ``section.field`` settings over ``settings`` and the
     preset): in turn as child flow runs here, or, with ``pool``, all at once as runs of the
-    ``bardflow-pipeline/sweep`` deployment on that work pool. A failed run fails its row, not the sweep."""
+    ``bardflow-pipeline/sweep`` deployment on that work pool. A failed run fails its row, not the sweep.
+
+    With ``search`` (``trials``, ``parallel``, ``space``, ``seed``, ``study``: what ``bardflow
+    sweep --search`` makes), Optuna proposes the configurations instead, ``parallel`` at a
+    time on the pool, ``configurations`` tried first (flows/search.py)."""
     quiet_explained_errors()
     chosen, root = pick_preset(preset), store_location(store)
-    configs = [_in_one_experiment(build_config(chosen, {**settings, **varying})) for varying in configurations]
-    total = len(configs)
     where = f" on work pool {pool}" if pool else ""
-    with ui.Progress(SWEEP, total, f"sweep of {total} runs, preset {chosen}{where}") as progress:
-        if pool:
-            runs = _on_pool(pool, configurations, configs, chosen, corpus, root, processes, progress)
-        else:
-            runs = _here(configurations, configs, chosen, corpus, root, processes, progress)
+    place = Place(chosen, settings, corpus, root, processes, pool)
+    if search is not None:
+        runs = _search(search, configurations, place, where)
+    else:
+        configs = [place.config(varying) for varying in configurations]
+        with ui.Progress(SWEEP, len(configs), f"sweep of {len(configs)} runs, preset {chosen}{where}") as progress:
+            runs = (_on_pool if pool else _here)(configurations, configs, place, progress)
     rows = comparison_rows(runs)
     best = best_run(rows, runs)
-    publish(rows, _histories(runs, root), chosen, best)
+    if search is not None:  # ranked: the best first
+        rows.sort(key=lambda row: (row["status"] != "completed", row["val_loss"] is None, row["val_loss"] or 0))
+    publish(rows, _histories(runs, root), chosen, best, study=search and search["study"])
     failed = sum(row["status"] != "completed" for row in rows)
     notify.emit(notify.SWEEP_FINISHED, {"summary": f"{len(rows)} runs, {failed} failed",
                                         "best": best["line"] if best else "none: every run failed"})
     from prefect.runtime import flow_run
 
-    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs}
+    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs,
+            **({"study": search["study"]} if search else {})}
+
+
+class Place:
+    """Where and how a sweep's children run: their common settings, and here or on a pool."""
+
+    def __init__(self, preset: str, settings: dict[str, Any], corpus: str | None, root: str, processes: int,
+                 pool: str | None):
+        self.preset, self.settings, self.corpus, self.root, self.processes = preset, settings, corpus, root, processes
+        self.pool = pool
+        if pool:
+            check_pool(pool)
+
+    def config(self, varying: dict[str, Any]) -> PipelineConfig:
+        return _in_one_experiment(build_config(self.preset, {**self.settings, **varying}))
+
+    def run_here(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
+        """A child flow run of this process, to its end."""
+        child = pipeline.with_options(flow_run_name=_child_name(number, total))
+        state = child(preset=self.preset, config=config, corpus=self.corpus, store=self.root,
+                      processes=self.processes, return_state=True)
+        stopping.check(f"during sweep run {number} of {total}")  # a stopped child stops the sweep
+        run = {"varying": varying, "status": "completed"}
+        if state.is_completed():
+            run.update(state.result())
+        else:
+            _failed(number, total, run, state.message or state.name)
+        return run
+
+    def submit(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
+        """A run of the ``sweep`` deployment on the pool, started; it runs when a worker takes it."""
+        from prefect.deployments import run_deployment
+
+        child = run_deployment(DEPLOYMENT, timeout=0, flow_run_name=_child_name(number, total), parameters={
+            "preset": self.preset, "config": config.model_dump(mode="json"), "corpus": self.corpus,
+            "store": self.root, "processes": self.processes})
+        return {"varying": varying, "status": "running", "flow_run_id": str(child.id), "number": number}
+
+    def ended(self, client, run: dict[str, Any], total: int) -> bool:
+        """Whether the submitted ``run`` has ended; if so, ``run`` now says how."""
+        state = client.read_flow_run(run["flow_run_id"]).state
+        if state is None or not state.is_final():
+            return False
+        if state.is_completed():
+            run.update(status="completed", **_child_summary(client, run["flow_run_id"], self.root))
+        else:
+            _failed(run["number"], total, run, state.message or state.name)
+        return True
+
+    def cancel_if_stopped(self, client, running: list[dict[str, Any]], total: int) -> None:
+        """A stopped sweep cancels its runs on the workers, then stops."""
+        if stopping.requested() is None:
+            return
+        from prefect.states import Cancelling
+
+        for run in running:
+            client.set_flow_run_state(run["flow_run_id"], Cancelling(message="the sweep was stopped"), force=True)
+        stopping.check(f"with {len(running)} of {total} sweep runs unfinished (cancelled)")
 
 
 def _in_one_experiment(config: PipelineConfig) -> PipelineConfig:
@@ -147,20 +213,11 @@ def _failed(number: int, total: int, run: dict[str, Any], why: str) -> None:
     get_run_logger().warning("sweep run %d of %d failed: %s", number, total, why)
 
 
-def _here(configurations, configs, preset, corpus, root, processes, progress) -> list[dict[str, Any]]:
+def _here(configurations, configs, place: Place, progress) -> list[dict[str, Any]]:
     """Each configuration in turn, as a child flow run of this process."""
     total, runs = len(configs), []
     for number, (varying, config) in enumerate(zip(configurations, configs), 1):
-        child = pipeline.with_options(flow_run_name=_child_name(number, total))
-        state = child(preset=preset, config=config, corpus=corpus, store=root, processes=processes,
-                      return_state=True)
-        stopping.check(f"during sweep run {number} of {total}")  # a stopped child stops the sweep
-        run = {"varying": varying, "status": "completed"}
-        if state.is_completed():
-            run.update(state.result())
-        else:
-            _failed(number, total, run, state.message or state.name)
-        runs.append(run)
+        runs.append(place.run_here(number, total, varying, config))
         progress(number)
         get_run_logger().info("sweep: %d of %d done", number, total)
     return runs
@@ -189,48 +246,74 @@ def check_pool(pool: str) -> None:
                                  "(`prefect worker start --pool %s`)", pool, pool)
 
 
-def _on_pool(pool, configurations, configs, preset, corpus, root, processes, progress) -> list[dict[str, Any]]:
+def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, Any]]:
     """Every configuration submitted at once as a run of the ``sweep`` deployment, then
-    waited for: the workers that poll ``pool`` take them as they free up."""
+    waited for: the workers that poll the pool take them as they free up."""
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
 
-    check_pool(pool)
     logger, total = get_run_logger(), len(configs)
-    submitted = []
-    for number, config in enumerate(configs, 1):
-        child = run_deployment(DEPLOYMENT, timeout=0, flow_run_name=_child_name(number, total), parameters={
-            "preset": preset, "config": config.model_dump(mode="json"), "corpus": corpus, "store": root,
-            "processes": processes})
-        submitted.append(child.id)
-    logger.info("sweep: %d runs submitted to work pool %s", total, pool)
-    runs = [{"varying": varying, "status": "running", "flow_run_id": str(run_id)}
-            for varying, run_id in zip(configurations, submitted)]
+    runs = [place.submit(number, total, varying, config)
+            for number, (varying, config) in enumerate(zip(configurations, configs), 1)]
+    logger.info("sweep: %d runs submitted to work pool %s", total, place.pool)
     done = 0
     with get_client(sync_client=True) as client:
         while done < total:
             time.sleep(POLL_S)
-            if stopping.requested() is not None:  # the runs on workers are cancelled with the sweep
-                from prefect.states import Cancelling
-
-                for run, run_id in zip(runs, submitted):
-                    if run["status"] == "running":
-                        client.set_flow_run_state(run_id, Cancelling(message="the sweep was stopped"), force=True)
-                stopping.check(f"with {total - done} of {total} sweep runs unfinished (cancelled)")
-            for number, (run, run_id) in enumerate(zip(runs, submitted), 1):
-                if run["status"] != "running":
-                    continue
-                state = client.read_flow_run(run_id).state
-                if state is None or not state.is_final():
-                    continue
-                if state.is_completed():
-                    run.update(status="completed", **_child_summary(client, run_id, root))
-                else:
-                    _failed(number, total, run, state.message or state.name)
-                done += 1
-                progress(done)
-                logger.info("sweep: %d of %d done (run %d: %s)", done, total, number, run["status"])
+            place.cancel_if_stopped(client, [run for run in runs if run["status"] == "running"], total)
+            for run in runs:
+                if run["status"] == "running" and place.ended(client, run, total):
+                    done += 1
+                    progress(done)
+                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run["number"], run["status"])
     return runs
+
+
+def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, where: str) -> list[dict[str, Any]]:
+    """Optuna's trials, ``spec["parallel"]`` at a time (on the pool; one at a time here), until
+    the study has ``spec["trials"]`` finished ones; every finished trial of the study is a row."""
+    from prefect.client.orchestration import get_client
+
+    from bardflow.flows.search import Search
+
+    logger, total = get_run_logger(), spec["trials"]
+    study = Search(spec, place.root, listed)
+    if study.resumed:
+        logger.info("search %s: resuming with %d of %d trials finished", study.name, study.finished(), total)
+    else:
+        logger.info("search %s: a new study of %d trials in %s", study.name, total, place.root)
+
+    def ask() -> tuple[int, dict[str, Any], PipelineConfig | None]:
+        number, params = study.ask()
+        try:
+            return number, params, place.config(params)
+        except ConfigError as error:  # a proposal the settings refuse: a failed trial, not a failed search
+            study.tell(number, {"status": "failed", "error": str(error)})
+            return number, params, None
+
+    with ui.Progress(SWEEP, total, f"search of {total} trials, preset {place.preset}{where}") as progress:
+        progress(min(study.finished(), total))
+        if not place.pool:
+            while study.finished() < total:
+                number, params, config = ask()
+                if config is not None:
+                    study.tell(number, place.run_here(number + 1, total, params, config))
+                progress(min(study.finished(), total))
+            return study.runs()
+        running: list[dict[str, Any]] = []
+        with get_client(sync_client=True) as client:
+            while study.finished() + len(running) < total or running:
+                while study.finished() + len(running) < total and len(running) < spec["parallel"]:
+                    number, params, config = ask()
+                    if config is not None:
+                        running.append({**place.submit(number + 1, total, params, config), "trial": number})
+                time.sleep(POLL_S)
+                place.cancel_if_stopped(client, running, total)
+                for run in [run for run in running if place.ended(client, run, total)]:
+                    running.remove(run)
+                    study.tell(run["trial"], run)
+                    progress(min(study.finished(), total))
+                    logger.info("search: trial %d %s", run["trial"] + 1, run["status"])
+    return study.runs()
 
 
 def _child_summary(client, run_id, root: str) -> dict[str, Any]:
@@ -252,7 +335,7 @@ def _child_summary(client, run_id, root: str) -> dict[str, Any]:
 
 
 def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str,
-            best: dict[str, Any] | None = None) -> None:
+            best: dict[str, Any] | None = None, study: str | None = None) -> None:
     """The sweep's artifact: the table, the overlaid curves (embedded: they render offline)
     and the best run as a ready ``--set`` line."""
     header = list(rows[0])
@@ -265,5 +348,5 @@ def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, A
     if best is not None:
         text += f"\n\n**Best**: run {best['run']}, validation loss {best['val_loss']:.4f}: `{best['set']}`\n"
     failed = sum(row["status"] != "completed" for row in rows)
-    ui.markdown(SWEEP, text, description=f"sweep of {len(rows)} runs, preset {preset}"
-                + (f", {failed} failed" if failed else ""))
+    what = f"search {study}: {len(rows)} trials" if study else f"sweep of {len(rows)} runs"
+    ui.markdown(SWEEP, text, description=f"{what}, preset {preset}" + (f", {failed} failed" if failed else ""))

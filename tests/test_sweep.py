@@ -286,3 +286,63 @@ def test_a_pool_without_a_server_is_refused_before_any_work(tmp_path):
                     "--grid", "train.steps=1,2", env=env, check=False)
     assert done.returncode == 2 and "--pool gpu needs a Prefect server" in done.stderr
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.flow
+def test_a_search_proposes_seeded_trials_keeps_its_study_in_the_store_and_resumes(tmp_path, run_env, prefect_server):
+    """--search with Optuna: the same command proposes the same trials; the study lives in the
+    store, so running it again with more trials continues it (the trial that was running when
+    it stopped first); a diverging trial fails its row, not the search; the comparison ranks
+    the trials and ends with the best as a --set line."""
+    import optuna
+
+    from tests.helpers import md5_bytes, play_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(play_text(64_000, seed=3))
+    store = tmp_path / "store"
+    command = ["sweep", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "1",
+               "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.steps=10",
+               "--set", "train.learning_rate=1e-3..3e-2:log", "--list", '{"train.learning_rate": 1e30}', "--json"]
+    first = json.loads(call(*command, "--search", "2", env=run_env).stdout)
+    trials = sorted((row["run"], row["train.learning_rate"], row["status"]) for row in first["rows"])
+    assert [status for *_, status in trials] == ["failed", "completed"]  # --list first: it diverges
+    assert "loss became nan" in next(run["error"] for run in first["runs"] if run["status"] == "failed")
+    journal = store / ".searches" / f"{first['study']}.journal"
+    assert journal.exists()
+
+    # The same command on a fresh study: the same proposals (whose stages the store holds).
+    journal.rename(tmp_path / "first.journal")
+    again = json.loads(call(*command, "--search", "2", env=run_env).stdout)
+    assert sorted((row["run"], row["train.learning_rate"], row["status"]) for row in again["rows"]) == trials
+    assert {run["stages"]["train_parallel"]["state"] for run in again["runs"] if run["status"] == "completed"} \
+        == {"cached"}
+
+    # Stopped while a trial ran: that trial is asked again first when the search goes on.
+    (tmp_path / "first.journal").replace(journal)
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name=first["study"], storage=storage)
+    interrupted = study.ask({"train.learning_rate": optuna.distributions.FloatDistribution(1e-3, 3e-2, log=True)})
+    resumed = json.loads(call(*command, "--search", "3", env=run_env).stdout)
+    rows = resumed["rows"]
+    assert sorted((row["run"], row["train.learning_rate"], row["status"]) for row in rows)[:2] == trials
+    by_run = {row["run"]: row for row in rows}  # trial 3 was the one cut short: asked again as trial 4
+    assert sorted(by_run) == [1, 2, 4]
+    assert float(by_run[4]["train.learning_rate"]) == pytest.approx(interrupted.params["train.learning_rate"])
+    assert [row["status"] for row in rows] == ["completed", "completed", "failed"]  # ranked: failed last
+    assert rows[0]["val_loss"] <= rows[1]["val_loss"]
+
+    artifact = prefect_server.api("/artifacts/filter", {"artifacts": {
+        "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [resumed["flow_run"]]}}})[0]
+    assert artifact["data"].rstrip().endswith(f"validation loss {rows[0]['val_loss']:.4f}: "
+                                              f"`--set train.learning_rate={rows[0]['train.learning_rate']}`")
+
+    for args, words in ((["--search", "2", "--parallel", "2"], "add --pool NAME"),
+                        (["--search", "0"], "--search takes 1 to 32 trials")):
+        refused = call(*command, *args, env=run_env, check=False)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+    bad_range = [arg.replace("1e-3..3e-2:log", "3e-2..1e-3") for arg in command]
+    refused = call(*bad_range, "--search", "2", env=run_env, check=False)
+    assert refused.returncode == 1 and "LOW < HIGH" in refused.stderr.strip().splitlines()[-1]
+    no_search = call(*command, env=run_env, check=False)
+    assert no_search.returncode == 2 and "is a range: search it with --search N" in no_search.stderr

@@ -1,0 +1,128 @@
+"""A sweep that searches: ``bardflow sweep --search N`` asks Optuna (ask/tell, a seeded TPE
+sampler) for N configurations within ranges, one trial per pipeline run, the objective the
+checkpointed model's validation loss (train_parallel's, on the whole split).
+
+The study is a journal file kept with the store (``<store>/.searches/<study>.journal``; in
+a bucket too, for a bucket store), named after what defines the search (preset, settings,
+ranges, seed), so the same command run again resumes it: finished trials are kept, a trial
+that was running when the search stopped is asked again (its stages come back cached if it
+had got that far), and the sampler's seed moves on with the number of trials, so a resumed
+study continues rather than repeats its first proposals. A diverging trial is a failed trial.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from bardflow.artifacts.objects import ObjectStore, checked_store
+from bardflow.model.config import ConfigError
+from bardflow.model.errors import BardflowError
+
+FOLDER = ".searches"
+
+
+class SearchError(BardflowError, RuntimeError):
+    """Optuna is missing, or the study cannot be read."""
+
+
+def study_name(preset: str, base: dict[str, Any], space: dict[str, dict[str, Any]], listed: list[dict[str, Any]],
+               seed: int) -> str:
+    """What defines a search, as a name: the same command, the same study."""
+    digest = hashlib.sha256(json.dumps([preset, base, space, listed, seed], sort_keys=True).encode()).hexdigest()
+    return f"search-{digest[:12]}"
+
+
+def _distribution(spec: dict[str, Any]):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    if spec["type"] == "categorical":
+        return CategoricalDistribution(spec["choices"])
+    kind = IntDistribution if spec["type"] == "int" else FloatDistribution
+    return kind(spec["low"], spec["high"], log=spec.get("log", False))
+
+
+class Search:
+    """One study: its journal on disk (and in the bucket), asked and told one trial at a time."""
+
+    def __init__(self, spec: dict[str, Any], root: str, listed: list[dict[str, Any]]):
+        try:
+            import optuna
+        except ImportError:
+            raise SearchError("--search needs Optuna: pip install 'bardflow[search]'") from None
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+        from optuna.trial import TrialState
+
+        self.spec, self.name = spec, spec["study"]
+        self.store = checked_store(root)
+        self.distributions = {key: _distribution(value) for key, value in spec["space"].items()}
+        if isinstance(self.store, ObjectStore):
+            self.path = Path(self.store.mirror.location) / FOLDER / f"{self.name}.journal"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = self.store.bucket.read(f"{FOLDER}/{self.name}.journal")
+            if kept is not None:
+                self.path.write_bytes(kept)
+            else:
+                self.path.unlink(missing_ok=True)
+        else:
+            self.path = Path(root) / FOLDER / f"{self.name}.journal"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        storage = JournalStorage(JournalFileBackend(str(self.path)))
+        self.study = optuna.create_study(study_name=self.name, storage=storage, direction="minimize",
+                                         load_if_exists=True)
+        self.resumed = len(self.study.trials)
+        self.asked: dict[int, Any] = {}
+        for trial in self.study.trials:  # running when the search stopped: asked again, first
+            if trial.state == TrialState.RUNNING:
+                self.study.tell(trial.number, state=TrialState.FAIL)
+                self.study.enqueue_trial(trial.params)
+        if not self.resumed:
+            for params in listed:  # --list: tried first, as given
+                self.study.enqueue_trial(params)
+        self.study.sampler = optuna.samplers.TPESampler(seed=spec["seed"] + len(self.study.trials))
+        self.save()
+
+    def finished(self) -> int:
+        from optuna.trial import TrialState
+
+        return sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) and "run" in t.user_attrs
+                   for t in self.study.trials)
+
+    def ask(self) -> tuple[int, dict[str, Any]]:
+        with warnings.catch_warnings():  # a --list value outside a range is tried as given, on purpose
+            warnings.filterwarnings("ignore", message="Fixed parameter .* is out of range")
+            trial = self.study.ask(self.distributions)
+        self.asked[trial.number] = trial
+        self.save()
+        return trial.number, dict(trial.params)
+
+    def tell(self, number: int, run: dict[str, Any]) -> None:
+        """A finished trial: its validation loss, or a failure; its row kept with it."""
+        from optuna.trial import TrialState
+
+        stages = run.get("stages") or {}
+        kept = {"status": run["status"], "error": run.get("error"), "flow_run": run.get("flow_run"),
+                "stages": {name: {"key": stages[name].get("key"), "state": stages[name].get("state"),
+                                  "metrics": stages[name].get("metrics", {})}
+                           for name in ("train_parallel", "generate") if name in stages}}
+        self.asked.pop(number).set_user_attr("run", kept)
+        value = ((stages.get("train_parallel") or {}).get("metrics") or {}).get("val_loss")
+        if run["status"] == "completed" and value is not None:
+            self.study.tell(number, value)
+        else:
+            self.study.tell(number, state=TrialState.FAIL)
+        self.save()
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every finished trial as a sweep run, in trial order, numbered from 1."""
+        return [{**t.user_attrs["run"], "varying": dict(t.params), "trial": t.number + 1}
+                for t in self.study.trials if "run" in t.user_attrs]
+
+    def save(self) -> None:
+        if isinstance(self.store, ObjectStore):
+            self.store.bucket.write(f"{FOLDER}/{self.name}.journal", self.path.read_bytes())
