@@ -105,8 +105,7 @@ class Bucket:
         self.bucket, _, prefix = rest.strip("/").partition("/")
         self.prefix = f"{self.bucket}/{prefix}".rstrip("/")
         try:
-            self.fs = _filesystem(self.scheme, tuple(sorted((k, v) for k, v in os.environ.items()
-                                                            if k.startswith(("AWS_", "GOOGLE_")))))
+            self.fs = _filesystem(self.scheme, _credentials())
         except ImportError as error:
             package = {"s3": "s3fs", "gs": "gcsfs"}.get(self.scheme, "an fsspec implementation")
             raise ObjectStoreError(f"the store {self.url} needs {package}: pip install {package}") from error
@@ -436,12 +435,17 @@ class ObjectStore(VersionStore):
 def checked_store(location: str) -> VersionStore:
     """The store at ``location``, opened and checked (bucket reachable, credentials accepted)
     once per process and mirror folder: the command line, the flow and every stage task of a
-    run share it."""
-    return _checked(location, os.environ.get(WORKDIR))
+    run share it. Other credentials (a run whose keys come from a block) check again."""
+    return _checked(location, os.environ.get(WORKDIR), _credentials())
+
+
+def _credentials() -> tuple:
+    """The variables a bucket's client reads: its identity, as far as a cache is concerned."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))))
 
 
 @functools.lru_cache(maxsize=16)
-def _checked(location: str, workdir: str | None) -> VersionStore:
+def _checked(location: str, workdir: str | None, credentials: tuple) -> VersionStore:
     store = open_store(location, workdir)
     store.check()  # a failed check is not cached: it raises
     return store

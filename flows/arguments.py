@@ -119,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
                     "whether it runs (exit 3 if not).")
     server.add_argument("action", choices=("start", "stop", "status"))
     server.add_argument("--port", type=int, default=4200)
+    server.add_argument("--database", metavar="URL",
+                        help="start: keep the server's state in PostgreSQL (postgresql://USER:PASSWORD@HOST:5432/DB), "
+                             "as a pool of workers needs, instead of a SQLite file in PREFECT_HOME")
     notify = commands.add_parser(
         "notify", help="a message when a run fails or crashes, or a sweep finishes (automations on the server)",
         description="add: send a message to a webhook URL (or through a notification block made in the UI) "

@@ -16,6 +16,7 @@ from bardflow.flows.server import EmbeddedServer, check_chosen_server, start_emb
 from bardflow.flows.settings import (
     AUTO_CHOICES,
     DEBUG,
+    STORE_CREDENTIALS,
     debugging,
     empty_corpus,
     pick_preset,
@@ -127,7 +128,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from bardflow.model.config import build_config
 
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
-    checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
+    if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
+        checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
     from bardflow.flows.pipeline import pipeline
 
     with _terminal_run():
@@ -168,7 +170,8 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
                   "study": study_name(preset, base, space, configurations, args.seed)}
     else:
         configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
-    checked_store(root)
+    if not os.environ.get(STORE_CREDENTIALS):
+        checked_store(root)
     from bardflow.flows.sweep import sweep
 
     with _terminal_run():
@@ -247,7 +250,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace) -> int:
     from bardflow.flows.server import command
 
-    command(args.action, args.port)
+    command(args.action, args.port, args.database)
     return 0
 
 

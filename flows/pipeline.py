@@ -30,10 +30,12 @@ from bardflow.artifacts.store import Version
 from bardflow.flows import config_file, notify
 from bardflow.flows.settings import (
     PRESET_NAMES,
+    STORE_CREDENTIALS,
     debugging,
     empty_corpus,
     pick_preset,
     prepare_environment,
+    store_credentials,
     store_location,
 )
 from bardflow.flows.slots import training_slot
@@ -75,6 +77,19 @@ def quiet_explained_errors() -> None:
     for handler in (h for logger in loggers for h in logger.handlers):
         if not any(isinstance(f, ExplainedErrorFilter) for f in handler.filters):
             handler.addFilter(ExplainedErrorFilter())
+
+
+def opened(root: str):
+    """The store, checked, with its keys from a Prefect block when one is named
+    (``BARDFLOW_STORE_CREDENTIALS``); a refusal then names the block."""
+    block = store_credentials()
+    try:
+        return checked_store(root)
+    except BardflowError as error:
+        if block is None:
+            raise
+        error.args = (f"{error} (the keys came from the Prefect block {block}, {STORE_CREDENTIALS})",)
+        raise
 
 
 def one_line(error: BaseException) -> str:
@@ -138,7 +153,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     plan = RunPlan(config, devices, platform, processes)
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
     root = store_location(store)
-    checked_store(root)  # an unreachable bucket or wrong credentials: one line, before any work
+    opened(root)  # an unreachable bucket or wrong credentials: one line, before any work
     tracked = RunTracking.start(config, chosen, root, logger.warning)  # None: not asked for
     versions: dict[str, Version] = {}
     summary: dict[str, dict[str, Any]] = {}

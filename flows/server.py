@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,30 @@ def use_running_server() -> str | None:
     return os.environ["PREFECT_API_URL"]
 
 
-def start(port: int, timeout_s: float = 180.0) -> dict:
+DATABASE = "PREFECT_API_DATABASE_CONNECTION_URL"
+
+
+def database_url(url: str) -> str:
+    """Prefect's database setting from what a user types: PostgreSQL through asyncpg (the
+    driver Prefect ships), or a SQLite file."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ServerError(f"--database {url!r} is no database URL; "
+                          "e.g. postgresql://USER:PASSWORD@127.0.0.1:5432/prefect")
+    if scheme in ("postgresql", "postgres", "postgresql+asyncpg"):
+        return f"postgresql+asyncpg://{rest}"
+    if scheme in ("sqlite", "sqlite+aiosqlite"):
+        return f"sqlite+aiosqlite://{rest}"
+    raise ServerError(f"--database {url!r}: Prefect's server keeps its state in PostgreSQL (postgresql://…) "
+                      "or SQLite (sqlite:///path)")
+
+
+def _shown(url: str) -> str:
+    """A database URL without its password."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
+def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> dict:
     found = running()
     if found is not None:
         return found
@@ -82,11 +106,15 @@ def start(port: int, timeout_s: float = 180.0) -> dict:
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
+    env = dict(os.environ)
+    if database is not None:
+        env[DATABASE] = database_url(database)
     with open(log, "ab") as out:  # detached: it outlives this command and its terminal
         process = subprocess.Popen([sys.executable, "-m", "bardflow", "ui", "--port", str(port)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=Path(__file__).resolve().parents[1])
-    record = {"pid": process.pid, "url": url, "log": str(log)}
+                                   start_new_session=True, cwd=Path(__file__).resolve().parents[1], env=env)
+    record = {"pid": process.pid, "url": url, "log": str(log),
+              "database": _shown(env.get(DATABASE) or f"sqlite (in {env.get('PREFECT_HOME', '~/.prefect')})")}
     deadline = time.monotonic() + timeout_s
     while not healthy(url):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -121,10 +149,11 @@ def stop() -> bool:
     return True
 
 
-def command(action: str, port: int) -> None:
+def command(action: str, port: int, database: str | None = None) -> None:
     if action == "start":
-        record = start(port)
-        print(f"Prefect server: {record['url']} (pid {record['pid']}, log {record['log']})\n"
+        record = start(port, database=database)
+        print(f"Prefect server: {record['url']} (pid {record['pid']}, log {record['log']}, "
+              f"database {record.get('database')})\n"
               f"`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it.")
     elif action == "stop":
         print("stopped" if stop() else "no background server was running")

@@ -67,3 +67,38 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         # does not use.
         count = cpu_devices or max(2, os.cpu_count() or 1)
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={count}".strip()
+
+
+STORE_CREDENTIALS = "BARDFLOW_STORE_CREDENTIALS"  # aws-credentials/NAME: the bucket's keys from a Prefect block
+
+
+def store_credentials() -> str | None:
+    """An object store's keys from the Prefect block ``BARDFLOW_STORE_CREDENTIALS`` names
+    (prefect-aws's ``AwsCredentials``: keys, region and endpoint), put into this process's
+    environment for the run, so that a worker keeps no keys of its own; the block's name,
+    or None when none is named."""
+    named = os.environ.get(STORE_CREDENTIALS, "").strip()
+    if not named:
+        return None
+    from bardflow.model.config import ConfigError
+
+    kind, _, block = named.partition("/")
+    if kind != "aws-credentials" or not block:
+        raise ConfigError(f"{STORE_CREDENTIALS}={named}: name an AWS Credentials block as aws-credentials/NAME")
+    try:
+        from prefect_aws import AwsCredentials
+    except ImportError:
+        raise ConfigError(f"{STORE_CREDENTIALS} needs prefect-aws: pip install 'bardflow[aws]'") from None
+    try:
+        found = AwsCredentials.load(block)
+    except ValueError:
+        raise ConfigError(f"{STORE_CREDENTIALS}={named}: the Prefect server has no such block; make it in the UI "
+                          "(Blocks, AWS Credentials) or with AwsCredentials(...).save(NAME)") from None
+    secret = found.aws_secret_access_key
+    values = {"AWS_ACCESS_KEY_ID": found.aws_access_key_id,
+              "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
+              "AWS_SESSION_TOKEN": found.aws_session_token.get_secret_value() if found.aws_session_token else None,
+              "AWS_REGION": found.region_name, "AWS_PROFILE": found.profile_name,
+              "AWS_ENDPOINT_URL": found.aws_client_parameters.endpoint_url}
+    os.environ.update({name: str(value) for name, value in values.items() if value})
+    return named

@@ -25,7 +25,7 @@ from prefect.logging import get_run_logger
 from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
 from bardflow.flows import notify
-from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, pipeline, quiet_explained_errors
+from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, opened, pipeline, quiet_explained_errors
 from bardflow.flows.settings import pick_preset, store_location
 from bardflow.model.config import ConfigError, PipelineConfig, build_config
 from bardflow.runtime import stopping
@@ -114,6 +114,7 @@ def sweep(
     time on the pool, ``configurations`` tried first (flows/search.py)."""
     quiet_explained_errors()
     chosen, root = pick_preset(preset), store_location(store)
+    opened(root)
     where = f" on work pool {pool}" if pool else ""
     place = Place(chosen, settings, corpus, root, processes, pool)
     if search is not None:

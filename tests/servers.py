@@ -207,3 +207,50 @@ class ObjectServer:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class PostgresServer:
+    """A PostgreSQL server of the session's own (Debian's package, which .ci/run installs): a
+    fresh cluster in a temporary folder, on a loopback port, trusting local connections."""
+
+    USER, DATABASE = "bardflow", "prefect"
+
+    def __init__(self, home: Path | None = None, port: int | None = None):
+        import tempfile
+
+        # Its own folder, which user postgres can reach (pytest's are private to this user).
+        self.home = home or Path(tempfile.mkdtemp(prefix="bardflow-test-postgres-"))
+        self.home.chmod(0o755)
+        self.port = port or free_port()
+        self.url = f"postgresql://{self.USER}@127.0.0.1:{self.port}/{self.DATABASE}"
+
+    @staticmethod
+    def binaries() -> Path | None:
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+        return found[-1].parent if found else None
+
+    def _as_owner(self, *command: str) -> list[str]:
+        """PostgreSQL refuses to run as root: as root, its programs run as user postgres."""
+        return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else list(command)
+
+    def serve(self) -> PostgresServer:
+        bin_dir = self.binaries()
+        data = self.home / "data"
+        data.mkdir()
+        if os.geteuid() == 0:
+            import shutil
+
+            shutil.chown(self.home, "postgres")
+            shutil.chown(data, "postgres")
+        for command in ([str(bin_dir / "initdb"), "-D", str(data), "-U", self.USER, "-A", "trust", "--no-sync"],
+                        [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(self.home / "server.log"), "-w", "-o",
+                         f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.home} -c fsync=off", "start"],
+                        [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.USER,
+                         self.DATABASE]):
+            done = subprocess.run(self._as_owner(*command), capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, f"{command[0]}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+        return self
+
+    def stop(self) -> None:
+        subprocess.run(self._as_owner(str(self.binaries() / "pg_ctl"), "-D", str(self.home / "data"), "-m", "fast",
+                                      "stop"), capture_output=True, timeout=60, check=False)

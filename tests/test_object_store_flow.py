@@ -103,6 +103,33 @@ def test_two_machines_building_at_once_share_one_version_of_each_stage(shared_bu
         params_digest_of(plain["train_parallel"]["path"], root / "check")
 
 
+def test_a_worker_without_keys_of_its_own_takes_them_from_a_prefect_block(shared_bucket, object_server, corpus,
+                                                                        run_env, prefect_server):
+    """BARDFLOW_STORE_CREDENTIALS names an AWS Credentials block (prefect-aws) on the server:
+    keys, region and endpoint come from there; a wrong key in it is one line that names it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_aws import AwsCredentials
+
+    store, root, _ = shared_bucket
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
+        for name, secret in (("bucket-keys", object_server.SECRET_KEY), ("stale-keys", "wrong")):
+            AwsCredentials(aws_access_key_id=object_server.ACCESS_KEY, aws_secret_access_key=secret,
+                           region_name="us-east-1",
+                           aws_client_parameters={"endpoint_url": object_server.url}).save(name, overwrite=True)
+    keyless = {k: v for k, v in machine(run_env, object_server, root / "keyless").items() if not k.startswith("AWS_")}
+    cached = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
+                             env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/bucket-keys"}).stdout)
+    assert {s["state"] for s in cached["stages"].values()} == {"cached"}
+    refused = call(*args(corpus, store, "--cpu-devices", "2"),
+                   env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/stale-keys"}, check=False)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("bardflow: error:")]
+    assert refused.returncode == 1 and len(lines) == 1, refused.stderr
+    assert "AWS_SECRET_ACCESS_KEY" in lines[0] and "Prefect block aws-credentials/stale-keys" in lines[0]
+    missing = call(*args(corpus, store), env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/none-such"},
+                   check=False)
+    assert missing.returncode == 1 and "the Prefect server has no such block" in missing.stderr.splitlines()[-1]
+
+
 def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
         shared_bucket, object_server, corpus, run_env):
     store, root, runs = shared_bucket
