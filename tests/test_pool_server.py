@@ -1,6 +1,7 @@
 """`bardflow server start --database`: the pool's server on PostgreSQL (Debian's, which
 .ci/run installs), with what the pool keeps there: a training slot, a notification's block
-and automations. (The load of a pool — a sweep over four workers — is `python -m bench.pool`,
+and automations; and what a run that uses such a background server does when the server
+dies under it. (The load of a pool — a sweep over four workers — is `python -m bench.pool`,
 which CI runs on PostgreSQL and on SQLite.)"""
 
 from __future__ import annotations
@@ -56,7 +57,51 @@ def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
                                postgres.USER, "-d", postgres.DATABASE, "-tAc", "select name from automation"),
             capture_output=True, text=True, cwd=REPO)
         assert sorted(rows.stdout.split()) == [f"bardflow-notify-pg-{what}" for what in ("crashed", "failed", "sweep")]
-        assert json.loads((tmp_path / "server.json").read_text())["database"].startswith("postgresql+asyncpg://")
+        record = json.loads((tmp_path / "server.json").read_text())
+        assert record["database"].startswith("postgresql+asyncpg://")
+        dies_under_a_run(server, record["pid"], tmp_path)
     finally:
-        server.stop_all()
+        if (tmp_path / "server.json").exists():
+            server.stop_all()
+        server.stop_processes()
         postgres.stop()
+
+
+def dies_under_a_run(server, pid: int, tmp_path) -> None:
+    """A run that found the background server (no PREFECT_API_URL), whose server is killed
+    during training (a crash, the out-of-memory killer): the run ends within seconds in one
+    line, exit 1, the step's checkpoint saved. (It used to retry every progress report for a
+    minute while training stood still, then hang until Ctrl-C.)"""
+    import signal
+    import time
+
+    from tests.helpers import REPO, md5_bytes, play_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(play_text(64_000, seed=7))
+    store, steps = tmp_path / "store", 4000
+    env = {k: v for k, v in server.env.items() if k != "PREFECT_API_URL"}  # found through BARDFLOW_SERVER_FILE
+    command = [sys.executable, "-m", "bardflow", "run", "--preset", "tiny", "--corpus", str(corpus), "--store",
+               str(store), "--cpu-devices", "1", "--set", f"data.md5={md5_bytes(corpus.read_bytes())}",
+               "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}",
+               "--set", f"train.checkpoint_every={steps}"]
+    process = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stderr:
+            assert "temporary Prefect server" not in line  # it found the background one
+            if "train_single (" in line and f"/{steps} (" in line:
+                break
+        os.killpg(pid, signal.SIGKILL)  # gone at once, as a crashed or OOM-killed server is
+        stopped = time.monotonic()
+        rest = process.stderr.read()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1 and time.monotonic() - stopped < 20, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith(f"bardflow: error: the Prefect server at {server.url}/api stopped answering mid-run"), last
+    assert "bardflow server start" in last and "Traceback" not in rest and "EventsWorker" not in rest, rest[-3000:]
+    assert list(store.glob("train_single/.resume-*/*")), "the step reached was not saved"
+    (tmp_path / "server.json").unlink()

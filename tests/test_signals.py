@@ -7,7 +7,8 @@ One store is stopped twice in a row (SIGINT to the process group in train_single
 the main process alone in a two-process train_parallel), then run to the end, and compared
 with an uninterrupted run. Both stops use the run's own embedded Prefect server (the one a
 group Ctrl-C used to kill first, and the one a SIGTERM to the main process used to orphan);
-a stop on a chosen server is the deployment tests' cancel (tests/test_deployment.py)."""
+a stop on a chosen server is the deployment tests' cancel (tests/test_deployment.py), and a
+background server that dies mid-run is tests/test_pool_server.py's."""
 
 from __future__ import annotations
 
@@ -122,42 +123,6 @@ def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
     assert "Traceback" not in rest
     # What Prefect could no longer send is dropped quietly (it used to print a warning and a 3 KB line).
     assert "EventsWorker" not in rest and "prefect.events" not in rest, rest[-3000:]
-
-
-def test_a_background_server_that_stops_mid_run_ends_it_in_one_line(chain, tmp_path):
-    """A server the run found (`bardflow server start`), not its own child: stopped during
-    training, the run ends within seconds in one line, exit 1, the step's checkpoint saved.
-    (It used to retry every progress report for a minute while training stood still, then
-    hang until Ctrl-C.)"""
-    from tests.servers import Server
-
-    home = Path(chain["own_server"]["PREFECT_HOME"])  # the session's home: its database is made
-    server = Server(home, {**chain["own_server"], "BARDFLOW_SERVER_FILE": str(tmp_path / "server.json")}).serve()
-    env = {**chain["own_server"], "BARDFLOW_SERVER_FILE": server.env["BARDFLOW_SERVER_FILE"], "PYTHONUNBUFFERED": "1"}
-    steps = 20 * STEPS  # still training when the server is gone
-    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"]),
-               "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}"]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        for line in process.stderr:
-            assert "temporary Prefect server" not in line  # it found the background one
-            if "train_single (" in line and f"/{steps} (" in line:
-                break
-        record = json.loads(Path(server.env["BARDFLOW_SERVER_FILE"]).read_text())
-        os.killpg(record["pid"], signal.SIGKILL)  # gone at once, as a crashed or OOM-killed server is
-        stopped = time.monotonic()
-        rest = process.stderr.read()
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 1 and time.monotonic() - stopped < 20, rest[-3000:]
-    last = rest.strip().splitlines()[-1]
-    assert last.startswith(f"bardflow: error: the Prefect server at {server.url}/api stopped answering mid-run"), last
-    assert "bardflow server start" in last and "Traceback" not in rest and "EventsWorker" not in rest, rest[-3000:]
-    assert list(chain["store"].glob("train_single/.resume-*/*")), "the step reached was not saved"
-    Path(server.env["BARDFLOW_SERVER_FILE"]).unlink()
 
 
 def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_path):

@@ -54,8 +54,11 @@ def mlflow_server(tmp_path_factory, mlflow_db):
                "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination",
                str(home / "artifacts"), "--workers", "1"]
     log = home / "server.log"
+    # Without MLflow 3's job runner (six more processes, for GenAI evaluation jobs): a tracking
+    # server, as a team runs one for training runs.
     process = subprocess.Popen(command, cwd=home, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               start_new_session=True,
+                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         yield {"process": process, "url": f"http://127.0.0.1:{port}", "db": f"sqlite:///{home / 'mlflow.db'}",
                "log": log}
