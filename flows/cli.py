@@ -370,6 +370,13 @@ def entry() -> None:
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
         code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    if stopping.failure():
+        # The run's server is gone: what Prefect still holds for it can never be sent, and
+        # the interpreter's exit would wait for Prefect's queues to drain into it (for minutes,
+        # or for good), before any exit handler runs.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code[0])
     sys.exit(code[0])
 
 
