@@ -106,7 +106,8 @@ class Search:
         from optuna.trial import TrialState
 
         stages = run.get("stages") or {}
-        kept = {"status": run["status"], "error": run.get("error"), "flow_run": run.get("flow_run"),
+        kept = {"status": run["status"], "error": run.get("error"),
+                "flow_run": run.get("flow_run") or run.get("flow_run_id"),
                 "stages": {name: {"key": stages[name].get("key"), "state": stages[name].get("state"),
                                   "metrics": stages[name].get("metrics", {})}
                            for name in ("train_parallel", "generate") if name in stages}}

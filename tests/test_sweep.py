@@ -57,7 +57,7 @@ def swept(tmp_path_factory, run_env, mlflow_db):
     corpus = root / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = root / "store"
-    arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "2",
+    arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "1",
                  "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5"]
     tracked = mlflow_db(root / "mlflow.db")
     # Told by a webhook (bardflow notify): the failed run and the finished sweep.
@@ -225,32 +225,37 @@ def pool_workers(prefect_server):
 
 
 @pytest.mark.flow
-def test_a_sweep_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(swept, prefect_server, pool_workers,
-                                                                                 run_env):
-    """Two new configurations train on two workers of one host, one at a time (the host's
-    training slot), and both finish; a child that fails on its worker fails its row with the
-    worker's error, not the sweep. (A worker that finds every stage in the store: the
+def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(swept, prefect_server, pool_workers,
+                                                                                  run_env):
+    """A search two trials at a time on two workers of one host: its trials train one at a time
+    (the host's training slot), the two proposed ones both finish, and a trial that fails on
+    its worker fails its row with the worker's error, not the search. (A grid on a pool is
+    `python -m bench.pool`'s, in CI; a worker that finds every stage in the store, the
     `generate` deployment in tests/test_deployment.py.)"""
     store, local = swept
-    # Another run trains on this host as the sweep starts (here, a slot held by this process
-    # until a child says it waits): the children queue behind it, then take turns.
+    # Another run trains on this host as the search starts (here, a slot held by this process
+    # until a trial says it waits): the trials queue behind it, then take turns.
     waiting = threading.Event()
     holder = threading.Thread(target=hold_the_slot_until, args=(prefect_server, SLOT_NAME, waiting), daemon=True)
     holder.start()
-    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--grid", "train.learning_rate=0.002,0.005",
-                "--list", '{"train.learning_rate": 1e30}', "--json", env=run_env)
+    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--search", "3", "--parallel", "2",
+                "--set", "train.learning_rate=1e-3..2e-2:log", "--list", '{"train.learning_rate": 1e30}', "--json",
+                env=run_env)
     holder.join(timeout=30)
-    assert waiting.is_set(), "no child waited for the host's training slot"
+    assert waiting.is_set(), "no trial waited for the host's training slot"
     result = json.loads(done.stdout)
-    rows = result["rows"]
-    assert [row["train.learning_rate"] for row in rows] == ["0.002", "0.005", "1e+30"]  # all named
+    rows = result["rows"]  # ranked: the failed trial last
     assert [row["status"] for row in rows] == ["completed", "completed", "failed"]
-    assert "loss became nan" in result["runs"][2]["error"]  # its row says why; the sweep went on
-    assert all(row["val_loss"] > 0 for row in rows[:2])
-    assert all(result["runs"][n]["stages"]["train_single"]["state"] == "ran" for n in (0, 1))
+    assert rows[2]["run"] == 1 and rows[2]["train.learning_rate"] == "1e+30"  # --list: tried first
+    assert all(1e-3 <= float(row["train.learning_rate"]) <= 2e-2 for row in rows[:2])
+    failed = next(run for run in result["runs"] if run["status"] == "failed")
+    assert "loss became nan" in failed["error"]  # its row says why; the search went on
+    assert all(row["val_loss"] > 0 for row in rows[:2]) and rows[0]["val_loss"] <= rows[1]["val_loss"]
+    assert all(run["stages"]["train_parallel"]["state"] == "ran"
+               for run in result["runs"] if run["status"] == "completed")
 
     # Each child is a deployment run linked to the parent, and both workers took some.
-    children = [run["flow_run_id"] for run in result["runs"]]
+    children = [run["flow_run"] for run in result["runs"]]
     for child in children:
         run = prefect_server.api(f"/flow_runs/{child}")
         assert run["deployment_id"] and run["parameters"]["store"] == str(store)
