@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -148,6 +149,9 @@ def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_
     # One device, as on a host with one GPU: train_parallel reuses train_single's version (and
     # the tests' other XLA flags, tests/conftest.py, stay: the last device count counts).
     one_device = {"XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"}
+    # The host's training slot on (a name of this test's own): a cancelled run gives it back.
+    slot = f"bardflow-training-cancel-{uuid.uuid4().hex[:8]}"
+    one_device["BARDFLOW_TRAINING_SLOT"] = slot
 
     deployment = server.api("/deployments/name/bardflow-pipeline/pipeline")["id"]
 
@@ -160,6 +164,7 @@ def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_
     run_id = start_run()
     stopped = cancel_in_training(server, run_id)
     step = int(re.search(r"at step (\d+)", stopped).group(1))
+    assert server.api(f"/v2/concurrency_limits/{slot}")["active_slots"] == 0
 
     hook = Webhook()
     call("notify", "add", hook.url, "--name", "deployment-tests", env=run_env)
@@ -173,6 +178,9 @@ def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_
             assert time.monotonic() - killed < CRASHED_WITHIN_S, "still Running"
             time.sleep(0.3)
         assert state["type"] == "CRASHED", state
+        # Killed outright, it gave nothing back: the next run on the host takes the slot over
+        # (tests/test_slots.py), else its lease lapses.
+        assert server.api(f"/v2/concurrency_limits/{slot}")["active_slots"] == 1
         name = server.api(f"/flow_runs/{rerun}")["name"]
         message = hook.wait_for(lambda m: m["subject"] == f"bardflow: {name} crashed")
         assert message["body"].startswith(f"bardflow run {name} (bardflow-pipeline) crashed: ")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,14 @@ def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
             with training_slot("train_single", said.append, name="bardflow-training-pg-host"):
                 assert server.api("/v2/concurrency_limits/bardflow-training-pg-host")["active_slots"] == 1
             assert server.api("/v2/concurrency_limits/bardflow-training-pg-host")["active_slots"] == 0
+        # The operator's commands for a host's slot (docs/operations.md).
+        prefect = str(Path(sys.executable).parent / "prefect")
+        shown = server.run(prefect, "gcl", "inspect", "bardflow-training-pg-host")
+        assert shown.returncode == 0 and "bardflow-training-pg-host" in shown.stdout, shown.stdout + shown.stderr
+        raised = server.run(prefect, "gcl", "update", "bardflow-training-pg-host", "--limit", "8")
+        assert raised.returncode == 0, raised.stdout + raised.stderr
+        assert server.api("/v2/concurrency_limits/bardflow-training-pg-host")["limit"] == 8
+        with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}):
             notify.add("http://127.0.0.1:9/hook", "pg")
             assert notify.listed() == [{"name": "pg", "messages": ["crashed", "failed", "sweep"], "enabled": True}]
         # The server's tables are PostgreSQL's: the automations are rows there.
