@@ -37,7 +37,11 @@ def machine() -> dict:
 
 
 def alternating(runs, rounds: int) -> list[list[float]]:
-    """Each run once per round, in turn: drift hits all of them alike."""
+    """Each run once per round, in turn: drift hits all of them alike. Every run is called
+    once first and its figure dropped, so that no timed round includes a compilation (a
+    program compiled at its first call, a sampler's new shapes)."""
+    for run in runs:
+        run()
     results = [[] for _ in runs]
     for _ in range(rounds):
         for run, values in zip(runs, results):

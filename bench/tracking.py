@@ -69,7 +69,6 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
             return 1e3 * (time.perf_counter() - started) / steps
         return run
 
-    timed(False)()  # warm-up
     without, with_tracker = alternating([timed(False), timed(True)], rounds)
     return {"steps": steps, "rounds": rounds, "log_every": log_every, "without_ms_per_step": without,
             "with_ms_per_step": with_tracker}

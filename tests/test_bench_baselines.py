@@ -96,3 +96,20 @@ def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(prese
     assert generate_batch(model, "KING:", new, 0.0, seeds[:2], window) == \
         codelab_generate_batch(model, b"KING:", new, 0.0, seeds[:2], window)
     assert len(set(batch)) == 8  # the seeds really differ
+
+
+def test_every_timed_round_comes_after_an_untimed_warm_up_call():
+    """`python -m bench` times rounds with `alternating`: the first call of each run (where a
+    program compiles) is made and dropped before the rounds."""
+    from bench.run import alternating
+
+    calls = {"a": 0, "b": 0}
+
+    def run(name):
+        def timed() -> float:
+            calls[name] += 1
+            return 100.0 if calls[name] == 1 else 1.0  # the first call: a compilation's figure
+        return timed
+
+    a, b = alternating([run("a"), run("b")], 3)
+    assert (a, b) == ([1.0] * 3, [1.0] * 3) and calls == {"a": 4, "b": 4}
