@@ -42,7 +42,24 @@ def _cpu_seconds(pid: int) -> float:
     return own + sum(_cpu_seconds(int(child)) for child in listed)
 
 
-def run(database: str, workers: int, configs: int, steps: int, out: Path) -> dict:
+def _outcome(server, bucket, store: str, swept) -> dict:
+    """What the sweep left: its children's end states and times, the versions in the bucket,
+    and the lock errors in every log of the server, the workers and the sweep."""
+    result = json.loads(swept.stdout) if swept.returncode in (0, 1) and swept.stdout.strip() else {}
+    children = [server.api(f"/flow_runs/{run['flow_run_id']}") for run in result.get("runs", [])
+                if run.get("flow_run_id")]
+    durations = [(datetime.fromisoformat(c["end_time"]) - datetime.fromisoformat(c["start_time"])).total_seconds()
+                 for c in children if c.get("start_time") and c.get("end_time")]
+    per_stage: dict[str, int] = {}
+    for path in bucket.filesystem().glob(f"{store[5:]}/*/*/manifest.json"):
+        per_stage[path.split("/")[-3]] = per_stage.get(path.split("/")[-3], 0) + 1
+    locked = sum(log.read_text(errors="replace").count(LOCKED) for log in server.home.glob("*.log"))
+    return {"child_states": [c["state"]["type"] for c in children], "versions_per_stage": per_stage,
+            "database_is_locked": locked + swept.stderr.count(LOCKED),
+            "child_s": sorted(round(d, 1) for d in durations)}
+
+
+def run(database: str, workers: int, configs: int, steps: int) -> dict:
     from tests.helpers import md5_bytes, play_text
     from tests.servers import ObjectServer, PostgresServer, Server
 
@@ -80,34 +97,19 @@ def run(database: str, workers: int, configs: int, steps: int, out: Path) -> dic
                            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", f"train.steps={steps}",
                            "--grid", f"train.learning_rate={rates}", "--json", timeout=1800)
         wall_s, server_cpu_s = time.monotonic() - clock, _cpu_seconds(server_pid) - cpu_before
-        result = json.loads(swept.stdout) if swept.returncode in (0, 1) and swept.stdout.strip() else {}
-        children = [server.api(f"/flow_runs/{run['flow_run_id']}") for run in result.get("runs", [])
-                    if run.get("flow_run_id")]
-        durations = [(datetime.fromisoformat(c["end_time"]) - datetime.fromisoformat(c["start_time"])).total_seconds()
-                     for c in children if c.get("start_time") and c.get("end_time")]
-        fs = bucket.filesystem()
-        manifests = fs.glob(f"{store[5:]}/*/*/manifest.json")
-        per_stage: dict[str, int] = {}
-        for path in manifests:
-            per_stage[path.split("/")[-3]] = per_stage.get(path.split("/")[-3], 0) + 1
-        logs = [p for p in (root / "prefect").glob("*.log")]
-        locked = sum(p.read_text(errors="replace").count(LOCKED) for p in logs) + swept.stderr.count(LOCKED)
-        states = [c["state"]["type"] for c in children]
-        report = {
-            "database": database, "workers": workers, "configs": configs, "steps": steps,
-            "sweep_exit": swept.returncode, "child_states": states,
-            "versions_per_stage": per_stage, "database_is_locked": locked,
-            "wall_s": round(wall_s, 1), "server_cpu_s": round(server_cpu_s, 1),
-            "child_s": sorted(round(d, 1) for d in durations),
-            "sweep_stderr_tail": swept.stderr[-3000:] if swept.returncode else "",
-        }
+        outcome = _outcome(server, bucket, store, swept)
+        states, per_stage = outcome["child_states"], outcome["versions_per_stage"]
+        report = {"database": database, "workers": workers, "configs": configs, "steps": steps,
+                  "sweep_exit": swept.returncode, **outcome, "wall_s": round(wall_s, 1),
+                  "server_cpu_s": round(server_cpu_s, 1),
+                  "sweep_stderr_tail": swept.stderr[-3000:] if swept.returncode else ""}
         checks = {
             "every child completed": states == ["COMPLETED"] * configs,
             "each shared version built once": per_stage.get("fetch") == 1 and per_stage.get("encode") == 1
             and per_stage.get("train_single") == configs and per_stage.get("generate") == configs,
-            "no run lost or left running": len(children) == configs and all(s in ("COMPLETED", "FAILED", "CRASHED",
-                                                                                  "CANCELLED") for s in states),
-            "no 'database is locked'": locked == 0,
+            "no run lost or left running": len(states) == configs
+            and all(s in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for s in states),
+            "no 'database is locked'": outcome["database_is_locked"] == 0,
         }
         report["checks"] = checks
         return report
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expect-clean", action="store_true", help="exit 1 unless every check passes")
     args = parser.parse_args(argv)
     os.chdir(REPO)
-    report = run(args.database, args.workers, args.configs, args.steps, args.out)
+    report = run(args.database, args.workers, args.configs, args.steps)
     report["machine"] = machine()
     children = report["child_s"] or [0.0]
     flat = {"database": args.database, "workers": args.workers, "configs": args.configs,

@@ -66,28 +66,7 @@ def parser() -> argparse.ArgumentParser:
                      help="cluster processes other than 0: seconds to wait for process 0 to reach "
                           "train_parallel (default 3600)")
 
-    sweep = commands.add_parser(
-        "sweep", help="run the pipeline once per configuration of a grid, and compare the runs",
-        description="Run one pipeline per configuration (child flow runs of one parent flow, on one store, so "
-                    "stages the configurations share are built once) and compare them in one table.")
-    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
-                       help="a setting and its values; several --grid make every combination")
-    sweep.add_argument("--list", action="append", default=[], metavar="JSON", dest="listed",
-                       help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
-    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
-                       help="refuse sweeps of more than N runs (default 32)")
-    sweep.add_argument("--search", type=int, metavar="N",
-                       help="search instead of a grid: N trials proposed by Optuna (pip install 'bardflow[search]') "
-                            "within the ranges given as --set KEY=LOW..HIGH[:log] (and --grid KEY=A,B as choices), "
-                            "minimising the validation loss; the study is kept in the store, and the same command "
-                            "again resumes it (more trials with a larger N)")
-    sweep.add_argument("--parallel", type=int, default=1, metavar="K",
-                       help="with --search and --pool: K trials at a time on the pool's workers (default 1)")
-    sweep.add_argument("--seed", type=int, default=0, help="with --search: the sampler's seed (default 0)")
-    sweep.add_argument("--pool", metavar="NAME",
-                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
-                            "all at once: every worker of the pool trains one (needs a running server)")
-    _pipeline_options(sweep)
+    _sweep_command(commands)
 
     runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
                                description="List the trained versions in the store with the settings in which "
@@ -112,6 +91,37 @@ def parser() -> argparse.ArgumentParser:
                                          "(bound to 127.0.0.1, no telemetry) in the foreground.")
     ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ui.add_argument("--port", type=int, default=4200)
+    _pool_commands(commands)
+    return parser
+
+
+def _sweep_command(commands) -> None:
+    sweep = commands.add_parser(
+        "sweep", help="run the pipeline once per configuration of a grid, and compare the runs",
+        description="Run one pipeline per configuration (child flow runs of one parent flow, on one store, so "
+                    "stages the configurations share are built once) and compare them in one table.")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
+                       help="a setting and its values; several --grid make every combination")
+    sweep.add_argument("--list", action="append", default=[], metavar="JSON", dest="listed",
+                       help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
+    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
+                       help="refuse sweeps of more than N runs (default 32)")
+    sweep.add_argument("--search", type=int, metavar="N",
+                       help="search instead of a grid: N trials proposed by Optuna (pip install 'bardflow[search]') "
+                            "within the ranges given as --set KEY=LOW..HIGH[:log] (and --grid KEY=A,B as choices), "
+                            "minimising the validation loss; the study is kept in the store, and the same command "
+                            "again resumes it (more trials with a larger N)")
+    sweep.add_argument("--parallel", type=int, default=1, metavar="K",
+                       help="with --search and --pool: K trials at a time on the pool's workers (default 1)")
+    sweep.add_argument("--seed", type=int, default=0, help="with --search: the sampler's seed (default 0)")
+    sweep.add_argument("--pool", metavar="NAME",
+                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
+                            "all at once: every worker of the pool trains one (needs a running server)")
+    _pipeline_options(sweep)
+
+
+def _pool_commands(commands) -> None:
+    """What an operator of a pool runs: the background server, and the messages it sends."""
     server = commands.add_parser(
         "server", help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
         description="start: a Prefect server in the background, bound to 127.0.0.1, which `run` and `sweep` "
@@ -134,7 +144,6 @@ def parser() -> argparse.ArgumentParser:
     notify.add_argument("--block", metavar="TYPE/NAME",
                         help="add: send through this notification block instead of a URL, e.g. slack-webhook/alerts")
     notify.add_argument("--json", action="store_true", help="list: print JSON")
-    return parser
 
 
 def parse_value(raw: str) -> Any:

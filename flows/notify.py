@@ -25,14 +25,14 @@ PREFIX = "bardflow-notify"
 
 MESSAGES = {  # (what triggers it, subject, body): Prefect's templates, filled in on the server
     "failed": (RUN_FAILED, "bardflow: {{ flow_run.name }} failed in {{ event.payload.stage }}",
-               "bardflow run {{ flow_run.name }} ({{ event.payload.flow }}) failed in stage {{ event.payload.stage }}: "
-               "{{ event.payload.error }}\n{{ flow_run|ui_url }}"),
+               ("bardflow run {{ flow_run.name }} ({{ event.payload.flow }}) failed in stage "
+                "{{ event.payload.stage }}: {{ event.payload.error }}\n{{ flow_run|ui_url }}")),
     "crashed": ("prefect.flow-run.Crashed", "bardflow: {{ flow_run.name }} crashed",
-                "bardflow run {{ flow_run.name }} ({{ flow.name }}) crashed: {{ flow_run.state.message }}\n"
-                "{{ flow_run|ui_url }}"),
+                ("bardflow run {{ flow_run.name }} ({{ flow.name }}) crashed: {{ flow_run.state.message }}\n"
+                 "{{ flow_run|ui_url }}")),
     "sweep": (SWEEP_FINISHED, "bardflow: sweep {{ flow_run.name }} finished",
-              "bardflow sweep {{ flow_run.name }} finished: {{ event.payload.summary }}\n"
-              "best: {{ event.payload.best }}\n{{ flow_run|ui_url }}"),
+              ("bardflow sweep {{ flow_run.name }} finished: {{ event.payload.summary }}\n"
+               "best: {{ event.payload.best }}\n{{ flow_run|ui_url }}")),
 }
 
 
@@ -90,11 +90,10 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
     created = []
     with get_client(sync_client=True) as client:
         for what, (event, subject, body) in MESSAGES.items():
-            trigger = EventTrigger(expect={event}, posture=Posture.Reactive, threshold=1)
-            if event.startswith("prefect."):  # Prefect's own state events: bardflow's flows only
-                trigger = EventTrigger(expect={event}, posture=Posture.Reactive, threshold=1,
-                                       match_related={"prefect.resource.role": "flow",
-                                                      "prefect.resource.name": list(FLOWS)})
+            # Prefect's own state events: bardflow's flows only (its own events are bardflow's).
+            related = {"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)}
+            trigger = EventTrigger(expect={event}, posture=Posture.Reactive, threshold=1,
+                                   match_related=related if event.startswith("prefect.") else {})
             automation = AutomationCore(name=f"{PREFIX}-{name}-{what}", description=f"bardflow notify: {what} runs",
                                     trigger=trigger, actions=[SendNotification(block_document_id=block_id,
                                                                                subject=subject, body=body)])
@@ -132,10 +131,10 @@ def remove(name: str, missing_ok: bool = False) -> int:
                 removed += 1
         for kind in ("custom-webhook", "slack-webhook"):
             try:
-                Block.load(f"{kind}/{PREFIX}-{name}")
+                made = Block.load(f"{kind}/{PREFIX}-{name}")
             except ValueError:
                 continue
-            client.delete_block_document(Block.load(f"{kind}/{PREFIX}-{name}")._block_document_id)
+            client.delete_block_document(made._block_document_id)
     if not removed and not missing_ok:
         raise NotifyError(f"no notification named {name!r}; `bardflow notify list` shows them")
     return removed

@@ -98,16 +98,26 @@ def one_line(error: BaseException) -> str:
     return (text if isinstance(error, BardflowError) else f"{type(error).__name__}: {text}".rstrip(": "))[:500]
 
 
+def _ended(tracked: RunTracking | None, error: BaseException | None = None, stage: str = "") -> None:
+    """A run's end, where it is told: its MLflow run's status, and a failure's event (which
+    `bardflow notify` turns into a message); a stop asked for is no failure."""
+    stopped = isinstance(error, (stopping.Stopped, KeyboardInterrupt)) or stopping.requested() is not None
+    if tracked is not None:
+        tracked.end("FINISHED" if error is None else "KILLED" if isinstance(error, stopping.Stopped) else "FAILED")
+    if error is not None and not stopped:
+        notify.emit(notify.RUN_FAILED, {"stage": stage, "error": one_line(error)})
+
+
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
-        around = None
-        if isinstance(settings, TrainingRequest):  # one training at a time on a host (flows/slots.py)
-            from prefect.runtime import flow_run
+        from prefect.runtime import flow_run
 
-            logger = get_run_logger()
-            around = partial(training_slot, stage.name, logger.info, flow_run.id)
-        version, built = produce(stage, settings, upstream, checked_store(store), force,
-                                 notice=get_run_logger().warning, around=around)
+        logger = get_run_logger()
+        # One training at a time on a host (flows/slots.py).
+        around = partial(training_slot, stage.name, logger.info, flow_run.id) \
+            if isinstance(settings, TrainingRequest) else None
+        version, built = produce(stage, settings, upstream, checked_store(store), force, notice=logger.warning,
+                                 around=around)
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -176,13 +186,9 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
             if tracked is not None:
                 tracked.stage_done(stage.name, summary[stage.name]["state"], version)
     except BaseException as error:
-        if tracked is not None:
-            tracked.end("KILLED" if isinstance(error, stopping.Stopped) else "FAILED")
-        if not isinstance(error, (stopping.Stopped, KeyboardInterrupt)) and stopping.requested() is None:
-            notify.emit(notify.RUN_FAILED, {"stage": current, "error": one_line(error)})  # a message, if asked for
+        _ended(tracked, error, current)
         raise
-    if tracked is not None:
-        tracked.end("FINISHED")
+    _ended(tracked)
     # The run's summary in the UI, which is also how a sweep's parent learns, from another
     # machine, what a child it ran on a worker produced.
     ui.table(RUN_ARTIFACT, [{"stage": name, "state": row["state"], "key": row["key"], "seconds": row["seconds"]}

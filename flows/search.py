@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from bardflow.artifacts.objects import ObjectStore, checked_store
-from bardflow.model.config import ConfigError
 from bardflow.model.errors import BardflowError
 
 FOLDER = ".searches"
@@ -59,19 +58,18 @@ class Search:
         from optuna.trial import TrialState
 
         self.spec, self.name = spec, spec["study"]
+        self._object = f"{FOLDER}/{self.name}.journal"  # its name in the store (and the bucket)
         self.store = checked_store(root)
         self.distributions = {key: _distribution(value) for key, value in spec["space"].items()}
-        if isinstance(self.store, ObjectStore):
-            self.path = Path(self.store.mirror.location) / FOLDER / f"{self.name}.journal"
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = self.store.bucket.read(f"{FOLDER}/{self.name}.journal")
+        remote = isinstance(self.store, ObjectStore)
+        self.path = Path(self.store.mirror.location if remote else root) / self._object
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if remote:  # the bucket's copy is the study; the mirror's, a working copy
+            kept = self.store.bucket.read(self._object)
             if kept is not None:
                 self.path.write_bytes(kept)
             else:
                 self.path.unlink(missing_ok=True)
-        else:
-            self.path = Path(root) / FOLDER / f"{self.name}.journal"
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         storage = JournalStorage(JournalFileBackend(str(self.path)))
         self.study = optuna.create_study(study_name=self.name, storage=storage, direction="minimize",
                                          load_if_exists=True)
@@ -126,4 +124,4 @@ class Search:
 
     def save(self) -> None:
         if isinstance(self.store, ObjectStore):
-            self.store.bucket.write(f"{FOLDER}/{self.name}.journal", self.path.read_bytes())
+            self.store.bucket.write(self._object, self.path.read_bytes())

@@ -106,7 +106,7 @@ def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | Non
             _set_holder(name, None)
             try:
                 client.release_concurrency_slots_with_lease(lease)
-            except Exception:  # noqa: BLE001 - a server gone mid-run is reported by its watch; the lease lapses
+            except Exception:  # noqa: BLE001, S110 - a server gone mid-run is reported by its watch; the lease lapses
                 pass
             log(f"{stage}: released this host's training slot {name}")
 
@@ -150,7 +150,7 @@ def _renew(lease: str, done: threading.Event) -> None:
         while not done.wait(RENEW_S):
             try:
                 client.renew_concurrency_lease(lease, LEASE_S)
-            except Exception:  # noqa: BLE001 - retried at the next turn; a dead server is the run's watch's news
+            except Exception:  # noqa: BLE001, S110 - retried at the next turn; a dead server is the run's watch's news
                 pass
 
 
@@ -176,7 +176,7 @@ def _release_if_holder_gone(client, name: str, log: Callable[[str], None]) -> No
         return
     try:
         client.release_concurrency_slots_with_lease(holder["lease"])
-    except Exception:  # noqa: BLE001 - released by another waiter, or lapsed
+    except Exception:  # noqa: BLE001, S110 - released by another waiter, or lapsed
         pass
     Variable.unset(_variable(name))
     log(f"the training slot {name} was held by process {holder['pid']} (flow run {holder.get('flow_run')}), "

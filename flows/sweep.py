@@ -89,7 +89,8 @@ def _histories(runs: list[dict[str, Any]], root: str) -> list[tuple[str, list[di
         version = stage and store.lookup("train_parallel", stage["key"])
         if version is None:
             continue
-        label = f"{run.get('trial', number)}: " + ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run["varying"].items())
+        shown = ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run["varying"].items())
+        label = f"{run.get('trial', number)}: {shown}"
         curves.append((label, json.loads(version.file("history.json").read_text())))
     return curves
 

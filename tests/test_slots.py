@@ -50,9 +50,8 @@ def test_a_slot_is_released_when_its_stage_fails_and_a_killed_holder_s_slot_is_t
                                                                                            prefect_server):
     name = on_server
     said: list[str] = []
-    with pytest.raises(RuntimeError, match="diverged"):
-        with training_slot("train_single", said.append):
-            raise RuntimeError("diverged")
+    with pytest.raises(RuntimeError, match="diverged"), training_slot("train_single", said.append):
+        raise RuntimeError("diverged")
     assert said[-1] == f"train_single: released this host's training slot {name}"
     limit = prefect_server.api(f"/v2/concurrency_limits/{name}")
     assert (limit["limit"], limit["active_slots"]) == (1, 0)
