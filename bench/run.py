@@ -145,29 +145,16 @@ def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
 
 
 def bench_precision(quick: bool) -> dict:
-    """The loss and speed of float32 and bfloat16 compute after the same training steps:
-    the ``codelab`` preset's 500 on an accelerator, 300 of the ``cpu`` preset's on a CPU."""
+    """float32 against bfloat16 compute (``bench/precision.py``): the ``cpu`` preset's shape
+    on a CPU, the ``codelab`` preset's on an accelerator, one device."""
     import jax
 
-    from bardflow.model.config import build_config
-    from bardflow.model.data import Batches, encode
-    from bardflow.model.train import Placement, init_state, train
+    from bench.precision import compare
 
     if not SHARED_CORPUS.exists():
         return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
     preset = "cpu" if jax.default_backend() == "cpu" else "codelab"
-    cfg = build_config(preset)
-    steps = 30 if quick else (300 if preset == "cpu" else cfg.train.steps)
-    split = encode(SHARED_CORPUS.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed)
-    result = {"preset": preset, "steps": steps}
-    for precision in ("float32", "bfloat16"):
-        train_cfg = cfg.train.model_copy(update={"steps": steps, "log_every": steps, "precision": precision})
-        graphdef, state = init_state(cfg.model, train_cfg)
-        run = train(graphdef, state, Batches(split.train, train_cfg.per_device_batch), [],
-                    Placement.single(jax.devices()[0]), train_cfg)
-        result[precision] = {"final_loss": run.history[-1]["loss"], "tokens_per_s": run.tokens_per_s}
-    result["loss_difference"] = result["bfloat16"]["final_loss"] - result["float32"]["final_loss"]
-    return result
+    return compare(preset, False, 10, 60 if quick else 200, 2 if quick else 5, SHARED_CORPUS)
 
 
 def torch_runner(cfg, steps: int):
@@ -203,7 +190,7 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
     a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
                               timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within)], pairs)
     inside = summary(a_in, b_in)
-    rotary = bench_rotary_generate(cfg, pairs, new_bytes)
+    rotary = bench_rotary_generate(pairs)  # 300 bytes in either mode: past both contexts
     return {"rotary": rotary, "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,
             "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result,
@@ -213,20 +200,37 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
                                "bardflow_bytes_s": inside["b_median"], "bardflow_over_codelab": inside["ratio_median"]}}
 
 
-def bench_rotary_generate(cfg, pairs: int, new_bytes: int) -> dict:
-    """``ROMEO:`` + ``new_bytes`` at batch 1 on the same shape with rotary positions: the
-    cache wraps instead of the window being recomputed, against the codelab loop."""
-    from bardflow.model.sampling import generate
+def bench_rotary_generate(pairs: int, new_bytes: int = 300) -> dict:
+    """``ROMEO:`` + ``new_bytes`` with rotary positions, on the ``cpu`` and ``codelab`` shapes
+    at batch 1 and 8: past either context (128 and 256 bytes) the cache wraps instead of the
+    window being recomputed; against the codelab loop on the same model, warm (``alternating``)."""
+    from bardflow.model.config import build_config
     from bardflow.model.transformer import build_model
-    from bench.codelab import codelab_generate
 
-    model = build_model(cfg.model.model_copy(update={"positions": "rope"}), 1)
-    window = cfg.model.max_seq_len
-    a, b = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
-                        timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)], pairs)
-    result = summary(a, b)
-    return {"codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
-            "bardflow_over_codelab": result["ratio_median"], "new_bytes": new_bytes, "raw": result}
+    results = {}
+    for preset in ("cpu", "codelab"):
+        cfg = build_config(preset)
+        model = build_model(cfg.model.model_copy(update={"positions": "rope"}), 1)
+        for batch in (1, 8):
+            result = summary(*alternating(_sampler_runs(model, cfg.model.max_seq_len, batch, new_bytes), pairs))
+            results[f"{preset}.batch{batch}"] = {
+                "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
+                "bardflow_over_codelab": result["ratio_median"], "new_bytes": new_bytes,
+                "window": cfg.model.max_seq_len, "raw": result}
+    return results
+
+
+def _sampler_runs(model, window: int, batch: int, new_bytes: int) -> list:
+    """The codelab loop and bardflow's sampler, ``ROMEO:`` + ``new_bytes`` for ``batch`` seeds."""
+    from bardflow.model.sampling import generate, generate_batch
+    from bench.codelab import codelab_generate, codelab_generate_batch
+
+    seeds = list(range(batch))
+    if batch == 1:
+        return [timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+                timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)]
+    return [timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes),
+            timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes)]
 
 
 def timed_n(fn, count: int):
@@ -313,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         "generate.batch8_codelab_bytes_s": report["generate"]["batch8"]["codelab_bytes_s"],
         "generate.batch8_bardflow_bytes_s": report["generate"]["batch8"]["bardflow_bytes_s"],
         "generate.within_context_over_codelab": report["generate"]["within_context"]["bardflow_over_codelab"],
-        "generate.rotary_over_codelab": report["generate"]["rotary"]["bardflow_over_codelab"],
+        **{f"generate.rotary_{shape}_over_codelab": figures["bardflow_over_codelab"]
+           for shape, figures in report["generate"]["rotary"].items()},
         "train.mfu": report["train"]["mfu"],
-        "precision.bf16_minus_f32_loss": report["precision"].get("loss_difference"),
+        "precision.bfloat16_speedup": report["precision"].get("bfloat16_speedup"),
+        "precision.bf16_minus_f32_loss": report["precision"].get("bfloat16_minus_float32_loss"),
         "pipeline.cpu_preset_s": report["pipeline"].get("fresh_s") if preset == "cpu" else None,
         f"pipeline.{preset}_preset_s": report["pipeline"].get("fresh_s"),
         "pipeline.cached_rerun_s": report["pipeline"].get("cached_rerun_s"),

@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 from bardflow.model.config import PRESETS
+from bardflow.runtime.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)
 DEBUG = "BARDFLOW_DEBUG"
-CPU_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def store_location(store: str | None = None) -> str:

@@ -65,6 +65,12 @@ class ModelConfig(_Section):
     # were measured faster, jax.nn.dot_product_attention and x @ w + b elsewhere.
     attention: Kernel = Field("auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
     dense: Kernel = Field("auto", description="auto | xla (x @ w + b) | custom")
+    # Small-model refinements from the modded-nanogpt speedrun records, each off by default
+    # (the codelab's model) and measured alone on the cpu preset (docs/benchmarks.md).
+    mlp: Literal["gelu", "relu2"] = Field("gelu", description="the MLP's activation: gelu | relu2 (ReLU squared)")
+    qk_norm: bool = Field(False, description="RMS-normalise each head's queries and keys before attention")
+    zero_init: bool = Field(False, description="start the attention and MLP output projections at zero")
+    logit_cap: float | None = Field(None, gt=0, description="cap the logits softly: cap * tanh(logits / cap)")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -107,7 +113,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; parameters and optimizer state stay float32. "
-        "auto: bfloat16 on GPU/TPU, float32 on CPU (which has no fast bfloat16 arithmetic)")
+        "auto: bfloat16 on GPU/TPU, float32 on CPU (measured no faster in bfloat16, even with avx512_bf16)")
     micro_batch: int = Field(
         0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
         "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
@@ -244,29 +250,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Exactly the codelab: 500 timed steps per training run.
     "codelab": {},
     # Tuned for time to quality on a 2-core CPU (docs/benchmarks.md, "Time to quality"): the whole
-    # pipeline in about two minutes, validation loss below 1.70. Every position of the
+    # pipeline in about two minutes, validation loss below 1.60. Every position of the
     # 128-byte context is trained and positions are rotary, so sampling on past a full
     # context stays good. Muon learns ~1.5x more per token here than AdamW; its larger
-    # batch pays for its per-step cost. train_single measures throughput on 50 steps.
+    # batch pays for its per-step cost. Output projections start at zero (each block the
+    # identity), the one refinement of those measured that paid here.
+    # train_single measures throughput on 30 steps.
     "cpu": {
         "data": {"seq_len": 128, "every_position": True},
         "model": {"d_model": 128, "num_heads": 4, "ffn_dim": 512, "num_layers": 2, "max_seq_len": 128,
-                  "positions": "rope"},
-        "train": {"steps": 380, "single_device_steps": 50, "per_device_batch": 16, "optimizer": "muon",
-                  "muon_learning_rate": 0.02, "learning_rate": 2e-2, "beta2": 0.99, "schedule": "cosine",
-                  "warmup_steps": 20, "grad_clip": 1.0, "log_every": 95, "checkpoint_every": 100},
+                  "positions": "rope", "zero_init": True},
+        "train": {"steps": 460, "single_device_steps": 30, "per_device_batch": 16, "optimizer": "muon",
+                  "muon_learning_rate": 0.03, "learning_rate": 2e-2, "beta2": 0.99, "schedule": "cosine",
+                  "warmup_steps": 20, "grad_clip": 1.0, "log_every": 115, "checkpoint_every": 100},
         "generate": {"max_new_bytes": 200},
     },
     # Time to quality on one GPU: nanoGPT's shakespeare_char shape (6 layers, width 384,
     # context 256, batch 64) with rotary positions, every position trained, Muon for the
-    # blocks' matrices (as in the cpu preset, where it was measured), warmup and cosine
-    # decay, clipping; bfloat16 compute (auto).
+    # blocks' matrices and output projections started at zero (as in the cpu preset, where
+    # both were measured), warmup and cosine decay, clipping; bfloat16 compute (auto).
     # Target: validation loss <= 1.47 within 60 s of training (`python -m bench.quality
     # --preset quality`). On a CPU it runs, slowly.
     "quality": {
         "data": {"seq_len": 256, "every_position": True},
         "model": {"d_model": 384, "num_heads": 6, "ffn_dim": 1536, "num_layers": 6, "max_seq_len": 256,
-                  "positions": "rope"},
+                  "positions": "rope", "zero_init": True},
         "train": {"steps": 2000, "single_device_steps": 200, "per_device_batch": 64, "optimizer": "muon",
                   "muon_learning_rate": 0.02, "learning_rate": 3e-3, "schedule": "cosine", "warmup_steps": 100,
                   "grad_clip": 1.0, "beta2": 0.99, "log_every": 100, "checkpoint_every": 500},

@@ -43,6 +43,17 @@ class Linear(nnx.Linear):
         return x @ self.kernel[...] + self.bias[...]
 
 
+def output_init(cfg: ModelConfig) -> dict:
+    """A block's output projections start at zero (``zero_init``): each block begins as the
+    identity and the first steps train the embeddings and the head."""
+    return {"kernel_init": nnx.initializers.zeros_init()} if cfg.zero_init else {}
+
+
+def rms_norm(x):
+    """Each vector over its last axis scaled to unit root mean square; no weights."""
+    return (x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
 def rotate(x, positions, base: float = 10000.0):
     """Rotary position embedding of (rows, t, heads, head_dim) at ``positions`` (t,): feature
     pairs (i, i + head_dim/2) turn by ``position * base^(-i / (head_dim/2))``, so that a
@@ -60,8 +71,9 @@ class CausalSelfAttention(nnx.Module):
         self.rotary = cfg.positions == "rope"
         custom = use_custom(cfg.dense)
         self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, custom=custom, rngs=rngs)  # query, key, value in one product
-        self.out = Linear(cfg.d_model, cfg.d_model, custom=custom, rngs=rngs)
+        self.out = Linear(cfg.d_model, cfg.d_model, custom=custom, rngs=rngs, **output_init(cfg))
         self.custom = use_custom(cfg.attention)
+        self.qk_norm = cfg.qk_norm
 
     def _heads_first(self, x):  # (rows, t, d_model) -> (rows * heads, t, head_dim)
         rows, length, _ = x.shape
@@ -76,6 +88,8 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False,
                  span: int | None = None):
         q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in jnp.split(self.qkv(x), 3, axis=-1))
+        if self.qk_norm:
+            q, k = rms_norm(q), rms_norm(k)
         if self.rotary:
             q, k = rotate(q, positions), rotate(k, positions)
         if cache is None and not last_only:  # every position attends to those before it
@@ -105,10 +119,12 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         custom = use_custom(cfg.dense)
         self.up = Linear(cfg.d_model, cfg.ffn_dim, custom=custom, rngs=rngs)
-        self.down = Linear(cfg.ffn_dim, cfg.d_model, custom=custom, rngs=rngs)
+        self.down = Linear(cfg.ffn_dim, cfg.d_model, custom=custom, rngs=rngs, **output_init(cfg))
+        self.relu2 = cfg.mlp == "relu2"
 
     def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x)))
+        hidden = self.up(x)
+        return self.down(jnp.square(jax.nn.relu(hidden)) if self.relu2 else jax.nn.gelu(hidden))
 
 
 class Block(nnx.Module):
@@ -135,6 +151,7 @@ class Transformer(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+        self.logit_cap = cfg.logit_cap
 
     def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False,
                  span: int | None = None):
@@ -160,7 +177,10 @@ class Transformer(nnx.Module):
         for depth, (block, layer) in enumerate(zip(self.blocks, layers)):
             x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
             updated.append(layer)
-        return self.lm_head(self.final_norm(x)), (tuple(updated) if cache is not None else None)
+        logits = self.lm_head(self.final_norm(x))
+        if self.logit_cap is not None:
+            logits = self.logit_cap * jnp.tanh(logits / self.logit_cap)
+        return logits, (tuple(updated) if cache is not None else None)
 
     def init_cache(self, rows: int, window: int, dtype=jnp.float32) -> tuple[LayerCache, ...]:
         attn = self.blocks[0].attn
@@ -169,7 +189,9 @@ class Transformer(nnx.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    return Transformer(cfg, nnx.Rngs(seed))
+    """The model's parameters drawn in one compiled program: run one by one, each initialiser
+    is a compilation of its own (a second or two of a training stage's start on a CPU)."""
+    return nnx.jit(lambda: Transformer(cfg, nnx.Rngs(seed)))()
 
 
 def count_params(model: nnx.Module) -> int:

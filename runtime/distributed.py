@@ -15,6 +15,7 @@ JAX's cluster detection supplies the coordinator.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -78,11 +79,26 @@ class ProcessGroup:
         return None
 
 
+CPU_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def requested_cpu_devices(flags: str) -> int | None:
+    """The emulated CPU device count that ``XLA_FLAGS`` asks for (its last word on it, as XLA reads it)."""
+    found = re.findall(rf"{CPU_DEVICE_FLAG}=(\d+)", flags)
+    return int(found[-1]) if found else None
+
+
 def hardware() -> tuple[int, str]:
-    """How many devices this process sees (every process's, once joined), and their platform."""
+    """How many devices this process trains on (every process's, once joined), and their platform."""
     import jax
 
-    return len(jax.devices()), jax.default_backend()
+    count, platform = len(jax.devices()), jax.default_backend()
+    requested = requested_cpu_devices(os.environ.get("XLA_FLAGS", ""))
+    if platform == "cpu" and jax.process_count() == 1 and requested:
+        # JAX reads XLA_FLAGS once, when it starts: a run called in a process whose JAX
+        # already emulates more devices than its --cpu-devices asks for takes the first ones.
+        count = min(count, requested)
+    return count, platform
 
 
 def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:

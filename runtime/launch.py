@@ -20,7 +20,7 @@ from types import ModuleType
 
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
-from bardflow.runtime.distributed import NUM_PROCESSES, ProcessGroup
+from bardflow.runtime.distributed import CPU_DEVICE_FLAG, NUM_PROCESSES, ProcessGroup
 
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
 WARNING = "bardflow-warning"  # and its warnings, passed on to the stage's log: "bardflow-warning text"
@@ -45,8 +45,8 @@ def process_env(index: int, processes: int, port: int, devices_per_process: int,
     env = {**(os.environ if base is None else base), **ProcessGroup(processes, index, f"127.0.0.1:{port}").env(),
            "PYTHONUNBUFFERED": "1"}
     if platform == "cpu":
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
+        flags = re.sub(rf"{CPU_DEVICE_FLAG}=\d+", "", env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={devices_per_process}".strip()
         env["JAX_PLATFORMS"] = "cpu"
     elif platform == "gpu":
         visible = env.get("CUDA_VISIBLE_DEVICES")

@@ -80,7 +80,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
     with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
-        summary = run_training(settings, files, jax.devices(), parallel=True, on_step=progress, warn=ui.warning)
+        summary = run_training(settings, files, jax.devices()[:visible], parallel=True, on_step=progress, warn=ui.warning)
     _finish(TRAIN_PARALLEL.name, out, summary)
 
 

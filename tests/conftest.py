@@ -53,6 +53,14 @@ if importlib.util.find_spec("prefect") is not None:
 
 from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - after the environment above
 
+# JAX reads XLA_FLAGS once, at its first use: that is here, so that the session's two devices
+# are fixed before a run called in this process with --cpu-devices 1 (which then takes one of
+# them: runtime/distributed.hardware) appends its own flag.
+if importlib.util.find_spec("jax") is not None:
+    import jax
+
+    jax.devices()
+
 
 @pytest.fixture
 def small_corpus(tmp_path) -> tuple[Path, str]:
@@ -77,15 +85,28 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# The modules that take longest, longest first (their durations with an empty compilation
+# cache, docs/benchmarks.md): handed out in this order, two workers end together.
+LONGEST_FIRST = ("test_deployment", "test_sweep", "test_signals", "test_distributed", "test_object_store_flow",
+                 "test_pool_server", "test_flow", "test_reliability", "test_tracking")
+
+
 def pytest_collection_modifyitems(items):
     """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
-    inner loop. Modules with slow tests go first, so that parallel workers (the README's
-    ``-n 2 --dist loadfile``) start the long ones early and end on short ones together."""
+    inner loop. Modules with slow tests go first, the longest of them first, so that parallel
+    workers (the README's ``-n 2 --dist loadfile``) start the long ones early and end on short
+    ones together."""
     for item in items:
         if item.get_closest_marker("flow") or item.get_closest_marker("processes"):
             item.add_marker(pytest.mark.slow)
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)  # stable: file order within
+
+    def rank(item) -> tuple[int, int]:
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        return (item.module.__name__ not in slow_modules,
+                LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: file order within a module, and among the rest
 
 
 def _session_root(tmp_path_factory) -> Path:

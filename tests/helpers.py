@@ -143,10 +143,11 @@ def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
     return json.loads(out)
 
 
-def base_args(corpus: Path, store: Path, *extra: str) -> list[str]:
-    """A ``tiny`` run of ``corpus`` on two emulated devices, its summary as JSON."""
+def base_args(corpus: Path, store: Path, *extra: str, devices: int = 2) -> list[str]:
+    """A ``tiny`` run of ``corpus`` on ``devices`` emulated devices, its summary as JSON. With
+    one, train_parallel takes over train_single's version: no training process is started."""
     return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store),
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", "2", "--json", *extra]
+            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", str(devices), "--json", *extra]
 
 
 def checkpoint_steps(store: Path, stage: str) -> list[int]:

@@ -111,7 +111,7 @@ def test_with_rotary_positions_the_cache_wraps_and_still_equals_the_window_recom
 def test_with_more_layers_the_wrapped_cache_is_sliding_window_attention():
     """Two layers: the cache computes the whole text's forward pass with every position
     attending to its last ``window`` (the lower layer's keys carry older context up)."""
-    cfg = build_config("cpu").model.model_copy(update={"positions": "rope", "max_seq_len": 16})
+    cfg = build_config("cpu").model.model_copy(update={"positions": "rope", "max_seq_len": 16, "zero_init": False})
     built, window, length = build_model(cfg, seed=3), 16, 50
     model = jitted(built)
     tokens = (np.arange(length)[None] * 11 % 256).astype(np.int32)  # sliced on the host

@@ -46,6 +46,20 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
             ProcessGroup.from_env(bad)
 
 
+def test_a_run_takes_the_emulated_devices_its_flags_ask_for_even_where_jax_already_has_more(monkeypatch):
+    """JAX reads XLA_FLAGS once: a run called in a process whose JAX emulates two CPU devices
+    and asked for one (``--cpu-devices 1``, the last flag) trains on one."""
+    from bardflow.runtime.distributed import hardware, requested_cpu_devices
+
+    flag = "--xla_force_host_platform_device_count"
+    assert requested_cpu_devices(f"{flag}=2 --xla_dump_to=/tmp/x {flag}=1") == 1
+    assert requested_cpu_devices("--xla_dump_to=/tmp/x") is None
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ['XLA_FLAGS']} {flag}=1")
+    assert hardware() == (1, "cpu")
+    monkeypatch.setenv("XLA_FLAGS", f"{flag}=8")
+    assert hardware() == (2, "cpu")  # never more than JAX has
+
+
 def test_processes_must_share_the_devices_out_evenly():
     from bardflow.model.config import ConfigError
     from bardflow.tasks.stage import RunPlan

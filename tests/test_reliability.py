@@ -33,8 +33,8 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
     so what one builds the other uses, whatever server each reports to."""
     store = tmp_path / "store"
     plain = {k: v for k, v in run_env.items() if k != "PREFECT_API_URL"}
-    first = start(base_args(corpus, store), tmp_path / "a.log", plain)
-    b = json.loads(call(*base_args(corpus, store), env=run_env).stdout)  # in this process, while the first runs
+    first = start(base_args(corpus, store, devices=1), tmp_path / "a.log", plain)
+    b = json.loads(call(*base_args(corpus, store, devices=1), env=run_env).stdout)  # in this process, beside the first
     a = finish(first)
     assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
     for stage in a["stages"]:
@@ -151,7 +151,7 @@ def small_disk(tmp_path, request):
 ], indirect=["small_disk"], ids=["version", "checkpoint"])
 def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, line, corpus, run_env):
     store = small_disk / "store"
-    done = call(*base_args(corpus, store), env=run_env, check=False)
+    done = call(*base_args(corpus, store, devices=1), env=run_env, check=False)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(line)
     assert "free some space or put the store on a larger disk" in done.stderr
@@ -161,8 +161,8 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
         return
     assert (store / "encode").is_dir()  # the stages before it are kept
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-    states = {name: s["state"] for name, s in json.loads(call(*base_args(corpus, store), env=run_env).stdout)[
-        "stages"].items()}
+    states = {name: s["state"] for name, s in json.loads(call(*base_args(corpus, store, devices=1),
+                                                              env=run_env).stdout)["stages"].items()}
     assert states["encode"] == "cached" and states["train_single"] == "ran"
 
 

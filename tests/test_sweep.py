@@ -114,6 +114,9 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
     assert runs[0]["stages"]["encode"]["state"] == "ran" and runs[1]["stages"]["encode"]["state"] == "cached"
     assert runs[0]["stages"]["encode"]["key"] == runs[1]["stages"]["encode"]["key"]
     assert rows[0]["train_parallel"] != rows[1]["train_parallel"] and rows[0]["val_loss"] > 0
+    # --cpu-devices 1, in a process whose JAX already emulates two devices: the run takes one
+    # (and trains train_parallel here, with no training process to start).
+    assert {runs[0]["stages"][stage]["metrics"]["devices"] for stage in ("train_single", "train_parallel")} == {1}
 
     children = prefect_server.api("/flow_runs/filter", {"flow_runs": {"name": {"like_": "sweep-run-"}}})
     ours = [run for run in children if run["parameters"].get("store") == str(store)]
