@@ -23,18 +23,21 @@ ENCODE = Stage(
                          "shuffle_seed": data.shuffle_seed,
                          **({"every_position": True} if data.every_position else {})},  # codelab keys unchanged
     builds=("train.arrow", "val.arrow"), headline=("train_sequences", "val_sequences", "seq_len"))
-# "3": the MLP is a module of its own (mlp.up, mlp.down), so a state of "2" has other names.
+# "4": the model and its optimizer state are made in one compiled program, whose initial
+# values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
+# its own, mlp.up and mlp.down, so a state of "2" has other names.)
 TRAIN_SINGLE = Stage(
-    "train_single", "3", reads=("encode",),
+    "train_single", "4", reads=("encode",),
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="train:build_single")
-# "5": it reads train_single, whose version it takes over when it has one device only:
+# "6": the initial values of "4" above. "5": it reads train_single, whose version it takes
+# over when it has one device only:
 # the same recipe on the same data, so train_single's own version adds nothing to the key,
 # and a shorter or longer train_single (train.single_device_steps) leaves it cached.
 TRAIN_PARALLEL = Stage(
-    "train_parallel", "5", reads=("encode", "train_single"), keyed_by=("encode",),
+    "train_parallel", "6", reads=("encode", "train_single"), keyed_by=("encode",),
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
     builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
