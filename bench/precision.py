@@ -14,15 +14,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from bench.run import RESULTS, SHARED_CORPUS, alternating, machine, write_report
 
 PRECISIONS = ("float32", "bfloat16")
 
 
-def compiled_step(cfg, precision: str, placement, seq_len: int):
-    """The training step as ``train`` compiles it for ``cfg`` in ``precision``, its start state and
-    a batch reader, placed."""
+class CompiledStep(NamedTuple):
+    program: Any  # (state, batch) -> (state, loss), compiled
+    state: Any  # the start state, placed
+    rows: int  # the global batch
+    settings: Any  # model/settings.StepSettings
+
+
+def compiled_step(cfg, precision: str, placement, seq_len: int) -> CompiledStep:
+    """The training step as ``train`` compiles it for ``cfg`` in ``precision``, with its placed
+    start state."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -38,7 +46,7 @@ def compiled_step(cfg, precision: str, placement, seq_len: int):
     program = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, jnp.dtype(precision),
                               passes=step.passes(train_cfg.per_device_batch)).lower(state, example).compile(
         compiler_options=step.xla_options)
-    return program, state, rows, step
+    return CompiledStep(program, state, rows, step)
 
 
 def product_rate(precision: str, size: tuple[int, int, int] = (2048, 512, 2048), calls: int = 20) -> float:
@@ -71,11 +79,11 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
     split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
                    cfg.data.every_position)
     built = {p: compiled_step(cfg, p, placement, split.train.shape[1]) for p in PRECISIONS}
-    batches = Batches(split.train, built["float32"][2])
+    batches = Batches(split.train, built["float32"].rows)
     timing_batch = placement.put_batch(batches(0))
 
     def timed(precision: str):
-        program, state, _, _ = built[precision]
+        program, state = built[precision].program, built[precision].state
         holder = {"state": jax.tree.map(lambda x: x.copy(), state)}
 
         def run() -> float:
@@ -89,15 +97,15 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
     ms = dict(zip(PRECISIONS, alternating([timed(p) for p in PRECISIONS], rounds)))
     losses = {}
     for precision in PRECISIONS:
-        program, state, _, _ = built[precision]
+        program, state = built[precision].program, built[precision].state
         history = []
         for s in range(loss_steps):
             state, loss = program(state, placement.put_batch(batches(s)))
             history.append(float(loss))
         losses[precision] = float(np.mean(history[-10:]))  # the last ten steps' training loss
     f32, bf16 = (statistics.median(ms[p]) for p in PRECISIONS)
-    return {"preset": preset, "devices": len(placement.devices), "global_batch": built["float32"][2],
-            "seq_len": cfg.data.seq_len, "step_settings": built["float32"][3].as_json(), "timed_steps": steps,
+    return {"preset": preset, "devices": len(placement.devices), "global_batch": built["float32"].rows,
+            "seq_len": cfg.data.seq_len, "step_settings": built["float32"].settings.as_json(), "timed_steps": steps,
             "rounds": rounds, "ms_per_step": ms, "float32_ms": f32, "bfloat16_ms": bf16,
             "bfloat16_speedup": f32 / bf16,
             "loss_steps": loss_steps, "loss": losses, "bfloat16_minus_float32_loss": losses["bfloat16"] - losses["float32"]}

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from bardflow.model.config import ModelConfig, TrainConfig
 from bardflow.model.errors import BardflowError
 from bardflow.model.settings import StepSettings, resolve
-from bardflow.model.transformer import Transformer
+from bardflow.model.transformer import Transformer, build_model
 
 
 class TrainingError(BardflowError, RuntimeError):
@@ -100,10 +100,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
     """(graphdef, state) of the model and its optimizer together, made in one compiled
-    program (``build_model``: op by op, each initialiser would compile on its own)."""
+    program (op by op, each initialiser would compile on its own)."""
     @nnx.jit
     def create():
-        model = Transformer(model_cfg, nnx.Rngs(train_cfg.init_seed))
+        model = build_model(model_cfg, train_cfg.init_seed)
         return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
 
     return nnx.split(create())
