@@ -51,33 +51,55 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
     return jax.lax.fori_loop(0, count, one_byte, (context, keys, out))[2]
 
 
-@partial(jax.jit, static_argnums=(0, 7))  # graphdef, size
-def _cached_loop(graphdef, params, context, length, temperature, keys, count, size):
+def _noise(keys, count, size: int, vocab: int):
+    """What ``_pick`` would draw for the next ``count`` (<= ``size``) bytes, all at once:
+    (the keys after ``count`` bytes, Gumbel noise (size, rows, vocab)). Sampling a byte is
+    ``argmax(logits / temperature + noise)``, exactly ``jax.random.categorical``; drawn in
+    the loop, each byte's noise was a random-bit program of its own, as long as the model's
+    step at this size on a CPU."""
+    def split(keys, _):
+        pairs = jax.vmap(jax.random.split)(keys)
+        return pairs[:, 0], (pairs[:, 0], pairs[:, 1])
+    _, (chain, subs) = jax.lax.scan(split, keys, length=size)
+    keys = jnp.where(count > 0, chain[jnp.maximum(count - 1, 0)], keys)
+    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32)))
+    return keys, gumbel(subs)
+
+
+@partial(jax.jit, static_argnums=(0, 10), donate_argnums=(3,))  # graphdef, size; the cache is updated in place
+def _cached_loop(graphdef, params, context, cache, start, length, done, count, temperature, keys, size):
     """Feeds the context one byte at a time through the model with its key/value cache,
-    then samples ``count`` (<= ``size``) bytes at one position each: the work per byte is
-    one token's, not the whole window's. With learned positions ``length + count <=
-    window``; with rotary ones the cache wraps around. ``length`` and ``count`` are traced,
-    so one compilation serves every prompt."""
+    then samples bytes at one position each: the work per byte is one token's, not the
+    whole window's. ``cache``: None at first, then what the last call returned.
+    Positions ``start`` (0, or where the last call stopped) up to the one
+    that samples byte ``done + count`` (``count`` <= ``size`` bytes in this call). With
+    learned positions ``length + done + count <= window``; with rotary ones the cache
+    wraps around. Positions and counts are traced, so one compilation serves every prompt."""
     model = nnx.merge(graphdef, params)
     rows, window = context.shape
+    if cache is None:  # the first call: an empty cache, made here rather than op by op
+        cache = model.init_cache(rows, window)
+    keys, noise = _noise(keys, count, size, model.lm_head.out_features)
+    greedy = temperature <= 0
 
     def position(pos, carry):
-        context, cache, keys, out = carry
+        context, cache, out = carry
         logits, cache = model(jax.lax.dynamic_slice_in_dim(context, pos, 1, axis=1), pos[None], cache)
+        slot = jnp.maximum(pos - (length - 1) - done, 0)  # this call's sampled byte
+        scaled = logits[:, 0] / jnp.maximum(temperature, 1e-6) + noise[slot]
+        token = jnp.argmax(jnp.where(greedy, logits[:, 0], scaled), axis=-1).astype(context.dtype)
         sampling = pos >= length - 1  # the prompt's own bytes are only read, not sampled
-        next_keys, token = _pick(logits[:, 0], keys, temperature)
-        token = token.astype(context.dtype)
-        keys = jnp.where(sampling, next_keys, keys)  # the same key sequence as the plain loop
         at = jnp.minimum(pos + 1, window - 1)  # past the window: the last column feeds the next byte
         context = context.at[:, at].set(jnp.where(sampling, token, context[:, at]))
-        slot = jnp.maximum(pos - (length - 1), 0)
         out = out.at[:, slot].set(jnp.where(sampling, token, out[:, slot]))
-        return context, cache, keys, out
+        return context, cache, out
 
     out = jnp.zeros((rows, size), context.dtype)  # the first ``count`` columns get filled
-    carry = (context, model.init_cache(rows, window), keys, out)
-    carry = jax.lax.fori_loop(0, length - 1 + count, position, carry)
-    return carry[0], carry[2], carry[3]
+    context, cache, out = jax.lax.fori_loop(start, length - 1 + done + count, position, (context, cache, out))
+    return context, cache, keys, out
+
+
+SEGMENT = 4096  # bytes sampled per compiled call at most: bounds the noise drawn ahead (rows x SEGMENT x 256 floats)
 
 
 def generate(
@@ -113,20 +135,25 @@ def generate_batch(
     context[:, : len(kept)] = np.frombuffer(kept, np.uint8)
     graphdef, params = nnx.split(model)
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
-    length, temperature = jnp.int32(len(kept)), jnp.float32(temperature)
+    length, temperature = np.int32(len(kept)), np.float32(temperature)
     # While the context has room, or always with rotary positions, each new byte costs one
     # position (a KV cache); past that, every learned position embedding shifts, and each
     # byte needs a forward pass over the whole window (only the last position in the top layer).
     cached = max_new_bytes if model.rotary else min(max_new_bytes, max_seq_len - len(kept))
     pieces = []
-    window = jnp.asarray(context)
+    window = context
     if cached > 0:
-        window, keys, new = _cached_loop(graphdef, params, window, length, temperature, keys, jnp.int32(cached),
-                                         max(max_seq_len, cached))
-        pieces.append(np.asarray(new)[:, :cached])
+        size = max(max_seq_len, min(cached, SEGMENT))  # one compilation for every length up to the context
+        cache, start = None, 0
+        for done in range(0, cached, size):
+            count = min(size, cached - done)
+            window, cache, keys, new = _cached_loop(graphdef, params, window, cache, np.int32(start), length,
+                                                    np.int32(done), np.int32(count), temperature, keys, size)
+            pieces.append(np.asarray(new)[:, :count])
+            start = len(kept) - 1 + done + count
     if max_new_bytes > cached:
         rest = max_new_bytes - cached
-        new = _sliding_loop(graphdef, params, window, temperature, keys, jnp.int32(rest), max_new_bytes)
+        new = _sliding_loop(graphdef, params, window, temperature, keys, np.int32(rest), max_new_bytes)
         pieces.append(np.asarray(new)[:, :rest])
     rows = np.concatenate(pieces, axis=1).astype(np.uint8)
     return [encoded + row.tobytes() for row in rows]

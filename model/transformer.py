@@ -184,8 +184,9 @@ class Transformer(nnx.Module):
 
     def init_cache(self, rows: int, window: int, dtype=jnp.float32) -> tuple[LayerCache, ...]:
         attn = self.blocks[0].attn
-        empty = jnp.zeros((rows * attn.num_heads, window, attn.head_dim), dtype)
-        return tuple(LayerCache(empty, empty) for _ in self.blocks)
+        shape = (rows * attn.num_heads, window, attn.head_dim)
+        # Distinct buffers, so that a compiled loop may update every one in place (donated).
+        return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

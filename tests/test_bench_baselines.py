@@ -68,6 +68,20 @@ def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions
         assert ours == theirs, temperature
 
 
+def test_a_long_sample_drawn_in_several_calls_is_the_codelab_loop_s(monkeypatch):
+    """Past ``SEGMENT`` bytes the sampler continues in a further call with the cache, the keys
+    and the window where the last one stopped: the bytes are those of one loop."""
+    import bardflow.model.sampling as sampling
+
+    cfg = model_config("tiny", "rope")  # one layer: the wrapped cache is the window recomputed
+    model = build_model(cfg, seed=5)
+    window = cfg.max_seq_len
+    monkeypatch.setattr(sampling, "SEGMENT", 1)  # calls of one window's bytes each
+    new = 3 * window + 5
+    assert generate(model, "KING:", new, 0.8, 42, window) == \
+        codelab_generate(model, b"KING:", new, 0.8, 42, window, absolute=True)
+
+
 def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: int, span: int) -> bytes:
     import jax
     import jax.numpy as jnp
