@@ -231,8 +231,8 @@ def pool_workers(prefect_server):
 def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(swept, prefect_server, pool_workers,
                                                                                   run_env):
     """A search two trials at a time on two workers of one host: its trials train one at a time
-    (the host's training slot), the two proposed ones both finish, and a trial that fails on
-    its worker fails its row with the worker's error, not the search. (A grid on a pool is
+    (the host's training slot), the proposed one finishes, and a trial that fails on its
+    worker fails its row with the worker's error, not the search. (A grid on a pool is
     `python -m bench.pool`'s, in CI; a worker that finds every stage in the store, the
     `generate` deployment in tests/test_deployment.py.)"""
     store, local = swept
@@ -241,19 +241,18 @@ def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
     waiting = threading.Event()
     holder = threading.Thread(target=hold_the_slot_until, args=(prefect_server, SLOT_NAME, waiting), daemon=True)
     holder.start()
-    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--search", "3", "--parallel", "2",
+    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--search", "2", "--parallel", "2",
                 "--set", "train.learning_rate=1e-3..2e-2:log", "--list", '{"train.learning_rate": 1e30}', "--json",
                 env=run_env)
     holder.join(timeout=30)
     assert waiting.is_set(), "no trial waited for the host's training slot"
     result = json.loads(done.stdout)
     rows = result["rows"]  # ranked: the failed trial last
-    assert [row["status"] for row in rows] == ["completed", "completed", "failed"]
-    assert rows[2]["run"] == 1 and rows[2]["train.learning_rate"] == "1e+30"  # --list: tried first
-    assert all(1e-3 <= float(row["train.learning_rate"]) <= 2e-2 for row in rows[:2])
+    assert [row["status"] for row in rows] == ["completed", "failed"]
+    assert rows[1]["run"] == 1 and rows[1]["train.learning_rate"] == "1e+30"  # --list: tried first
+    assert 1e-3 <= float(rows[0]["train.learning_rate"]) <= 2e-2 and rows[0]["val_loss"] > 0
     failed = next(run for run in result["runs"] if run["status"] == "failed")
     assert "loss became nan" in failed["error"]  # its row says why; the search went on
-    assert all(row["val_loss"] > 0 for row in rows[:2]) and rows[0]["val_loss"] <= rows[1]["val_loss"]
     assert all(run["stages"]["train_parallel"]["state"] == "ran"
                for run in result["runs"] if run["status"] == "completed")
 
