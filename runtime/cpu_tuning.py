@@ -9,11 +9,13 @@ to ``auto``, three choices are timed on the real shape, a few steps each:
   rows per pass   ~512 tokens per forward/backward pass, or the whole per-device batch
   XLA options     YNNPACK fusions off (tuned), or XLA's defaults
 
-The defaults and each single change of them are measured (four compilations and a few steps
-each: 20–30 s for the `cpu` preset on 2 cores) and the fastest is used if it beats the
-defaults by 5 % (short timings are noisy); a shape whose defaults alone take over 12 s to
-measure keeps them. The answer is kept per CPU model, instruction set,
-core count, JAX version and training shape in ``$BARDFLOW_CACHE_DIR`` (default
+The defaults and each single change of them are compiled, then timed in turns (three
+rounds of three steps each, the median round counts: a host whose speed drifts slows every
+candidate alike; 20–30 s for the `cpu` preset on 2 cores), and the fastest is used if it
+beats the defaults by 5 %; a shape whose defaults alone take over 12 s to compile and warm
+keeps them. The answer is kept per CPU model, instruction set, core count, JAX version,
+training shape and device count (emulated CPU devices share the cores: YNNPACK's fusions were
+measured level on one and 7 % faster on two) in ``$BARDFLOW_CACHE_DIR`` (default
 ``~/.cache/bardflow``)/cpu-step.json, so it is measured once. Every candidate computes the
 same step within float tolerance, and none enters a version key. ``BARDFLOW_CPU_TUNING=off``
 keeps the defaults without measuring; a run of several processes keeps them too (each
@@ -34,7 +36,7 @@ import numpy as np
 from bardflow.model.settings import resolve
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-TIMED_STEPS, WARM_STEPS = 3, 1
+TIMED_STEPS, ROUNDS, WARM_STEPS = 3, 3, 1
 MARGIN = 0.05  # a change must be this much faster to replace the default: timings this short are noisy
 MAX_CANDIDATE_S = 12.0  # the defaults' compile and steps took longer: measuring the rest would take minutes
 
@@ -78,8 +80,9 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
     return found
 
 
-def measure(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]) -> float:
-    """Milliseconds per step of ``choice`` on this placement (compiled apart, warm)."""
+def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
+    """``choice``'s step compiled on this placement and warm: a function that runs
+    ``TIMED_STEPS`` more steps and returns their milliseconds per step."""
     import jax
 
     from bardflow.model.train import init_state, make_train_step
@@ -93,14 +96,18 @@ def measure(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
     compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
                                passes=step.passes(train_cfg.per_device_batch)).lower(state, batch).compile(
         compiler_options=step.xla_options)
-    for _ in range(WARM_STEPS):
-        state, loss = compiled(state, batch)
-    jax.block_until_ready(loss)
-    started = time.perf_counter()
-    for _ in range(TIMED_STEPS):
-        state, loss = compiled(state, batch)
-    jax.block_until_ready(loss)
-    return 1e3 * (time.perf_counter() - started) / TIMED_STEPS
+    carry = {"state": state}
+
+    def run(steps: int) -> float:
+        started, state = time.perf_counter(), carry["state"]
+        for _ in range(steps):
+            state, loss = compiled(state, batch)
+        jax.block_until_ready(loss)
+        carry["state"] = state
+        return 1e3 * (time.perf_counter() - started) / steps
+
+    run(WARM_STEPS)
+    return lambda: run(TIMED_STEPS)
 
 
 def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
@@ -114,7 +121,7 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
     shape = {"model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
              "per_device_batch": train_cfg.per_device_batch, "micro_batch": train_cfg.micro_batch,
              "fixed_kernels": None if model_cfg.attention == model_cfg.dense == "auto" else
-             [model_cfg.attention, model_cfg.dense], "seq_len": seq_len}  # not the device count: a device's share is the same shape
+             [model_cfg.attention, model_cfg.dense], "seq_len": seq_len, "devices": len(placement.devices)}
     key = json.dumps({**cpu_signature(), **shape}, sort_keys=True)
     path = cache_file()
     try:
@@ -123,13 +130,16 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
         known = {}
     if key in known:
         return {**known[key], "source": f"measured before on this CPU ({path})"}
-    measured, note = [], ""
-    for choice in candidates(model_cfg, train_cfg, seq_len):
+    tried, runs, note = candidates(model_cfg, train_cfg, seq_len), [], ""
+    for choice in tried:
         started = time.perf_counter()
-        measured.append({**choice, "ms_per_step": round(measure(model_cfg, train_cfg, placement, seq_len, choice), 2)})
-        if len(measured) == 1 and time.perf_counter() - started > MAX_CANDIDATE_S:
-            note = f"; the defaults alone took {time.perf_counter() - started:.0f} s to measure, so the rest were not"
+        runs.append(prepare(model_cfg, train_cfg, placement, seq_len, choice))
+        if len(runs) == 1 and time.perf_counter() - started > MAX_CANDIDATE_S:
+            note = f"; the defaults alone took {time.perf_counter() - started:.0f} s to compile and warm, so the rest were not"
             break
+    rounds = [[run() for run in runs] for _ in range(ROUNDS)]  # in turns: drift slows every candidate alike
+    measured = [{**choice, "ms_per_step": round(float(np.median(times)), 2)}
+                for choice, times in zip(tried, zip(*rounds))]
     default, best = measured[0], min(measured, key=lambda m: m["ms_per_step"])
     if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
         best = default
