@@ -54,9 +54,9 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
 def _noise(keys, count, size: int, vocab: int):
     """What ``_pick`` would draw for the next ``count`` (<= ``size``) bytes, all at once:
     (the keys after ``count`` bytes, Gumbel noise (size, rows, vocab)). Sampling a byte is
-    ``argmax(logits / temperature + noise)``, exactly ``jax.random.categorical``; drawn in
-    the loop, each byte's noise was a random-bit program of its own, as long as the model's
-    step at this size on a CPU."""
+    ``argmax(logits / temperature + noise)``, exactly ``jax.random.categorical``. Drawn
+    inside the byte loop, each byte's key split and noise are two small loops of their own
+    on a CPU (JAX's threefry), more operations than a small model's step."""
     def split(keys, _):
         pairs = jax.vmap(jax.random.split)(keys)
         return pairs[:, 0], (pairs[:, 0], pairs[:, 1])

@@ -15,7 +15,8 @@ candidate alike; 20–30 s for the `cpu` preset on 2 cores), and the fastest is 
 beats the defaults by 5 %; a shape whose defaults alone take over 12 s to compile and warm
 keeps them. The answer is kept per CPU model, instruction set, core count, JAX version,
 training shape and device count (emulated CPU devices share the cores: YNNPACK's fusions were
-measured level on one and 7 % faster on two) in ``$BARDFLOW_CACHE_DIR`` (default
+measured level on one and 7 % faster on two; with one device's answer known, several devices
+try only the XLA options again, two compilations instead of four) in ``$BARDFLOW_CACHE_DIR`` (default
 ``~/.cache/bardflow``)/cpu-step.json, so it is measured once. Every candidate computes the
 same step within float tolerance, and none enters a version key. ``BARDFLOW_CPU_TUNING=off``
 keeps the defaults without measuring; a run of several processes keeps them too (each
@@ -131,6 +132,13 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
     if key in known:
         return {**known[key], "source": f"measured before on this CPU ({path})"}
     tried, runs, note = candidates(model_cfg, train_cfg, seq_len), [], ""
+    alone = known.get(json.dumps({**cpu_signature(), **shape, "devices": 1}, sort_keys=True))
+    if len(placement.devices) > 1 and alone:
+        # A device's share is one device's shape, so its kernels and passes stand; what the
+        # devices sharing the cores change is XLA's threading: only its options are tried again.
+        first = alone["chosen"]
+        tried = [first, {**first, "xla": "default" if first["xla"] == "tuned" else "tuned"}]
+        note = "; kernels and rows per pass as measured on one device"
     for choice in tried:
         started = time.perf_counter()
         runs.append(prepare(model_cfg, train_cfg, placement, seq_len, choice))

@@ -26,7 +26,7 @@ def measuring(tmp_path, monkeypatch):
 
 def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     cfg = build_config("tiny", {"train.per_device_batch": 32})
-    placement = Placement.data_parallel(jax.devices()[:2])
+    placement = Placement.data_parallel(jax.devices()[:1])
     first = choose(cfg.model, cfg.train, placement, cfg.data.seq_len)
     assert first["source"] == "measured now" and len(first["measured"]) == 4
     default, fastest = first["measured"][0], min(first["measured"], key=lambda m: m["ms_per_step"])
@@ -34,11 +34,17 @@ def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     assert first["chosen"] == {k: v for k, v in winner.items() if k != "ms_per_step"}
     again = choose(cfg.model, cfg.train, placement, cfg.data.seq_len)
     assert again["source"].startswith("measured before on this CPU") and again["chosen"] == first["chosen"]
-    # Kept for this placement's device count: emulated devices share the cores, so one
-    # device's answer need not hold for two.
+
+    # Two devices share the cores: the same shape is measured again for them, its kernels
+    # and passes as on one device, only XLA's options tried both ways.
+    two = choose(cfg.model, cfg.train, Placement.data_parallel(jax.devices()[:2]), cfg.data.seq_len)
+    assert two["source"] == "measured now" and len(two["measured"]) == 2
+    assert {(m["kernels"], m["rows_per_pass"]) for m in two["measured"]} == \
+        {(first["chosen"]["kernels"], first["chosen"]["rows_per_pass"])}
+    assert {m["xla"] for m in two["measured"]} == {"tuned", "default"}
     import json
 
-    assert [json.loads(key)["devices"] for key in json.loads((measuring / "cpu-step.json").read_text())] == [2]
+    assert sorted(json.loads(key)["devices"] for key in json.loads((measuring / "cpu-step.json").read_text())) == [1, 2]
 
 
 def test_settings_the_user_fixed_are_not_measured():
