@@ -71,7 +71,7 @@ def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions
 def test_a_long_sample_drawn_in_several_calls_is_the_codelab_loop_s(monkeypatch):
     """Past ``SEGMENT`` bytes the sampler continues in a further call with the cache, the keys
     and the window where the last one stopped: the bytes are those of one loop."""
-    import bardflow.model.sampling as sampling
+    from bardflow.model import sampling
 
     cfg = model_config("tiny", "rope")  # one layer: the wrapped cache is the window recomputed
     model = build_model(cfg, seed=5)
