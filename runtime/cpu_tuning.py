@@ -97,14 +97,12 @@ def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
     compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
                                passes=step.passes(train_cfg.per_device_batch)).lower(state, batch).compile(
         compiler_options=step.xla_options)
-    carry = {"state": state}
-
     def run(steps: int) -> float:
-        started, state = time.perf_counter(), carry["state"]
+        nonlocal state
+        started = time.perf_counter()
         for _ in range(steps):
             state, loss = compiled(state, batch)
         jax.block_until_ready(loss)
-        carry["state"] = state
         return 1e3 * (time.perf_counter() - started) / steps
 
     run(WARM_STEPS)
@@ -123,7 +121,8 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
              "per_device_batch": train_cfg.per_device_batch, "micro_batch": train_cfg.micro_batch,
              "fixed_kernels": None if model_cfg.attention == model_cfg.dense == "auto" else
              [model_cfg.attention, model_cfg.dense], "seq_len": seq_len, "devices": len(placement.devices)}
-    key = json.dumps({**cpu_signature(), **shape}, sort_keys=True)
+    signature = {**cpu_signature(), **shape}
+    key = json.dumps(signature, sort_keys=True)
     path = cache_file()
     try:
         known = json.loads(path.read_text())
@@ -132,7 +131,7 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
     if key in known:
         return {**known[key], "source": f"measured before on this CPU ({path})"}
     tried, runs, note = candidates(model_cfg, train_cfg, seq_len), [], ""
-    alone = known.get(json.dumps({**cpu_signature(), **shape, "devices": 1}, sort_keys=True))
+    alone = known.get(json.dumps({**signature, "devices": 1}, sort_keys=True))
     if len(placement.devices) > 1 and alone:
         # A device's share is one device's shape, so its kernels and passes stand; what the
         # devices sharing the cores change is XLA's threading: only its options are tried again.

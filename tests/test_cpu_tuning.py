@@ -2,6 +2,8 @@
 each single change are timed once per CPU and shape, cached, skipped where the user fixed a
 setting, and the chosen step computes the one-pass XLA step's result within float tolerance."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -42,8 +44,6 @@ def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     assert {(m["kernels"], m["rows_per_pass"]) for m in two["measured"]} == \
         {(first["chosen"]["kernels"], first["chosen"]["rows_per_pass"])}
     assert {m["xla"] for m in two["measured"]} == {"tuned", "default"}
-    import json
-
     assert sorted(json.loads(key)["devices"] for key in json.loads((measuring / "cpu-step.json").read_text())) == [1, 2]
 
 
