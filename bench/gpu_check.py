@@ -205,7 +205,7 @@ class Check:
                            capture_output=True, timeout=30)
 
     def bench(self, limit_s: float) -> dict:
-        steps = ["--quick", "--steps", "2", "--pairs", "1"] if self.dry_run else ["--steps", "100", "--pairs", "3"]
+        steps = ["--smoke"] if self.dry_run else ["--steps", "100", "--pairs", "3"]
         # The pipeline part has timed the whole pipeline already.
         done = self.sh("bench", sys.executable, "-m", "bench", *steps, "--no-pipeline", "--out", str(self.out),
                        limit_s=limit_s)

@@ -1,4 +1,4 @@
-"""``python -m bench [--quick]``: bardflow against the codelab-style baselines, measured in
+"""``python -m bench [--quick | --smoke]``: bardflow against the codelab-style baselines, measured in
 one process, alternating A and B, reporting medians and the per-pair ratio.
 
 Writes one table to the terminal and the same as JSON under ``bench/results/``.
@@ -144,7 +144,7 @@ def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
             "mfu": achieved / peak if peak else None}
 
 
-def bench_precision(quick: bool) -> dict:
+def bench_precision(mode: str) -> dict:
     """float32 against bfloat16 compute (``bench/precision.py``): the ``cpu`` preset's shape
     on a CPU, the ``codelab`` preset's on an accelerator, one device."""
     import jax
@@ -153,8 +153,9 @@ def bench_precision(quick: bool) -> dict:
 
     if not SHARED_CORPUS.exists():
         return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
-    preset = "cpu" if jax.default_backend() == "cpu" else "codelab"
-    return compare(preset, False, 10, 60 if quick else 200, 2 if quick else 5, SHARED_CORPUS)
+    preset = "tiny" if mode == "smoke" else "cpu" if jax.default_backend() == "cpu" else "codelab"
+    steps, loss_steps, rounds = {"smoke": (2, 2, 1), "quick": (10, 60, 2), "full": (10, 200, 5)}[mode]
+    return compare(preset, False, steps, loss_steps, rounds, SHARED_CORPUS)
 
 
 def torch_runner(cfg, steps: int):
@@ -166,7 +167,7 @@ def torch_runner(cfg, steps: int):
     return runner(cfg, steps)
 
 
-def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
+def bench_generate(cfg, pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> dict:
     from bardflow.model.sampling import generate, generate_batch
     from bardflow.model.transformer import build_model
     from bench.codelab import codelab_generate, codelab_generate_batch
@@ -186,11 +187,11 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
     a8, b8 = alternating([timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
                           timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes)], pairs)
     batch8 = summary(a8, b8)
-    within = window - len(b"ROMEO:")  # the longest sample that never slides
+    within = min(new_bytes, window - len(b"ROMEO:"))  # at most the longest sample that never slides
     a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
                               timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within)], pairs)
     inside = summary(a_in, b_in)
-    rotary = bench_rotary_generate(pairs)  # 300 bytes in either mode: past both contexts
+    rotary = bench_rotary_generate(pairs, new_bytes, shapes)
     return {"rotary": rotary, "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
             "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,
             "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result,
@@ -200,15 +201,15 @@ def bench_generate(cfg, pairs: int, new_bytes: int) -> dict:
                                "bardflow_bytes_s": inside["b_median"], "bardflow_over_codelab": inside["ratio_median"]}}
 
 
-def bench_rotary_generate(pairs: int, new_bytes: int = 300) -> dict:
-    """``ROMEO:`` + ``new_bytes`` with rotary positions, on the ``cpu`` and ``codelab`` shapes
-    at batch 1 and 8: past either context (128 and 256 bytes) the cache wraps instead of the
+def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> dict:
+    """``ROMEO:`` + ``new_bytes`` with rotary positions, on the presets' ``shapes`` (``cpu`` and
+    ``codelab``) at batch 1 and 8: past either context (128 and 256 bytes) the cache wraps instead of the
     window being recomputed; against the codelab loop on the same model, warm (``alternating``)."""
     from bardflow.model.config import build_config
     from bardflow.model.transformer import build_model
 
     results = {}
-    for preset in ("cpu", "codelab"):
+    for preset in shapes:
         cfg = build_config(preset)
         model = build_model(cfg.model.model_copy(update={"positions": "rope"}), 1)
         for batch in (1, 8):
@@ -290,6 +291,9 @@ def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps: minutes on a CPU")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every part once at its smallest (the tiny preset's shape, 20 sampled bytes, "
+                             "2 steps): shows that the benchmark runs; its figures mean nothing")
     parser.add_argument("--steps", type=int, help="training steps per timed run (default 10, quick 3)")
     parser.add_argument("--pairs", type=int, help="A/B pairs (default 6, quick 4)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
@@ -299,14 +303,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from bardflow.model.config import build_config
 
-    cfg = build_config("codelab")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    cfg = build_config("tiny" if mode == "smoke" else "codelab")
+    sampler_shapes = ("tiny",) if mode == "smoke" else ("cpu", "codelab")
     # Quick mode times the same work per call as the full one (300 bytes: past the contexts,
     # where the window slides or the cache wraps), in fewer rounds of fewer steps.
-    pairs, steps, new_bytes, preset = (4, 3, 300, "tiny") if args.quick else (6, 10, 300, "cpu")
+    pairs, steps, new_bytes, preset = {"smoke": (1, 2, 20, "tiny"), "quick": (4, 3, 300, "tiny"),
+                                       "full": (6, 10, 300, "cpu")}[mode]
     pairs, steps = args.pairs or pairs, args.steps or steps
-    report = {"machine": machine(), "mode": "quick" if args.quick else "full",
-              "train": bench_train(cfg, pairs, steps), "generate": bench_generate(cfg, pairs, new_bytes),
-              "precision": bench_precision(args.quick),
+    report = {"machine": machine(), "mode": mode,
+              "train": bench_train(cfg, pairs, steps), "generate": bench_generate(cfg, pairs, new_bytes, sampler_shapes),
+              "precision": bench_precision(mode),
               "pipeline": {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset)}
     flat = {
         "train.codelab_tok_s": report["train"]["codelab_tok_s"],
