@@ -157,7 +157,9 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     the last checkpoint in the bucket and ends bitwise where a run never interrupted does."""
     store = object_server.prefix("resume")
     long = ("--set", "train.steps=300", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
-    victim = start(args(corpus, store, "--cpu-devices", "2", *long), tmp_path / "victim.log",
+    # One device: train_single is what is cut short, and train_parallel then takes over its
+    # version (no training process to start).
+    victim = start(args(corpus, store, "--cpu-devices", "1", *long), tmp_path / "victim.log",
                    machine(run_env, object_server, tmp_path / "preempted"))
     fs, deadline = object_server.filesystem(), time.monotonic() + 300
 
@@ -171,7 +173,7 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     victim.wait()
     saved = max(committed_steps())
 
-    resumed = json.loads(call(*args(corpus, store, "--cpu-devices", "2", *long),
+    resumed = json.loads(call(*args(corpus, store, "--cpu-devices", "1", *long),
                               env=machine(run_env, object_server, tmp_path / "replacement")).stdout)
     single = resumed["stages"]["train_single"]
     assert single["state"] == "ran" and single["metrics"]["resumed_from_step"] == saved >= 100

@@ -85,8 +85,10 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=12))
     steps = 400
+    # One device: the subject is the tracking, not parallel training (no training process).
     args = base_args(corpus, tmp_path / "store", "--track", f"mlflow={mlflow_server['url']}", "--set",
-                     f"train.steps={steps}", "--set", "train.log_every=10", "--set", f"train.checkpoint_every={steps}")
+                     f"train.steps={steps}", "--set", "train.log_every=10", "--set", f"train.checkpoint_every={steps}",
+                     devices=1)
     log = tmp_path / "run.log"
     run = start(args, log, run_env)
     client = mlflow_tracking.MlflowClient(mlflow_server["url"])
