@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="every part once at its smallest (the tiny preset's shape, 20 sampled bytes, "
                              "2 steps): shows that the benchmark runs; its figures mean nothing")
-    parser.add_argument("--steps", type=int, help="training steps per timed run (default 10, quick 3)")
-    parser.add_argument("--pairs", type=int, help="A/B pairs (default 6, quick 4)")
+    parser.add_argument("--steps", type=int, help="training steps per timed run (default 10, quick 3, smoke 2)")
+    parser.add_argument("--pairs", type=int, help="A/B pairs (default 6, quick 4, smoke 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="skip the whole-pipeline timing (the GPU check times the pipeline on its own)")
