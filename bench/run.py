@@ -290,7 +290,7 @@ def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps: minutes on a CPU")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps than the full run")
     parser.add_argument("--smoke", action="store_true",
                         help="every part once at its smallest (the tiny preset's shape, 20 sampled bytes, "
                              "2 steps): shows that the benchmark runs; its figures mean nothing")
