@@ -81,11 +81,9 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
     return found
 
 
-def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
-    """``choice``'s step compiled on this placement and warm: a function that runs
-    ``TIMED_STEPS`` more steps and returns their milliseconds per step."""
-    import jax
-
+def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
+    """``choice``'s training step compiled on this placement, with its placed start state and
+    a placed batch of random tokens: (step, state, batch)."""
     from bardflow.model.train import init_state, make_train_step
 
     step = resolve(model_cfg, train_cfg, seq_len, "cpu", choice)
@@ -97,6 +95,16 @@ def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
     compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
                                passes=step.passes(train_cfg.per_device_batch)).lower(state, batch).compile(
         compiler_options=step.xla_options)
+    return compiled, state, batch
+
+
+def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
+    """``choice``'s step compiled on this placement and warm: a function that runs
+    ``TIMED_STEPS`` more steps and returns their milliseconds per step."""
+    import jax
+
+    compiled, state, batch = compiled_step(model_cfg, train_cfg, placement, seq_len, choice)
+
     def run(steps: int) -> float:
         nonlocal state
         started = time.perf_counter()

@@ -5,13 +5,12 @@ setting, and the chosen step computes the one-pass XLA step's result within floa
 import json
 
 import jax
-import numpy as np
 import pytest
 
 from bardflow.model.config import build_config
 from bardflow.model.settings import resolve
-from bardflow.model.train import Placement, init_state, make_train_step
-from bardflow.runtime.cpu_tuning import candidates, choose
+from bardflow.model.train import Placement
+from bardflow.runtime.cpu_tuning import candidates, choose, compiled_step
 
 
 @pytest.fixture
@@ -56,25 +55,24 @@ def test_settings_the_user_fixed_are_not_measured():
 
 
 def test_every_candidate_computes_the_one_pass_xla_step():
+    """Each candidate compiled as the tuner compiles it (the programs it times; the session's
+    compilation cache has them once the test above has run) computes the losses of the
+    one-pass step with XLA's own kernels and options."""
     cfg = build_config("tiny", {"train.per_device_batch": 32})
-    tokens = np.random.default_rng(1).integers(0, 256, (32, cfg.data.seq_len), dtype=np.int32)
+    placement = Placement.data_parallel(jax.devices()[:1])
 
-    def losses(model_cfg, train_cfg, options) -> list[float]:
-        graphdef, state = init_state(model_cfg, train_cfg)
-        passes = train_cfg.per_device_batch // (train_cfg.micro_batch or train_cfg.per_device_batch)
-        step = make_train_step(graphdef, passes=passes).lower(state, tokens).compile(compiler_options=options)
+    def losses(choice) -> list[float]:
+        step, state, batch = compiled_step(cfg.model, cfg.train, placement, cfg.data.seq_len, choice)
         found = []
         for _ in range(3):
-            state, loss = step(state, tokens)
+            state, loss = step(state, batch)
             found.append(float(loss))
         return found
 
-    reference = losses(cfg.model.model_copy(update={"attention": "xla", "dense": "xla"}), cfg.train, {})
+    reference = losses({"kernels": "xla", "rows_per_pass": cfg.train.per_device_batch, "xla": "default"})
     tried = candidates(cfg.model, cfg.train, cfg.data.seq_len)
     assert len(tried) == 4
     for choice in tried:
         # Losses, not parameters: Adam's first updates are about ±learning rate per weight, so
         # a gradient of ~0 may flip sign with rounding; the losses that follow show any change.
-        step = resolve(cfg.model, cfg.train, cfg.data.seq_len, "cpu", choice)
-        micro = cfg.train.model_copy(update={"micro_batch": step.rows_per_pass})
-        assert losses(step.model(cfg.model), micro, step.xla_options) == pytest.approx(reference, rel=1e-4), choice
+        assert losses(choice) == pytest.approx(reference, rel=1e-4), choice
