@@ -17,10 +17,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+class Mode(NamedTuple):
+    """How much one run of the benchmark measures."""
+    pairs: int  # alternating rounds of each comparison
+    steps: int  # training steps per timed run
+    new_bytes: int  # bytes sampled per call
+    shape: str  # the preset whose model the training and learned-position sampling are timed on
+    sampler_shapes: tuple[str, ...]  # the presets whose rotary models the sampler is timed on
+    precision: tuple[int, int, int]  # float32 against bfloat16: timed steps, loss steps, rounds
+    pipeline: str  # the preset whose whole pipeline is timed
+
+
+# The quick mode times the same work per call as the full one (300 bytes: past the contexts,
+# where the window slides or the cache wraps), in fewer rounds of fewer steps; the smoke mode
+# only shows that every part runs.
+MODES = {"full": Mode(6, 10, 300, "codelab", ("cpu", "codelab"), (10, 200, 5), "cpu"),
+         "quick": Mode(4, 3, 300, "codelab", ("cpu", "codelab"), (10, 60, 2), "tiny"),
+         "smoke": Mode(1, 2, 20, "tiny", ("tiny",), (2, 2, 1), "tiny")}
 
 
 def machine() -> dict:
@@ -144,18 +164,20 @@ def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
             "mfu": achieved / peak if peak else None}
 
 
-def bench_precision(mode: str) -> dict:
+def bench_precision(mode: Mode) -> dict:
     """float32 against bfloat16 compute (``bench/precision.py``): the ``cpu`` preset's shape
-    on a CPU, the ``codelab`` preset's on an accelerator, one device."""
+    on a CPU, the ``codelab`` preset's on an accelerator (the ``tiny`` one in a smoke run),
+    one device."""
     import jax
 
     from bench.precision import compare
 
     if not SHARED_CORPUS.exists():
         return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
-    preset = "tiny" if mode == "smoke" else "cpu" if jax.default_backend() == "cpu" else "codelab"
-    steps, loss_steps, rounds = {"smoke": (2, 2, 1), "quick": (10, 60, 2), "full": (10, 200, 5)}[mode]
-    return compare(preset, False, steps, loss_steps, rounds, SHARED_CORPUS)
+    preset = "cpu" if jax.default_backend() == "cpu" else "codelab"
+    if mode.shape == "tiny":  # a smoke run: the smallest shape everywhere
+        preset = "tiny"
+    return compare(preset, False, *mode.precision, SHARED_CORPUS)
 
 
 def torch_runner(cfg, steps: int):
@@ -303,16 +325,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from bardflow.model.config import build_config
 
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    cfg = build_config("tiny" if mode == "smoke" else "codelab")
-    sampler_shapes = ("tiny",) if mode == "smoke" else ("cpu", "codelab")
-    # Quick mode times the same work per call as the full one (300 bytes: past the contexts,
-    # where the window slides or the cache wraps), in fewer rounds of fewer steps.
-    pairs, steps, new_bytes, preset = {"smoke": (1, 2, 20, "tiny"), "quick": (4, 3, 300, "tiny"),
-                                       "full": (6, 10, 300, "cpu")}[mode]
-    pairs, steps = args.pairs or pairs, args.steps or steps
-    report = {"machine": machine(), "mode": mode,
-              "train": bench_train(cfg, pairs, steps), "generate": bench_generate(cfg, pairs, new_bytes, sampler_shapes),
+    name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = MODES[name]
+    cfg, preset = build_config(mode.shape), mode.pipeline
+    pairs, steps = args.pairs or mode.pairs, args.steps or mode.steps
+    report = {"machine": machine(), "mode": name, "train": bench_train(cfg, pairs, steps),
+              "generate": bench_generate(cfg, pairs, mode.new_bytes, mode.sampler_shapes),
               "precision": bench_precision(mode),
               "pipeline": {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset)}
     flat = {
