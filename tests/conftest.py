@@ -85,26 +85,29 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# The modules that take longest, longest first (their durations with an empty compilation
-# cache, docs/benchmarks.md): handed out in this order, two workers end together.
-LONGEST_FIRST = ("test_deployment", "test_sweep", "test_signals", "test_distributed", "test_object_store_flow",
-                 "test_pool_server", "test_flow", "test_reliability", "test_tracking")
+# Every module, longest first (their durations with an empty compilation cache, in
+# docs/benchmarks.md): handed out in this order, the two workers end together. The second is
+# one that needs no Prefect server: it keeps the other core busy while the first starts the
+# session's server (15 CPU-s on a fresh database), instead of waiting for it.
+LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_signals", "test_distributed",
+                 "test_object_store_flow", "test_flow", "test_bench_baselines", "test_pool_server",
+                 "test_reliability", "test_cpu_tuning", "test_tracking", "test_resume", "test_kernels", "test_model",
+                 "test_stages", "test_checkpoint_and_sampling", "test_object_store", "test_bench_quality", "test_cli",
+                 "test_slots", "test_layers", "test_code_versions", "test_config")
 
 
 def pytest_collection_modifyitems(items):
     """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
-    inner loop. Modules with slow tests go first, the longest of them first, so that parallel
-    workers (the README's ``-n 2 --dist loadfile``) start the long ones early and end on short
-    ones together."""
+    inner loop. Modules go in the order above, the longest first, so that parallel workers
+    (the README's ``-n 2 --dist loadfile``) start the long ones early and end on short ones
+    together; a module not named there goes last."""
     for item in items:
         if item.get_closest_marker("flow") or item.get_closest_marker("processes"):
             item.add_marker(pytest.mark.slow)
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
 
-    def rank(item) -> tuple[int, int]:
+    def rank(item) -> int:
         name = item.module.__name__.rsplit(".", 1)[-1]
-        return (item.module.__name__ not in slow_modules,
-                LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: file order within a module, and among the rest
 
