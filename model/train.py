@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,16 +87,37 @@ def _muon_matrices(params):
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
-    gradient's global norm if asked."""
+    gradient's global norm if asked. The peak learning rates are values in the optimizer's
+    state (``optax.inject_hyperparams``), not constants of the compiled step: the runs of a
+    sweep or search over them compile one step; the schedule's shape (warmup, cosine) then
+    scales the update."""
     if cfg.optimizer == "muon":
         from optax.contrib import muon
 
-        tx = muon(learning_rate(cfg, cfg.muon_learning_rate), weight_decay=cfg.weight_decay,
-                  adam_learning_rate=learning_rate(cfg), adam_b2=cfg.beta2, adam_weight_decay=cfg.weight_decay,
-                  muon_weight_dimension_numbers=_muon_matrices)
+        def peaks(learning_rate, adam_learning_rate):
+            return muon(learning_rate, weight_decay=cfg.weight_decay, adam_learning_rate=adam_learning_rate,
+                        adam_b2=cfg.beta2, adam_weight_decay=cfg.weight_decay,
+                        muon_weight_dimension_numbers=_muon_matrices)
+
+        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.muon_learning_rate,
+                                             adam_learning_rate=cfg.learning_rate)
     else:
-        tx = optax.adamw(learning_rate(cfg), b2=cfg.beta2, weight_decay=cfg.weight_decay)
+        def peaks(learning_rate):
+            return optax.adamw(learning_rate, b2=cfg.beta2, weight_decay=cfg.weight_decay)
+
+        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.learning_rate)
+    if cfg.schedule != "constant" or cfg.warmup_steps:
+        tx = optax.chain(tx, optax.scale_by_schedule(learning_rate(cfg, peak=1.0)))
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
+
+
+def _configured_rates(restored, configured):
+    """``restored`` with ``configured``'s peak learning rates (in the optimizer's state since
+    ``make_optimizer``): the configuration says how a run trains, its checkpoint where it stopped."""
+    def pick(path, saved, ours):
+        return ours if "'hyperparams'" in jax.tree_util.keystr(path) else saved
+
+    return jax.tree_util.tree_map_with_path(pick, restored, configured)
 
 
 def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
@@ -461,9 +483,10 @@ def train(
     state = placement.put_state(state)
     if checkpoints is not None:
         started = time.perf_counter()
+        configured = jax.tree.map(lambda leaf: leaf, state)  # the restore writes into ``state``'s variables
         found = checkpoints.latest(state)  # restored straight into the placed state's shardings
         if found is not None:
-            state, saved = found
+            state, saved = _configured_rates(found[0], configured), found[1]
             start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
             record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
     first = placement.put_batch(batch_at(start))

@@ -87,7 +87,7 @@ def test_passes_per_step_keeps_cpu_passes_cache_sized():
 
 def _moments(state):
     """AdamW's first moment after one step: 0.1 x the gradient, leaf by leaf."""
-    return [np.asarray(leaf) for leaf in jax.tree.leaves(state[1]["opt_state"][0]["mu"])]
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(state[1]["opt_state"]["inner_state"][0]["mu"])]
 
 
 def test_a_step_in_several_passes_is_the_one_pass_step(split):
@@ -193,6 +193,28 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
     theirs, _ = by_hand.update(scaled, by_hand.init(params), params)
     np.testing.assert_allclose(np.asarray(ours["w"]), np.asarray(theirs["w"]), rtol=1e-6)
     assert np.abs(np.asarray(ours["w"])).max() > 1e-4
+
+
+@pytest.mark.parametrize("optimizer, schedule", [("adamw", "constant"), ("muon", "cosine")])
+def test_runs_that_differ_only_in_learning_rate_compile_one_step(optimizer, schedule):
+    """The peak rates live in the optimizer's state: the step a sweep's runs compile is one
+    program (the same lowered text), and each run's state carries its own rates."""
+    cfg = build_config("tiny", {"train.optimizer": optimizer, "train.schedule": schedule, "train.warmup_steps": 2})
+    tokens = np.zeros((8, cfg.data.seq_len + 1), np.int32)
+    programs, states = [], []
+    for rate in (3e-3, 2e-2):
+        train_cfg = cfg.train.model_copy(update={"learning_rate": rate, "muon_learning_rate": 10 * rate})
+        graphdef, state = init_state(cfg.model, train_cfg)
+        programs.append(make_train_step(graphdef).lower(state, tokens).as_text())
+        states.append(state)
+    assert programs[0] == programs[1]
+    def peak(state) -> float:
+        (found,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state[1]["opt_state"])
+                    if "'hyperparams'" in jax.tree_util.keystr(path) and "'learning_rate'" in jax.tree_util.keystr(path)]
+        return float(found)
+
+    assert [peak(state) for state in states] == [np.float32(rate * (10 if optimizer == "muon" else 1))
+                                                 for rate in (3e-3, 2e-2)]
 
 
 def test_with_every_position_the_last_position_learns_too():
