@@ -88,7 +88,7 @@ def pytest_configure(config):
 # Every module, longest first (their durations with an empty compilation cache, in
 # docs/benchmarks.md): handed out in this order, the two workers end together. The second is
 # one that needs no Prefect server: it keeps the other core busy while the first starts the
-# session's server (15 CPU-s on a fresh database), instead of waiting for it.
+# session's server (its database made from scratch), instead of waiting for it.
 LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_signals", "test_distributed",
                  "test_object_store_flow", "test_flow", "test_bench_baselines", "test_pool_server",
                  "test_reliability", "test_cpu_tuning", "test_tracking", "test_resume", "test_kernels", "test_model",
