@@ -78,6 +78,10 @@ class Check:
                     "BARDFLOW_SERVER_FILE": str(work / "server.json"), "PREFECT_WORKER_QUERY_SECONDS": "2",
                     "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
         self.env.pop("PREFECT_API_URL", None)
+        if dry_run:
+            # A GPU host never measures a CPU step; on CPU the tuner would time the quality
+            # shape's candidates, most of that part's budget (docs/gpu-check.md).
+            self.env["BARDFLOW_CPU_TUNING"] = "off"
 
     def sh(self, part: str, *command: str, limit_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
         """One command of a part, within the part's time left; its output goes to the log."""
