@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -85,6 +85,7 @@ def _muon_matrices(params):
     return jax.tree_util.tree_map_with_path(choose, params)
 
 
+@lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (see _creator)
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
     gradient's global norm if asked. The peak learning rates are values in the optimizer's
@@ -123,12 +124,21 @@ def _configured_rates(restored, configured):
 def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
     """(graphdef, state) of the model and its optimizer together, made in one compiled
     program (op by op, each initialiser would compile on its own)."""
+    return nnx.split(_creator(model_cfg, train_cfg)())
+
+
+@lru_cache(maxsize=16)
+def _creator(model_cfg: ModelConfig, train_cfg: TrainConfig):
+    """The compiled ``init_state`` of one configuration. Kept for the process, with the
+    optimizer it builds, so that the runs of one process (a local sweep's, a resumed stage's)
+    get equal graphdefs, and with them the same compiled step and evaluation, traced once
+    (``make_train_step``, ``make_eval_sum``)."""
     @nnx.jit
     def create():
         model = build_model(model_cfg, train_cfg.init_seed)
         return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
 
-    return nnx.split(create())
+    return create
 
 
 def model_from_state(graphdef, state) -> Transformer:
@@ -167,6 +177,7 @@ def _accumulated(loss_fn, passes: int, mesh):
     return loss_and_grads
 
 
+@lru_cache(maxsize=16)
 def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1):
     def loss_fn(model, tokens):
         return next_byte_loss(in_dtype(model, dtype), tokens)
@@ -192,6 +203,7 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
     )
 
 
+@lru_cache(maxsize=16)
 def make_eval_sum(graphdef):
     """``(state, tokens, weights) -> sum of weight x row loss`` over stacked batches
     (batches, rows, length): rows of weight 0 pad the last batch. One program for the whole

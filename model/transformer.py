@@ -7,10 +7,12 @@ repeats their arithmetic.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bardflow.model.config import Kernel, ModelConfig
@@ -192,7 +194,14 @@ class Transformer(nnx.Module):
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """The model's parameters drawn in one compiled program: run one by one, each initialiser
     is a compilation of its own (a second or two of a training stage's start on a CPU)."""
-    return nnx.jit(lambda: Transformer(cfg, nnx.Rngs(seed)))()
+    return _constructor(cfg)(np.uint32(seed))
+
+
+@lru_cache(maxsize=16)
+def _constructor(cfg: ModelConfig):
+    """One compiled constructor per configuration, the seed its argument: the runs of one
+    process (a sweep's, a stage that restores a model) trace it once."""
+    return nnx.jit(lambda seed: Transformer(cfg, nnx.Rngs(jax.random.key(seed))))
 
 
 def count_params(model: nnx.Module) -> int:
