@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sqlite3
 import tempfile
 from pathlib import Path
 
@@ -128,12 +130,22 @@ def prefect_server(tmp_path_factory):
     env = dict(os.environ)
 
     def start(home: Path) -> dict:
-        return {"home": str(home), "port": Server(home, env).serve().port}
+        server = Server(home, env).serve()
+        # Its database, made (migrated) a moment ago and not yet used: a copy is the
+        # database of this session's own Prefect home, which the runs that start an
+        # embedded server use. Each would otherwise migrate one of its own (seconds of CPU).
+        template = home / "template.db"
+        with sqlite3.connect(home / "prefect.db") as made, sqlite3.connect(template) as copy:
+            made.backup(copy)
+        return {"home": str(home), "port": server.port, "template": str(template)}
 
     def stop(record: dict) -> None:
         Server(Path(record["home"]), env, record["port"]).stop_all()
 
     with shared(_session_root(tmp_path_factory) / "prefect-server", start, stop) as record:
+        own = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
+        if not own.exists():
+            shutil.copyfile(record["template"], own)
         server = Server(Path(record["home"]), env, record["port"])
         try:
             yield server
@@ -166,8 +178,6 @@ def mlflow_db(tmp_path_factory):
     """``mlflow_db(path)`` puts an empty MLflow database (SQLite) at ``path`` and returns its
     URI: a copy of one made once for the session, so that MLflow's schema migrations (seconds
     of CPU) run once, not once per database."""
-    import shutil
-
     from tests.servers import made_once
 
     def make(path: Path) -> None:
