@@ -66,7 +66,11 @@ def read_sequences(path: Path) -> tuple[np.ndarray, dict[str, str]]:
         raise DataError(f"cannot read Arrow file {path}: {error}; rerun the encode stage") from error
     column = table.column(COLUMN).combine_chunks()
     seq_len = column.type.list_size
-    tokens = column.flatten().to_numpy(zero_copy_only=True).reshape(-1, seq_len)
+    values = column.flatten()
+    # The bytes' buffer viewed in place (Array.to_numpy would import pandas, a fifth of a
+    # second of every training process's start, where it is installed).
+    tokens = np.frombuffer(values.buffers()[1], np.uint8, len(values), values.offset).reshape(-1, seq_len)
+    tokens.setflags(write=False)
     metadata = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     return tokens, metadata
 
