@@ -25,8 +25,8 @@ def test_dense_matches_autodiff_of_x_times_kernel_plus_bias(dtype, tolerance):
     x = jax.random.normal(keys[0], (3, 7, 16), dtype)
     kernel = jax.random.normal(keys[1], (16, 24), dtype)
     bias = jax.random.normal(keys[2], (24,), dtype)
-    assert_close(value_and_grads(dense, x, kernel, bias),
-                 value_and_grads(lambda x, k, b: x @ k + b, x, kernel, bias), tolerance)
+    assert_close(jax.jit(lambda *a: value_and_grads(dense, *a))(x, kernel, bias),
+                 jax.jit(lambda *a: value_and_grads(lambda x, k, b: x @ k + b, *a))(x, kernel, bias), tolerance)
 
 
 @pytest.mark.parametrize("length", [16, 9])  # two query blocks, and one
@@ -41,8 +41,9 @@ def test_causal_attention_matches_autodiff_of_dot_product_attention(length, dtyp
 def test_causal_attention_never_looks_ahead():
     q, k, v = (jax.random.normal(key, (1, 12, 2, 4)) for key in jax.random.split(jax.random.key(2), 3))
     changed = v.at[:, 7:].set(0.0)  # later values change; outputs at positions before 7 must not
-    np.testing.assert_array_equal(causal_attention(q, k, v)[:, :7], causal_attention(q, k, changed)[:, :7])
-    assert not np.allclose(causal_attention(q, k, v)[:, 7:], causal_attention(q, k, changed)[:, 7:])
+    attention = jax.jit(causal_attention)
+    np.testing.assert_array_equal(attention(q, k, v)[:, :7], attention(q, k, changed)[:, :7])
+    assert not np.allclose(attention(q, k, v)[:, 7:], attention(q, k, changed)[:, 7:])
 
 
 def test_the_model_computes_the_same_with_either_kernel():

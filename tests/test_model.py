@@ -15,7 +15,7 @@ def test_codelab_config_has_the_codelab_parameter_count():
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])
 def test_logits_have_one_distribution_per_position(preset):
     cfg = build_config(preset).model
-    logits, cache = build_model(cfg, seed=0)(jnp.zeros((3, 16), jnp.int32))
+    logits, cache = jitted(build_model(cfg, seed=0))(jnp.zeros((3, 16), jnp.int32))
     assert cache is None
     assert logits.shape == (3, 16, cfg.vocab_size)
     assert bool(jnp.all(jnp.isfinite(logits)))
@@ -36,7 +36,7 @@ def test_changing_a_later_token_never_changes_earlier_logits():
 def test_different_seeds_give_different_models():
     cfg = build_config("tiny").model
     tokens = jnp.arange(8)[None]
-    assert not np.allclose(build_model(cfg, 0)(tokens)[0], build_model(cfg, 1)(tokens)[0])
+    assert not np.allclose(jitted(build_model(cfg, 0))(tokens)[0], jitted(build_model(cfg, 1))(tokens)[0])
 
 
 REFINEMENTS = [{"mlp": "relu2"}, {"qk_norm": True}, {"zero_init": True}, {"logit_cap": 2.0}]
@@ -46,7 +46,7 @@ REFINEMENTS = [{"mlp": "relu2"}, {"qk_norm": True}, {"zero_init": True}, {"logit
 def test_each_refinement_changes_what_the_model_computes_and_keeps_it_causal(refinement):
     cfg = ModelConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2, max_seq_len=24, positions="rope")
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
-    plain = np.asarray(build_model(cfg, seed=0)(tokens)[0])
+    plain = np.asarray(jitted(build_model(cfg, seed=0))(tokens)[0])
     model = jitted(build_model(cfg.model_copy(update=refinement), seed=0))
     refined = np.asarray(model(tokens)[0])
     assert np.abs(refined - plain).max() > 1e-3
