@@ -11,17 +11,33 @@ import importlib.util
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# The tests check what programs compute, not how fast: XLA:CPU's backend at -O0 compiles in
-# about half the time (docs/benchmarks.md, the test suite), and every process a test starts
-# inherits the flag with the rest of XLA_FLAGS.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"
-).strip()
+
+def _quick_compile_flags() -> str:
+    """The tests check what programs compute, not how fast: XLA:CPU's backend at -O0, and its
+    older fusion emitters, compile a training step in about a quarter of the time
+    (docs/benchmarks.md, the test suite). An XLA that no longer knows a flag would end every
+    process at its start, so the second is tried once, in a process of its own, and the result
+    passed to the workers in the environment."""
+    found = os.environ.get("BARDFLOW_TEST_XLA_FLAGS")
+    if found is None:
+        emitters = "--xla_cpu_use_fusion_emitters=false"
+        tried = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=False, capture_output=True,
+                               env={**os.environ, "XLA_FLAGS": emitters, "JAX_PLATFORMS": "cpu"})
+        found = os.environ["BARDFLOW_TEST_XLA_FLAGS"] = "--xla_backend_optimization_level=0" + (
+            f" {emitters}" if tried.returncode == 0 else "")
+    return found
+
+
+# Every process a test starts inherits these with the rest of XLA_FLAGS.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), _quick_compile_flags(), "--xla_force_host_platform_device_count=2"]).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Compiled programs are kept on disk and shared by every process of the session (the CLI
 # runs, the training processes) and by later sessions: most tests compile the same few
