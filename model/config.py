@@ -105,6 +105,8 @@ class TrainConfig(_Section):
         "adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) for "
         "the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
     muon_learning_rate: float = Field(0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
+    muon_ns_steps: int = Field(5, ge=1, le=10, description="Newton-Schulz iterations that orthogonalise Muon's "
+                               "update; fewer make a step cheaper and the update less orthogonal")
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
     log_every: int = Field(100, gt=0, le=MAX_STEPS, description="record loss every N steps")
@@ -243,6 +245,8 @@ class TrainingRequest(_Section):
             "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
+        if self.train.muon_ns_steps == 5:  # optax's own count: keys from before the setting stay
+            del recipe["train"]["muon_ns_steps"]
         return recipe
 
 

@@ -96,7 +96,8 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         from optax.contrib import muon
 
         def peaks(learning_rate, adam_learning_rate):
-            return muon(learning_rate, weight_decay=cfg.weight_decay, adam_learning_rate=adam_learning_rate,
+            return muon(learning_rate, ns_steps=cfg.muon_ns_steps, weight_decay=cfg.weight_decay,
+                        adam_learning_rate=adam_learning_rate,
                         adam_b2=cfg.beta2, adam_weight_decay=cfg.weight_decay,
                         muon_weight_dimension_numbers=_muon_matrices)
 

@@ -34,6 +34,20 @@ def test_train_single_keys_its_short_run_and_train_parallel_ignores_it():
     assert "single_device_steps" not in request.recipe()["train"]
 
 
+def test_muon_s_newton_schulz_count_keys_a_run_only_when_it_is_not_optax_s_own():
+    """Keys from before the setting stay: 5 iterations (optax's default) add nothing to the recipe."""
+    from bardflow.tasks.registry import TRAIN_PARALLEL
+    from bardflow.tasks.stage import RunPlan
+
+    def key(**train):
+        plan = RunPlan(build_config("cpu", {f"train.{k}": v for k, v in train.items()}), devices=2, platform="cpu")
+        return TRAIN_PARALLEL.key(TRAIN_PARALLEL.settings(plan), {}), TRAIN_PARALLEL.settings(plan).recipe()["train"]
+
+    (default, recipe), (five, _), (three, fewer) = key(), key(muon_ns_steps=5), key(muon_ns_steps=3)
+    assert default == five and "muon_ns_steps" not in recipe
+    assert three != default and fewer["muon_ns_steps"] == 3
+
+
 def test_overrides_are_typed():
     cfg = build_config("tiny", {"train.steps": "7", "train.learning_rate": 0.01})
     assert cfg.train.steps == 7 and cfg.train.learning_rate == 0.01

@@ -196,6 +196,25 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
     assert np.abs(np.asarray(ours["w"])).max() > 1e-4
 
 
+def test_muon_orthogonalises_with_the_configured_number_of_newton_schulz_iterations():
+    from functools import partial
+
+    from bardflow.model.train import make_optimizer
+
+    params = {"w": jnp.eye(4) + 0.1}
+    grads = {"w": jax.random.normal(jax.random.key(0), (4, 4))}
+
+    @partial(jax.jit, static_argnums=2)
+    def update(params, grads, count):
+        optimizer = make_optimizer(TINY.train.model_copy(update={"optimizer": "muon", "muon_ns_steps": count}))
+        return optimizer.update(grads, optimizer.init(params), params)[0]["w"]
+
+    one, five = np.asarray(update(params, grads, 1)), np.asarray(update(params, grads, 5))
+    assert np.abs(one - five).max() > 1e-4
+    # Five iterations bring the update's singular values close together: it is nearly orthogonal.
+    assert np.ptp(np.linalg.svd(five, compute_uv=False)) < np.ptp(np.linalg.svd(one, compute_uv=False))
+
+
 @pytest.mark.parametrize("optimizer, schedule", [("adamw", "constant"), ("muon", "cosine")])
 def test_runs_that_differ_only_in_learning_rate_compile_one_step(optimizer, schedule):
     """The peak rates live in the optimizer's state: the step a sweep's runs compile is one
