@@ -105,7 +105,7 @@ class TrainConfig(_Section):
         "adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) for "
         "the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
     muon_learning_rate: float = Field(0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
-    muon_ns_steps: int = Field(5, ge=1, le=10, description="Newton-Schulz iterations that orthogonalise Muon's "
+    muon_ns_steps: int = Field(5, ge=1, le=10, description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's "
                                "update; fewer make a step cheaper and the update less orthogonal")
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
@@ -245,7 +245,7 @@ class TrainingRequest(_Section):
             "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
-        if self.train.muon_ns_steps == 5:  # optax's own count: keys from before the setting stay
+        if self.train.muon_ns_steps == TrainConfig.model_fields["muon_ns_steps"].default:  # keys from before it stay
             del recipe["train"]["muon_ns_steps"]
         return recipe
 
