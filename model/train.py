@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from bardflow.model.config import ModelConfig, TrainConfig
 from bardflow.model.errors import BardflowError
+from bardflow.model.optimizer import DATA_AXIS, make_optimizer
 from bardflow.model.settings import StepSettings, resolve
 from bardflow.model.transformer import Transformer, build_model
 
@@ -54,63 +55,6 @@ def in_dtype(model: Transformer, dtype) -> Transformer:
         return model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params), rest)
-
-
-def learning_rate(cfg: TrainConfig, peak: float | None = None) -> float | optax.Schedule:
-    """The learning rate by step: constant (after any warmup), or warmup then cosine decay
-    to the floor at the last step. The step count lives in the optimizer state, so a resumed
-    run continues the schedule where it stopped. ``peak``: another peak, same shape."""
-    peak = cfg.learning_rate if peak is None else peak
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, cfg.warmup_steps, cfg.steps,
-                                                  peak * cfg.min_learning_rate_fraction)
-    if cfg.warmup_steps:
-        return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps),
-                                     optax.constant_schedule(peak)], [cfg.warmup_steps])
-    return peak
-
-
-# Muon orthogonalises the update of a weight matrix that maps features to features; the
-# embedding tables and the head map ids to features and back, and stay with AdamW.
-_NOT_MUON = ("token_embed", "pos_embed", "lm_head")
-
-
-def _muon_matrices(params):
-    from optax.contrib import MuonDimensionNumbers
-
-    def choose(path, leaf):
-        names = {str(getattr(key, "key", getattr(key, "name", key))) for key in path}
-        return MuonDimensionNumbers(0, 1) if leaf.ndim == 2 and not names & set(_NOT_MUON) else None
-
-    return jax.tree_util.tree_map_with_path(choose, params)
-
-
-@lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (see _creator)
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
-    gradient's global norm if asked. The peak learning rates are values in the optimizer's
-    state (``optax.inject_hyperparams``), not constants of the compiled step: the runs of a
-    sweep or search over them compile one step; the schedule's shape (warmup, cosine) then
-    scales the update."""
-    if cfg.optimizer == "muon":
-        from optax.contrib import muon
-
-        def peaks(learning_rate, adam_learning_rate):
-            return muon(learning_rate, ns_steps=cfg.muon_ns_steps, weight_decay=cfg.weight_decay,
-                        adam_learning_rate=adam_learning_rate,
-                        adam_b2=cfg.beta2, adam_weight_decay=cfg.weight_decay,
-                        muon_weight_dimension_numbers=_muon_matrices)
-
-        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.muon_learning_rate,
-                                             adam_learning_rate=cfg.learning_rate)
-    else:
-        def peaks(learning_rate):
-            return optax.adamw(learning_rate, b2=cfg.beta2, weight_decay=cfg.weight_decay)
-
-        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.learning_rate)
-    if cfg.schedule != "constant" or cfg.warmup_steps:
-        tx = optax.chain(tx, optax.scale_by_schedule(learning_rate(cfg, peak=1.0)))
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
 
 
 def _configured_rates(restored, configured):
@@ -157,7 +101,7 @@ def _accumulated(loss_fn, passes: int, mesh):
         slices = tokens.reshape(passes, tokens.shape[0] // passes, tokens.shape[1])
         if mesh is not None:
             # Per-device copies: their gradients stay on the device (no all-reduce per pass).
-            params = jax.lax.pcast(params, ("data",), to="varying")
+            params = jax.lax.pcast(params, (DATA_AXIS,), to="varying")
 
         def one(rows):
             return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), rows))(params)
@@ -166,13 +110,13 @@ def _accumulated(loss_fn, passes: int, mesh):
         total, _ = jax.lax.scan(lambda total, rows: (jax.tree.map(jnp.add, total, one(rows)), None),
                                 one(slices[0]), slices[1:])
         total = jax.tree.map(lambda x: x / passes, total)
-        return total if mesh is None else jax.lax.pmean(total, "data")
+        return total if mesh is None else jax.lax.pmean(total, DATA_AXIS)
 
     def loss_and_grads(model, tokens):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         run = partial(local, graphdef)
         if mesh is not None:
-            run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+            run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)), out_specs=P())
         return run(params, rest, tokens)
 
     return loss_and_grads
@@ -188,10 +132,14 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
     else:
         loss_and_grads = _accumulated(loss_fn, passes, None if batch_sharding is None else batch_sharding.mesh)
 
+    mesh = None if batch_sharding is None else batch_sharding.mesh
+
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = loss_and_grads(model, tokens)
-        optimizer.update(model, grads)
+        # The optimizer sees the mesh, so that Muon shares its matrices out among the devices.
+        with nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
     if state_sharding is None:
@@ -241,11 +189,11 @@ class Placement:
 
     @classmethod
     def data_parallel(cls, devices) -> Placement:
-        mesh = Mesh(np.array(devices), ("data",))
+        mesh = Mesh(np.array(devices), (DATA_AXIS,))
         return cls(
             devices=tuple(devices),
             state_sharding=NamedSharding(mesh, P()),
-            batch_sharding=NamedSharding(mesh, P("data")),
+            batch_sharding=NamedSharding(mesh, P(DATA_AXIS)),
         )
 
     def put_state(self, state):
@@ -272,7 +220,7 @@ class Placement:
         ``stacked``: batches of rows, (batches, rows, …), each batch split like one."""
         if self.batch_sharding is None:
             return jax.device_put(batch, self.devices[0])
-        sharding = NamedSharding(self.batch_sharding.mesh, P(None, "data")) if stacked else self.batch_sharding
+        sharding = NamedSharding(self.batch_sharding.mesh, P(None, DATA_AXIS)) if stacked else self.batch_sharding
         return jax.make_array_from_process_local_data(sharding, batch)
 
 

@@ -112,8 +112,9 @@ def describe_run(folder: Path, cfg, report: TrackingTarget | None = None) -> obj
 
 @pytest.mark.processes
 def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path):
-    # Two passes per step: each process sums its passes' gradients, then one all-reduce.
-    cfg = TINY.train.model_copy(update={"steps": 40, "micro_batch": 2})
+    # Two passes per step: each process sums its passes' gradients, then one all-reduce; Muon
+    # orthogonalises half of the matrices in each process, then a second one.
+    cfg = TINY.train.model_copy(update={"steps": 40, "micro_batch": 2, "optimizer": "muon"})
     # Both processes are told where to track; process 0 alone writes.
     split = describe_run(tmp_path, cfg, TrackingTarget(stage="train_parallel", tensorboard=str(tmp_path / "tb")))
     seen = []

@@ -1,3 +1,5 @@
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,7 +175,7 @@ def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
 def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step():
     import optax
 
-    from bardflow.model.train import learning_rate, make_optimizer
+    from bardflow.model.optimizer import learning_rate, make_optimizer
 
     cfg = build_config("tiny").train.model_copy(update={"steps": 100, "learning_rate": 1e-2, "schedule": "cosine",
                                                         "warmup_steps": 10, "min_learning_rate_fraction": 0.1})
@@ -199,7 +201,7 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
 def test_muon_orthogonalises_with_the_configured_number_of_newton_schulz_iterations():
     from functools import partial
 
-    from bardflow.model.train import make_optimizer
+    from bardflow.model.optimizer import make_optimizer
 
     params = {"w": jnp.eye(4) + 0.1}
     grads = {"w": jax.random.normal(jax.random.key(0), (4, 4))}
@@ -282,13 +284,13 @@ def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
 def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_adamw(split):
     from flax import nnx
 
-    from bardflow.model.train import _muon_matrices
+    from bardflow.model.optimizer import muon_labels
     from bardflow.model.transformer import build_model
 
     model = build_model(TINY.model, 0)
-    chosen = _muon_matrices(nnx.state(model, nnx.Param))
-    flat = jax.tree_util.tree_flatten_with_path(chosen, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis"))[0]
-    muon = sorted(jax.tree_util.keystr(path) for path, leaf in flat if leaf is not None)
+    chosen = muon_labels(nnx.state(model, nnx.Param))
+    muon = sorted(jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(chosen)[0]
+                  if leaf == "muon")
     assert len(muon) == 4 * TINY.model.num_layers and all(".kernel" in p or "['kernel']" in p for p in muon)
     assert not any(name in p for p in muon for name in ("embed", "lm_head"))
 
@@ -298,3 +300,44 @@ def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_ad
     graphdef, state = init_state(TINY.model, cfg)
     result = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg)
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
+
+
+def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from optax.contrib import MuonDimensionNumbers
+    from optax.contrib import muon as optax_muon
+
+    from bardflow.model.optimizer import muon, muon_labels, share_out
+    from bardflow.model.transformer import build_model
+
+    params = nnx.state(build_model(TINY.model, 0), nnx.Param)
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+    ours = muon(0.03, 2e-2, 5, 0.99, 1e-4)
+    theirs = optax_muon(0.03, weight_decay=1e-4, adam_learning_rate=2e-2, adam_b2=0.99, adam_weight_decay=1e-4,
+                        muon_weight_dimension_numbers=lambda p: jax.tree.map(
+                            lambda label: MuonDimensionNumbers(0, 1) if label == "muon" else None, muon_labels(p)))
+
+    def two_steps(tx, mesh=None):
+        def run(grads, params):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else contextlib.nullcontext():
+                _, state = tx.update(grads, tx.init(params), params)
+                return tx.update(jax.tree.map(lambda g: 0.5 * g + 0.1, grads), state, params)
+        return jax.jit(run)
+
+    state = ours.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(theirs.init(params))  # checkpoints stay compatible
+    expected, got = two_steps(theirs)(grads, params), two_steps(ours)(grads, params)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # one device: optax's computation itself
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    shared = two_steps(ours, mesh).lower(*jax.device_put((grads, params), NamedSharding(mesh, P())))
+    assert "stablehlo.case" in shared.as_text()  # each device takes its own branch of matrices
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(shared.compile()(grads, params)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+    # The costliest matrices first, each to the least loaded device: the loads come out level.
+    owners = share_out([19, 15, 6, 19, 19, 15, 6, 19], 2)
+    assert [sum(c for c, o in zip([19, 15, 6, 19, 19, 15, 6, 19], owners) if o == d) for d in (0, 1)] == [59, 59]
+    assert share_out([5, 1], 4) == [0, 1]
