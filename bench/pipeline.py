@@ -1,5 +1,6 @@
 """``python -m bench.pipeline [--preset cpu] [--baseline REV] [--rounds N]``: the whole
-pipeline's wall time and final validation loss, fresh and fully cached, for this checkout
+pipeline's wall time and final validation loss, fresh (an empty compilation cache too),
+fully cached, and on a fresh store with the compilation cache warm, for this checkout
 and, with ``--baseline``, for another revision of it checked out beside (a ``git
 worktree``), alternating the two so that a noisy machine hits both alike.
 """
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         flat[f"{name}.fresh_s"] = statistics.median(r["fresh_s"] for r in results)
         flat[f"{name}.cached_rerun_s"] = statistics.median(r["cached_rerun_s"] for r in results)
+        flat[f"{name}.warm_compile_s"] = statistics.median(r["warm_compile_s"] for r in results)
         flat[f"{name}.val_loss"] = results[-1]["val_loss"]
     if args.baseline:
         flat["this_over_baseline_wall"] = flat["this.fresh_s"] / flat["baseline.fresh_s"]

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from bardflow.model.config import PRESETS
+from bardflow.runtime import cache_dir
 from bardflow.runtime.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
@@ -57,6 +58,12 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         # JAX takes GPU memory as it needs it: the flow process uses the first GPU for
         # train_single, and the processes of a multi-process train_parallel need theirs.
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        # Compiled programs are kept on this machine and shared by its runs and their training
+        # processes: a rerun, a resumed stage, a new store or a sweep's next trial compiles
+        # nothing it compiled before (docs/operations.md; set it empty to turn it off).
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir() / "jax"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",  # the sampler and the evaluation too
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30),  # bytes; the least recently used go first
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)

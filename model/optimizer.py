@@ -2,10 +2,11 @@
 for the rest, on a schedule, after optional clipping.
 
 Muon is optax's, assembled here from its public parts as ``optax.contrib.muon`` assembles
-it (the same state, the same numbers), for one reason: on several data-parallel devices
-each device orthogonalises only its share of the matrices and the devices then exchange
-the results (``split_among_devices``), instead of every device computing every matrix's
-Newton-Schulz iterations. One device runs optax's own computation.
+it (the same state, so checkpoints carry over; the same numbers up to float rounding), for
+two reasons (``split_among_devices``): on several data-parallel devices each device
+orthogonalises only its share of the matrices and the devices then exchange the results,
+instead of every device computing every matrix's Newton-Schulz iterations; and the matrices
+of one shape go through those iterations together, as one batch.
 """
 
 from __future__ import annotations
@@ -67,21 +68,40 @@ def share_out(costs: list[int], devices: int) -> list[int]:
     return owners
 
 
+def _by_shape(core, state: MuonState, grads: list, moments: list, chosen: list[int]) -> tuple[dict, dict]:
+    """``core`` on the ``chosen`` matrices, those of one shape stacked (every layer's query
+    projection, say): one batched orthogonalisation per shape instead of one per matrix, which
+    is fewer and larger matrix products. Returns the updates and the moments by index."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in chosen:
+        groups.setdefault(grads[i].shape, []).append(i)
+    out, new = core.update([jnp.stack([grads[i] for i in g]) for g in groups.values()],
+                           state._replace(mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()]))
+    outs, mus = {}, {}
+    for g, o, m in zip(groups.values(), out, new.mu):
+        for j, i in enumerate(g):
+            outs[i], mus[i] = o[j], m[j]
+    return outs, mus
+
+
 def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXIS) -> optax.GradientTransformation:
-    """``core`` (``scale_by_muon`` on a list of matrices) with its orthogonalisations shared
-    out among the devices of the enclosing mesh's ``axis``: each device computes its share of
-    the matrices, then one all-reduce (of exact zeros but for each matrix's own device) gives
-    every device all of them. The momentum, elementwise and cheap, is computed by every
-    device, so the state stays replicated (XLA drops the unused orthogonalisations there).
-    Without such a mesh, or with one device on it, ``core`` itself runs."""
+    """``core`` (``scale_by_muon``) on the matrices, stacked by shape, with its
+    orthogonalisations shared out among the devices of the enclosing mesh's ``axis``: each
+    device computes its share of the matrices, then one all-reduce (of exact zeros but for
+    each matrix's own device) gives every device all of them. The momentum, elementwise and
+    cheap, is computed by every device, so the state stays replicated (XLA drops the unused
+    orthogonalisations there). Without such a mesh, or with one device on it, one device
+    computes them all."""
 
     def update(updates, state: MuonState, params=None):
         del params
         mesh = jax.sharding.get_abstract_mesh()
         devices = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
         grads, tree = jax.tree.flatten(updates)  # the leaves of other labels are masked: none here
-        out, new = core.update(grads, state._replace(mu=tree.flatten_up_to(state.mu)))
-        new = new._replace(mu=tree.unflatten(new.mu))
+        moments = tree.flatten_up_to(state.mu)
+        outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
+        new = state._replace(count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in sorted(mus)]))
+        out = [outs[i] for i in sorted(outs)]
         if devices == 1 or len(grads) < 2:
             return tree.unflatten(out), new
         owners = share_out([_newton_schulz_cost(g.shape) for g in grads], devices)
@@ -90,11 +110,8 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
             mine = [i for i, owner in enumerate(owners) if owner == device]
 
             def compute(grads, moments):
-                share = core.update([grads[i] for i in mine], state._replace(mu=[moments[i] for i in mine]))[0]
-                full = [jnp.zeros_like(g) for g in grads]
-                for j, i in enumerate(mine):
-                    full[i] = share[j]
-                return full
+                share = _by_shape(core, state, grads, moments, mine)[0]
+                return [share[i] if i in share else jnp.zeros_like(g) for i, g in enumerate(grads)]
 
             return compute
 
@@ -109,8 +126,8 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
 
 
 def _matrices(updates):
-    """Every leaf a matrix, rows reduced (x @ w), for ``scale_by_muon``."""
-    return jax.tree.map(lambda _: MuonDimensionNumbers(reduction_axis=0, output_axis=1), updates)
+    """Every leaf a matrix, or a stack of them along the leading axes: rows reduced (x @ w)."""
+    return jax.tree.map(lambda u: MuonDimensionNumbers(reduction_axis=u.ndim - 2, output_axis=u.ndim - 1), updates)
 
 
 def _scale_by_shape() -> optax.GradientTransformation:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from bardflow.model.settings import resolve
+from bardflow.runtime import cache_dir
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 TIMED_STEPS, ROUNDS, WARM_STEPS = 3, 3, 1
@@ -43,7 +44,7 @@ MAX_CANDIDATE_S = 12.0  # the defaults' compile and steps took longer: measuring
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("BARDFLOW_CACHE_DIR", "~/.cache/bardflow")).expanduser() / "cpu-step.json"
+    return cache_dir() / "cpu-step.json"
 
 
 def cpu_signature() -> dict[str, Any]:

@@ -61,6 +61,23 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
     assert os.environ["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=3")
 
 
+def test_compiled_programs_are_kept_in_the_machine_s_cache_unless_the_user_says_otherwise(tmp_path, monkeypatch):
+    import os
+
+    from bardflow.flows.settings import prepare_environment
+
+    monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_COMPILATION_CACHE_MAX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    prepare_environment()  # the training processes inherit it
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax")
+    assert float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) < 1  # JAX's own 1 s skips the sampler
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")  # off
+    prepare_environment()
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == ""
+
+
 def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
     from bardflow.flows import server
 

@@ -311,8 +311,9 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     from bardflow.model.optimizer import muon, muon_labels, share_out
     from bardflow.model.transformer import build_model
 
-    params = nnx.state(build_model(TINY.model, 0), nnx.Param)
-    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+    params = nnx.state(build_model(TINY.model.model_copy(update={"num_layers": 2}), 0), nnx.Param)
+    leaves, tree = jax.tree.flatten(params)  # a gradient of its own for each, equal shapes too
+    grads = tree.unflatten([jax.random.normal(jax.random.key(i), p.shape) for i, p in enumerate(leaves)])
     ours = muon(0.03, 2e-2, 5, 0.99, 1e-4)
     theirs = optax_muon(0.03, weight_decay=1e-4, adam_learning_rate=2e-2, adam_b2=0.99, adam_weight_decay=1e-4,
                         muon_weight_dimension_numbers=lambda p: jax.tree.map(
@@ -328,14 +329,15 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     state = ours.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(theirs.init(params))  # checkpoints stay compatible
     expected, got = two_steps(theirs)(grads, params), two_steps(ours)(grads, params)
+    # One device: optax's computation, the matrices of one shape batched (float rounding apart).
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # one device: optax's computation itself
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     shared = two_steps(ours, mesh).lower(*jax.device_put((grads, params), NamedSharding(mesh, P())))
     assert "stablehlo.case" in shared.as_text()  # each device takes its own branch of matrices
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(shared.compile()(grads, params)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
     # The costliest matrices first, each to the least loaded device: the loads come out level.
     owners = share_out([19, 15, 6, 19, 19, 15, 6, 19], 2)
