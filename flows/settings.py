@@ -63,7 +63,6 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         # nothing it compiled before (docs/operations.md; set it empty to turn it off).
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir() / "jax"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",  # the sampler and the evaluation too
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30),  # bytes; the least recently used go first
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)

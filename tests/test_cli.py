@@ -67,8 +67,7 @@ def test_compiled_programs_are_kept_in_the_machine_s_cache_unless_the_user_says_
     from bardflow.flows.settings import prepare_environment
 
     monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path))
-    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                 "JAX_COMPILATION_CACHE_MAX_SIZE"):
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
         monkeypatch.delenv(name, raising=False)
     prepare_environment()  # the training processes inherit it
     assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax")
