@@ -60,7 +60,7 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         # Compiled programs are kept on this machine and shared by its runs and their training
         # processes: a rerun, a resumed stage, a new store or a sweep's next trial compiles
-        # nothing it compiled before (docs/operations.md; set it empty to turn it off).
+        # nothing it compiled before (docs/architecture.md; set it empty to turn it off).
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir() / "jax"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",  # the sampler and the evaluation too
     }

@@ -101,9 +101,8 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
         moments = tree.flatten_up_to(state.mu)
         outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
         new = state._replace(count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in sorted(mus)]))
-        out = [outs[i] for i in sorted(outs)]
         if devices == 1 or len(grads) < 2:
-            return tree.unflatten(out), new
+            return tree.unflatten([outs[i] for i in sorted(outs)]), new
         owners = share_out([_newton_schulz_cost(g.shape) for g in grads], devices)
 
         def on(device: int):
@@ -119,7 +118,7 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
             share = jax.lax.switch(jax.lax.axis_index(axis), [on(d) for d in range(devices)], grads, moments)
             return jax.lax.psum(share, axis)
 
-        out = jax.shard_map(each_device, in_specs=P(), out_specs=P())(grads, tree.flatten_up_to(state.mu))
+        out = jax.shard_map(each_device, in_specs=P(), out_specs=P())(grads, moments)
         return tree.unflatten(out), new
 
     return optax.GradientTransformation(core.init, update)

@@ -127,12 +127,11 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
     def loss_fn(model, tokens):
         return next_byte_loss(in_dtype(model, dtype), tokens)
 
+    mesh = None if batch_sharding is None else batch_sharding.mesh
     if passes == 1:
         loss_and_grads = nnx.value_and_grad(loss_fn)
     else:
-        loss_and_grads = _accumulated(loss_fn, passes, None if batch_sharding is None else batch_sharding.mesh)
-
-    mesh = None if batch_sharding is None else batch_sharding.mesh
+        loss_and_grads = _accumulated(loss_fn, passes, mesh)
 
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
