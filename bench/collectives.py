@@ -46,7 +46,7 @@ def train_once(steps: int, eval_every: int) -> dict:
     from bardflow.model.train import Placement, init_state, train, val_batches
 
     cfg = build_config("cpu", {"train.steps": steps, "train.single_device_steps": 0, "train.log_every": eval_every,
-                               "train.warmup_steps": min(20, steps // 2)})
+                               "train.eval_every": 0, "train.warmup_steps": min(20, steps // 2)})
     text = SHARED_CORPUS.read_bytes() if SHARED_CORPUS.exists() else _generated_text()
     seq = cfg.data.seq_len + 1  # every position trained: windows of seq_len + 1 bytes
     data = np.frombuffer(text, np.uint8)

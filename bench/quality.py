@@ -40,6 +40,8 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     from bardflow.runtime.training import RunFiles, run_training
 
     cfg = build_config(preset, overrides)
+    if "train.eval_every" not in overrides:  # a point of the curve at every record
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 0})})
     split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
                    cfg.data.every_position)
     devices = jax.devices()
@@ -55,7 +57,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     metrics, history = summary["metrics"], summary["history"]
     reached = first_reaching(history, target)
     curve = [{"step": h["step"], "tokens": h["tokens"], "seconds": h["seconds"], "val_loss": round(h["val_loss"], 4),
-              "val_bpb": round(h["val_bpb"], 4)} for h in history]
+              "val_bpb": round(h["val_bpb"], 4)} for h in history if h["val_loss"] is not None]
     return {
         "preset": preset, "overrides": overrides, "target": target, "devices": len(devices),
         "platform": devices[0].platform, "val_loss": metrics["val_loss"], "val_bpb": metrics["val_bpb"],

@@ -110,6 +110,8 @@ class TrainConfig(_Section):
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
     log_every: int = Field(100, gt=0, le=MAX_STEPS, description="record loss every N steps")
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="evaluate the whole validation split every N "
+                            "steps (from step 0) and after the last; 0 = at every record (log_every)")
     init_seed: int = Field(1, **SEED_RANGE)
     checkpoint_every: int = Field(100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
     keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
@@ -245,8 +247,9 @@ class TrainingRequest(_Section):
             "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
-        if self.train.muon_ns_steps == TrainConfig.model_fields["muon_ns_steps"].default:  # keys from before it stay
-            del recipe["train"]["muon_ns_steps"]
+        for field in ("muon_ns_steps", "eval_every"):  # at their defaults, keys from before them stay
+            if getattr(self.train, field) == TrainConfig.model_fields[field].default:
+                del recipe["train"][field]
         return recipe
 
 
@@ -266,7 +269,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "positions": "rope", "zero_init": True},
         "train": {"steps": 460, "single_device_steps": 30, "per_device_batch": 16, "optimizer": "muon",
                   "muon_learning_rate": 0.03, "learning_rate": 2e-2, "beta2": 0.99, "schedule": "cosine",
-                  "warmup_steps": 20, "grad_clip": 1.0, "log_every": 115, "checkpoint_every": 100},
+                  "warmup_steps": 20, "grad_clip": 1.0, "log_every": 46, "eval_every": 230, "checkpoint_every": 100},
         "generate": {"max_new_bytes": 200},
     },
     # Time to quality on one GPU: nanoGPT's shakespeare_char shape (6 layers, width 384,

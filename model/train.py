@@ -389,20 +389,25 @@ def finite_loss_hook() -> Hook:
     return Hook(check)
 
 
-def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int) -> Hook:
-    """A history record with the validation loss on the whole split (its time left out of the clock)."""
+def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int, eval_every: int = 0) -> Hook:
+    """A history record every ``every_n`` steps and after the last, with the validation loss
+    on the whole split every ``eval_every`` steps (0: in every record) and after the last
+    (its time left out of the clock); a record between evaluations has none."""
+    recorded, evaluated = every(every_n, and_last=True), every(eval_every or every_n, and_last=True)
 
     def record(info: StepInfo) -> None:
         value = info.record.check_loss(info.step, info.loss)
         trained_s = info.record.trained_s()
-        with info.record.paused():
-            val_loss = evaluate(info.state)
+        val_loss = None
+        if evaluated(info):
+            with info.record.paused():
+                val_loss = evaluate(info.state)
         info.record.history.append({"step": info.step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
                                     "tokens": info.tokens, "val_loss": val_loss,
                                     "val_bpb": None if val_loss is None else val_loss / math.log(2),
                                     "seconds": round(trained_s, 3)})
 
-    return Hook(record, every(every_n, and_last=True))
+    return Hook(record, lambda info: recorded(info) or evaluated(info))
 
 
 def checkpoint_hook(every_n: int) -> Hook:
@@ -429,9 +434,9 @@ def train(
 ) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
-    the hooks run: the loss check, the evaluation and history record every
-    ``cfg.log_every`` steps, a checkpoint every ``cfg.checkpoint_every``, ``on_step``, then
-    ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how the step runs
+    the hooks run: the loss check, a history record every ``cfg.log_every`` steps (with the
+    validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
+    ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how the step runs
     (``model/settings.py``; by default the platform's defaults for ``cfg``).
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
@@ -461,7 +466,8 @@ def train(
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
 
-    builtin = [finite_loss_hook(), evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every)]
+    builtin = [finite_loss_hook(), evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every,
+                                                   cfg.eval_every)]
     builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
     builtin += [progress_hook(on_step)] if on_step is not None else []
     record.started = time.perf_counter()

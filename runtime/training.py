@@ -79,8 +79,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     train_rows, _ = read_sequences(files.train)
     val_rows, _ = read_sequences(files.val)
     # Only this process's rows of every batch are read (memory-mapped) and placed.
-    # The whole split is evaluated at every record. Accelerators want few large calls; a
-    # CPU wants cache-sized ones (docs/benchmarks.md, "Training step").
+    # The whole split is evaluated every train.eval_every steps. Accelerators want few large
+    # calls; a CPU wants cache-sized ones (docs/benchmarks.md, "Training step").
     per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
     eval_rows = max(1, per_device // val_rows.shape[1]) * len(devices)
     val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])

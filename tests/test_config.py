@@ -34,8 +34,9 @@ def test_train_single_keys_its_short_run_and_train_parallel_ignores_it():
     assert "single_device_steps" not in request.recipe()["train"]
 
 
-def test_muon_s_newton_schulz_count_keys_a_run_only_when_it_is_not_optax_s_own():
-    """Keys from before the setting stay: 5 iterations (optax's default) add nothing to the recipe."""
+def test_settings_added_later_key_a_run_only_away_from_their_defaults():
+    """Keys from before a setting stay: Muon's 5 Newton-Schulz iterations (optax's default) and
+    an evaluation at every record add nothing to the recipe."""
     from bardflow.tasks.registry import TRAIN_PARALLEL
     from bardflow.tasks.stage import RunPlan
 
@@ -46,6 +47,9 @@ def test_muon_s_newton_schulz_count_keys_a_run_only_when_it_is_not_optax_s_own()
     (default, recipe), (five, _), (three, fewer) = key(), key(muon_ns_steps=5), key(muon_ns_steps=3)
     assert default == five and "muon_ns_steps" not in recipe
     assert three != default and fewer["muon_ns_steps"] == 3
+    (every_record, without), (rarer, with_it) = key(eval_every=0), key(eval_every=115)
+    assert "eval_every" not in without and with_it["eval_every"] == 115
+    assert len({default, every_record, rarer}) == 3  # the cpu preset evaluates every 230 steps
 
 
 def test_overrides_are_typed():

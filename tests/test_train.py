@@ -29,7 +29,7 @@ def split():
 
 
 def test_loss_falls_on_tiny(split):
-    cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10})
+    cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10, "eval_every": 20})
     graphdef, state = init_state(TINY.model, cfg)
     result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 6),
                    Placement.single(jax.devices()[0]), cfg)
@@ -38,7 +38,10 @@ def test_loss_falls_on_tiny(split):
     assert last < first - 1.5
     assert np.isfinite(result.val_loss) and result.val_loss < first
     assert [h["step"] for h in result.history] == [0, 10, 20, 30, 40, 50, 59]
-    # Evaluated at every record, on the whole validation split (here 6 does not divide it).
+    # Evaluated every eval_every steps and after the last, on the whole validation split
+    # (here 6 does not divide it); the records between have the training loss alone.
+    assert [h["step"] for h in result.history if h["val_loss"] is not None] == [0, 20, 40, 59]
+    assert all(h["val_bpb"] is None for h in result.history if h["val_loss"] is None)
     from bardflow.model.train import model_from_state, target_losses
 
     assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
