@@ -39,9 +39,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     from bardflow.model.data import encode, write_sequences
     from bardflow.runtime.training import RunFiles, run_training
 
-    cfg = build_config(preset, overrides)
-    if "train.eval_every" not in overrides:  # a point of the curve at every record
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 0})})
+    cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
     split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
                    cfg.data.every_position)
     devices = jax.devices()

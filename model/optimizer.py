@@ -100,9 +100,9 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
         grads, tree = jax.tree.flatten(updates)  # the leaves of other labels are masked: none here
         moments = tree.flatten_up_to(state.mu)
         outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
-        new = state._replace(count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in sorted(mus)]))
+        new = state._replace(count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in range(len(grads))]))
         if devices == 1 or len(grads) < 2:
-            return tree.unflatten([outs[i] for i in sorted(outs)]), new
+            return tree.unflatten([outs[i] for i in range(len(grads))]), new
         owners = share_out([_newton_schulz_cost(g.shape) for g in grads], devices)
 
         def on(device: int):

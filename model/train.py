@@ -436,8 +436,8 @@ def train(
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
     the hooks run: the loss check, a history record every ``cfg.log_every`` steps (with the
     validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
-    ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how the step runs
-    (``model/settings.py``; by default the platform's defaults for ``cfg``).
+    ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how
+    the step runs (``model/settings.py``; by default the platform's defaults for ``cfg``).
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
