@@ -34,6 +34,28 @@ _KEY = re.compile(r"^[0-9a-f]{20}$")
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "pyarrow", "prefect")
 
 
+_cleanups: list[Callable[[], None]] = []  # this process's build folders and lock files, while it has them
+
+
+@contextlib.contextmanager
+def _unfinished(cleanup: Callable[[], None]) -> Iterator[None]:
+    _cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        _cleanups.remove(cleanup)
+
+
+def abandon_unfinished() -> None:
+    """Removes the build folders and lock files this process holds, for an end that skips
+    every ``finally`` (a forced stop: runtime/stopping.py): a failed run leaves none behind."""
+    for cleanup in reversed(list(_cleanups)):
+        try:
+            cleanup()
+        except OSError:
+            pass
+
+
 class StoreError(BardflowError, RuntimeError):
     """The store cannot be used as asked; the message names the path and the fix."""
 
@@ -332,6 +354,12 @@ class Store(VersionStore):
                 "make it writable or pick another with --store / BARDFLOW_STORE"
             ) from error
         path = stage_dir / f".lock-{key}"
+        mine = [handle]
+
+        def let_go() -> None:  # a forced end (runtime/stopping.py) skips the finally below
+            if os.stat(path).st_ino == os.fstat(mine[0].fileno()).st_ino:
+                path.unlink(missing_ok=True)
+
         while True:  # the holder before us may have removed the file we waited on: lock a fresh one
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -341,8 +369,10 @@ class Store(VersionStore):
                 pass
             handle.close()
             handle = open(path, "a+")
+            mine[0] = handle
         try:
-            yield
+            with _unfinished(let_go):
+                yield
         finally:
             path.unlink(missing_ok=True)  # no lock file outlives its holder
             fcntl.flock(handle, fcntl.LOCK_UN)
@@ -383,10 +413,11 @@ class Store(VersionStore):
             ) from error
         builder = Builder(stage, key, scratch, resume or self.resume(stage, key))
         try:
-            yield builder
-            self._seal(builder, params, inputs)
-            if commit is None or commit(scratch):
-                self._publish(scratch, final)
+            with _unfinished(lambda: shutil.rmtree(scratch, ignore_errors=True)):
+                yield builder
+                self._seal(builder, params, inputs)
+                if commit is None or commit(scratch):
+                    self._publish(scratch, final)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 

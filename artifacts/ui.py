@@ -139,16 +139,19 @@ class Progress:
             except Exception:  # noqa: BLE001 - progress is a courtesy: a lost update costs nothing
                 pass
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the bar; the last update goes to the server (waited for up to CLOSE_WAIT_S
+        unless ``wait`` is false: a stage that failed or stopped, maybe for want of a server)."""
         self._bar.stop()
         if self._sender is not None:
             with self._wake:
                 self._closed = True
                 self._wake.notify()
-            self._sender.join(self.CLOSE_WAIT_S)
+            if wait:
+                self._sender.join(self.CLOSE_WAIT_S)
 
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(wait=kind is None)

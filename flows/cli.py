@@ -17,6 +17,7 @@ from bardflow.flows.settings import (
     AUTO_CHOICES,
     DEBUG,
     STORE_CREDENTIALS,
+    check_resource_limits,
     debugging,
     empty_corpus,
     pick_preset,
@@ -45,9 +46,11 @@ def _ui(args: argparse.Namespace) -> int:
     os.execv(sys.executable, command)
 
 
-def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, dict[str, Any]]:
     """What `run` and `sweep` check and set before anything heavy: the store's location and
-    the --set overrides; the environment (devices, a background server) for Prefect and JAX."""
+    the --set overrides; the environment (devices, a background server) for Prefect and JAX.
+    Then the run's own server starts, unless the caller has more to check first (every
+    refusal comes before that server's start-up line)."""
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError("--cpu-devices must be at least 1")
     if args.processes < 1:
@@ -55,13 +58,13 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.corpus is not None and not args.corpus.strip():
         raise UsageError(empty_corpus("--corpus"))
     root = store_location(args.store)
+    check_resource_limits()
     prepare_environment(args.cpu_devices)
     use_running_server()
     check_chosen_server()
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
         raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
-    global _embedded
     from bardflow.model.config import ConfigError, build_config
 
     named, overrides = config_file.read(args.config) if args.config else (None, {})
@@ -87,8 +90,19 @@ def _prepare(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         from bardflow.tasks.stage import RunPlan
 
         RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
-    _embedded = start_embedded()  # comes up while Prefect and JAX load
+    from bardflow.tasks.sources import check_local
+
+    # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
+    # folder) is refused now; reading /dev/zero or a FIFO would never end.
+    check_local(args.corpus or os.environ.get("BARDFLOW_CORPUS") or accepted[0].data.corpus)
+    if start_server:
+        _start_server()
     return root, overrides
+
+
+def _start_server() -> None:
+    global _embedded
+    _embedded = start_embedded()  # comes up while Prefect and JAX load
 
 
 @contextmanager
@@ -148,13 +162,18 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
                 raise UsageError(f"--set {text} is a range: search it with --search N, or give one value")
             ranges[key.strip()] = raw
             args.settings.remove(text)
+    if args.search is not None:
+        from importlib.util import find_spec
+
+        if find_spec("optuna") is None:  # refused before a run is recorded, not by the failed sweep
+            raise UsageError("--search needs Optuna: pip install 'bardflow[search]'")
     if args.search is not None and not 1 <= args.search <= (args.max_runs or MAX_SWEEP_RUNS):
         raise UsageError(f"--search takes 1 to {args.max_runs or MAX_SWEEP_RUNS} trials (raise the limit with "
                          "--max-runs)")
     if args.parallel < 1 or (args.parallel > 1 and not args.pool):
         raise UsageError("--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
                          "(here, trials run one at a time)")
-    root, base = _prepare(args)
+    root, base = _prepare(args, start_server=False)
     from bardflow.artifacts.objects import checked_store
 
     preset = pick_preset(args.preset)
@@ -172,6 +191,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
+    _start_server()
     from bardflow.flows.sweep import sweep
 
     with _terminal_run():
@@ -318,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         settle_reports()
         print(f"bardflow: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
-    except Exception:
+    except Exception as error:
         signum = stopping.requested()
+        if _out_of_resources(error) and not debugging():
+            print(f"bardflow: error: {_out_of_resources(error)}", file=sys.stderr)
+            return 1
         if signum is None or debugging():
             raise
         if stopping.failure():
@@ -329,6 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
               file=sys.stderr)
         return 128 + signum
+
+
+def _out_of_resources(error: BaseException) -> str | None:
+    """One line for a process that could not get memory or a thread, naming the limits."""
+    if isinstance(error, MemoryError) or "can't start new thread" in str(error):
+        what = "memory" if isinstance(error, MemoryError) else "a new thread"
+        return (f"the run could not get {what} ({type(error).__name__}: {str(error)[:80]}); check this shell's limits "
+                "(ulimit -v for virtual memory, ulimit -u for processes) and the memory free, then rerun the same "
+                "command to go on (finished stages come back cached)")
+    return None
 
 
 def settle_reports(timeout_s: float = 5.0) -> None:

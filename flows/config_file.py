@@ -1,10 +1,17 @@
 """A run's configuration as a file (``bardflow run --config run.yaml``): YAML or JSON with
 any of the sections of ``bardflow presets`` and, optionally, the preset they apply to.
 ``--set`` applies on top; the deployments take the same content as their ``settings``
-parameter. Refused in one line naming the file, the key and the value."""
+parameter. Refused in one line naming the file, the key and the value.
+
+A config file is input, so it is bounded before it is believed: its size, how far its aliases
+expand (the "billion laughs": a few hundred bytes of nested aliases that name billions of
+values), how deep it nests, and, by the settings themselves, how many prompts it holds and how
+long they are. A key given twice is refused rather than the last one silently winning."""
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -12,27 +19,112 @@ from bardflow.model.config import PRESETS, ConfigError, PipelineConfig, build_co
 
 SECTIONS = tuple(PipelineConfig.model_fields)
 KEYS = ("preset", *SECTIONS)
+MAX_BYTES = 1 << 20  # a whole preset in YAML is about 2 KB
+MAX_VALUES = 100_000  # scalars, lists and mappings once aliases are expanded
+MAX_DEPTH = 32
+_short = reprlib.Repr()  # a value in a refusal: a glimpse, never the whole (or an expanded alias)
+_short.maxstring = _short.maxother = 60
+_short.maxlist = _short.maxdict = 4
 
 
 def read(path: str | Path) -> tuple[str | None, dict[str, Any]]:
     """The preset named in the file (or None) and its settings as ``section.field`` overrides."""
-    import yaml  # JSON is YAML too
-
     path = Path(path).expanduser()
     try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ConfigError(f"config file {path} has {size:,} bytes; a config file holds at most {MAX_BYTES:,} "
+                              "(a whole preset is about 2,000): check --config")
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
         raise ConfigError(f"config file {path} cannot be read ({error.__class__.__name__}); check --config") from None
+    content = parse(text, str(path))
+    return settings(content if content is not None else {}, str(path))
+
+
+def parse(text: str, source: str) -> Any:
+    """YAML (or JSON) within the bounds above, without duplicate keys."""
+    import yaml  # JSON is YAML too
+
+    loader = _loader_class()(text, source)
     try:
-        content = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        values = _expanded_size(node, source)
+        if values > MAX_VALUES:
+            raise ConfigError(f"config file {source} expands to more than {MAX_VALUES:,} values (aliases that "
+                              "repeat aliases); write the settings out plainly")
+        return loader.construct_document(node)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(f"config file {path} is not valid YAML or JSON{where}: {problem}") from None
-    return settings(content if content is not None else {}, str(path))
+        raise ConfigError(f"config file {source} is not valid YAML or JSON{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {source} nests deeper than {MAX_DEPTH} levels; a config file has "
+                          "sections of settings") from None
+    finally:
+        loader.dispose()
+
+
+def _loader_class():
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class BoundedLoader(base):
+        def __init__(self, text: str, source: str):
+            super().__init__(text)
+            self.source = source
+
+        def construct_mapping(self, node, deep=False):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *defaults` merges, and the keys after it override by design
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, Hashable) and key in lines:
+                    raise ConfigError(f"config file {self.source}: the key {key!r} is given twice (lines "
+                                      f"{lines[key]} and {line}); keep one")
+                if isinstance(key, Hashable):
+                    lines[key] = line
+            return super().construct_mapping(node, deep)
+
+    return BoundedLoader
+
+
+def _expanded_size(node, source: str) -> int:
+    """How many values the document holds with every alias expanded, counted without
+    expanding anything (each node once): stops counting past the bound."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(current, depth: int) -> int:
+        key = id(current)
+        if key in sizes:
+            return sizes[key]
+        if depth > MAX_DEPTH:
+            raise RecursionError
+        if key in visiting:
+            raise ConfigError(f"config file {source} refers to itself (a recursive alias); write the settings out "
+                              "plainly")
+        visiting.add(key)
+        children = current.value if isinstance(current.value, list) else []
+        total = 1
+        for child in children:
+            for part in (child if isinstance(child, tuple) else (child,)):
+                total += size(part, depth + 1)
+                if total > MAX_VALUES:
+                    break
+        visiting.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(node, 0)
 
 
 def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[str, Any]]:
@@ -53,7 +145,7 @@ def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[s
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise ConfigError(f"{source}: {section}: expected a mapping of its settings, got {values!r}")
+            raise ConfigError(f"{source}: {section}: expected a mapping of its settings, got {_short.repr(values)}")
         for field, value in values.items():
             overrides[f"{section}.{field}"] = value
     check(preset, overrides, source)
@@ -74,7 +166,7 @@ def check(preset: str | None, overrides: dict[str, Any], source: str) -> None:
             errors.append(error)
     message = str(errors[0])
     blamed = next((key for key in overrides if key in message), None)
-    value = f" = {overrides[blamed]!r}" if blamed is not None else ""
+    value = f" = {_short.repr(overrides[blamed])}" if blamed is not None else ""
     raise ConfigError(f"{source}: {blamed or 'settings'}{value}: {message}")
 
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.objects import checked_store
-from bardflow.artifacts.store import Version
+from bardflow.artifacts.store import Version, abandon_unfinished
 from bardflow.flows import config_file, notify
 from bardflow.flows.settings import (
     PRESET_NAMES,
@@ -116,8 +116,14 @@ def _stage_task(stage: Stage):
         # One training at a time on a host (flows/slots.py).
         around = partial(training_slot, stage.name, logger.info, flow_run.id) \
             if isinstance(settings, TrainingRequest) else None
-        version, built = produce(stage, settings, upstream, checked_store(store), force, notice=logger.warning,
-                                 around=around)
+        try:
+            version, built = produce(stage, settings, upstream, checked_store(store), force, notice=logger.warning,
+                                     around=around)
+        except BaseException:
+            # The run's server is gone (runtime/stopping.py, fail): the stage has saved what it
+            # could and cleaned up on its way here; Prefect can report nothing more. End now.
+            stopping.end_if_failed()
+            raise
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -135,6 +141,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
+    stopping.on_force(abandon_unfinished)  # an end at once still leaves no build folder or lock file
     logger = get_run_logger()
     overrides: dict[str, Any] = {}
     if settings is not None:

@@ -53,7 +53,10 @@ def print_sweep(result: dict[str, Any]) -> None:
     # What tells the runs apart stays longest; versions and timings go first at a narrow width.
     ranks = {"run": 5, "status": 4, "val_loss": 4, "tokens_per_s": 2, "val_bpb": 1, "training_s": 1,
              "train_parallel": 0, "generate": 0}
-    columns = [Column(name, ranks.get(name, 3)) for name in rows[0]]
+    # A setting in which the runs differ is what the table is about: it stays as long as the
+    # run numbers; one that every run shares goes before the figures.
+    differ = {name for name in rows[0] if name not in ranks and len({str(row[name]) for row in rows}) > 1}
+    columns = [Column(name, ranks.get(name, 5 if name in differ else 1)) for name in rows[0]]
     cells = []
     for row in rows:
         shown = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else

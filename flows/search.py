@@ -118,9 +118,11 @@ class Search:
         self.save()
 
     def runs(self) -> list[dict[str, Any]]:
-        """Every finished trial as a sweep run, in trial order, numbered from 1."""
-        return [{**t.user_attrs["run"], "varying": dict(t.params), "trial": t.number + 1}
-                for t in self.study.trials if "run" in t.user_attrs]
+        """Every finished trial as a sweep run, in trial order, numbered 1, 2, 3… (Optuna's own
+        number, which counts the trials a stop interrupted and asked again, is kept beside it)."""
+        finished = [t for t in self.study.trials if "run" in t.user_attrs]
+        return [{**t.user_attrs["run"], "varying": dict(t.params), "trial": position, "optuna_trial": t.number}
+                for position, t in enumerate(finished, 1)]
 
     def save(self) -> None:
         if isinstance(self.store, ObjectStore):

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from bardflow.model.config import PRESETS
+from bardflow.model.errors import BardflowError
 from bardflow.runtime import cache_dir
 from bardflow.runtime.distributed import CPU_DEVICE_FLAG
 
@@ -73,6 +74,27 @@ def prepare_environment(cpu_devices: int | None = None) -> None:
         # does not use.
         count = cpu_devices or max(2, os.cpu_count() or 1)
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={count}".strip()
+
+
+MIN_ADDRESS_SPACE = 8 << 30  # a tiny run on 2 cores fails at 3 GB and passes at 8 GB (docs/reliability.md)
+
+
+def check_resource_limits() -> None:
+    """Refuses a virtual-memory limit (``ulimit -v``) that a run cannot live under: JAX and
+    XLA reserve address space as they start (thread stacks, allocator arenas), and a thread
+    that cannot start ends the run in native code or in a hang rather than an error."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft < MIN_ADDRESS_SPACE:
+        raise ResourceLimitError(
+            f"this shell limits virtual memory to {soft / 2**30:.1f} GiB (ulimit -v {soft // 1024}); JAX and XLA "
+            f"reserve more than that as they start their threads: raise it to at least {MIN_ADDRESS_SPACE >> 30} GiB "
+            f"(ulimit -v {MIN_ADDRESS_SPACE >> 10}) or lift it (ulimit -v unlimited)")
+
+
+class ResourceLimitError(BardflowError, RuntimeError):
+    """The process may not have the memory or threads a run needs."""
 
 
 STORE_CREDENTIALS = "BARDFLOW_STORE_CREDENTIALS"  # aws-credentials/NAME: the bucket's keys from a Prefect block

@@ -298,7 +298,7 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
             while study.finished() < total:
                 number, params, config = ask()
                 if config is not None:
-                    study.tell(number, place.run_here(number + 1, total, params, config))
+                    study.tell(number, place.run_here(study.finished() + 1, total, params, config))
                 progress(min(study.finished(), total))
             return study.runs()
         running: list[dict[str, Any]] = []
@@ -307,14 +307,15 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
                 while study.finished() + len(running) < total and len(running) < spec["parallel"]:
                     number, params, config = ask()
                     if config is not None:
-                        running.append({**place.submit(number + 1, total, params, config), "trial": number})
+                        shown = study.finished() + len(running) + 1  # the run's place in the table
+                        running.append({**place.submit(shown, total, params, config), "trial": number, "shown": shown})
                 time.sleep(POLL_S)
                 place.cancel_if_stopped(client, running, total)
                 for run in [run for run in running if place.ended(client, run, total)]:
                     running.remove(run)
                     study.tell(run["trial"], run)
                     progress(min(study.finished(), total))
-                    logger.info("search: trial %d %s", run["trial"] + 1, run["status"])
+                    logger.info("search: trial %d %s", run["shown"], run["status"])
     return study.runs()
 
 

@@ -87,6 +87,19 @@ class RunTracking:
                                                    run.run_name, tags, warn)
             if run.mlflow is not None:
                 run.mlflow.params(_flat(config))
+        if track.tensorboard is not None:
+            # Tried once for the run: a folder that cannot be written is one warning, not one
+            # from each training stage (and each of its processes) that would write there.
+            folder = Path(track.tensorboard) / run.run_name
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / f".bardflow-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as error:
+                warn(f"TensorBoard at {track.tensorboard} failed while making the run's folder ({error.__class__.__name__}: "
+                     f"{error.strerror or error}); the run goes on without it")
+                run.track = track.model_copy(update={"tensorboard": None})
         return run
 
     def target(self, stage: str) -> TrackingTarget | None:

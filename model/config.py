@@ -143,13 +143,18 @@ class TrainConfig(_Section):
         return self
 
 
+MAX_PROMPTS, MAX_PROMPT_CHARS = 1_000, 10_000  # a config file cannot make a run sample for days
+
+
 class Prompt(_Section):
-    text: str = Field(min_length=1)
-    temperature: float = Field(0.8, ge=0.0, description="0 means greedy")
+    text: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    # Logits divided by more than 10 are all but equal (sampling is uniform noise), and a
+    # temperature near float32's range overflows it.
+    temperature: float = Field(0.8, ge=0.0, le=10.0, description="0 means greedy; at most 10")
 
 
 class GenerateConfig(_Section):
-    prompts: tuple[Prompt, ...] = Field(min_length=1, default=(
+    prompts: tuple[Prompt, ...] = Field(min_length=1, max_length=MAX_PROMPTS, default=(
         Prompt(text="ROMEO:", temperature=0.8),
         Prompt(text="To be, or not", temperature=0.6),
     ))

@@ -90,7 +90,18 @@ def untrack(process: subprocess.Popen) -> None:
 
 
 def on_force(hook: Callable[[], None]) -> None:
-    _force_hooks.append(hook)
+    """Runs ``hook`` should the process be ended at once (each hook once, however often given)."""
+    if hook not in _force_hooks:
+        _force_hooks.append(hook)
+
+
+def end_if_failed() -> None:
+    """Ends the process now, with the failure's line, when the run was stopped from within
+    (``fail``: its server is gone). Called once a stage has unwound and saved what it could:
+    nothing is left to do that could still be reported, and waiting out ``GRACE_S`` would only
+    delay the line."""
+    if _failure is not None:
+        force(signal.SIGTERM)
 
 
 def install() -> bool:
@@ -130,8 +141,18 @@ def force(signum: int, why: str = "asked twice") -> None:
         except Exception:  # noqa: BLE001 - ending anyway; one hook must not keep the next from running
             pass
     if _failure is not None:
-        print(f"bardflow: error: {_failure}", file=sys.stderr, flush=True)
+        _last_line(f"bardflow: error: {_failure}")
         os._exit(1)
-    print(f"bardflow: error: stopped by {name(signum)} {_where} ({why}); rerun the same command to resume from "
-          "the newest checkpoint", file=sys.stderr, flush=True)
+    _last_line(f"bardflow: error: stopped by {name(signum)} {_where} ({why}); rerun the same command to resume "
+               "from the newest checkpoint")
     os._exit(128 + signum)
+
+
+def _last_line(line: str) -> None:
+    """Straight to the terminal: inside a flow run, Prefect turns a print into a log record,
+    and a run whose server is gone has its records dropped."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os.write(2, f"{line}\n".encode())

@@ -29,6 +29,8 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
                 **{k: str(v) for k, v in counts.items()},
             },
         )
+        # The windows are the corpus's bytes: readable by no one its stored copy keeps out.
+        out.path(name).chmod(fetch.file(CORPUS).stat().st_mode & 0o666 | 0o600)
     out.metrics.update({"bytes": len(raw), "seq_len": settings.seq_len, "vocab_size": BYTE_VALUES, **counts})
     ui.table(
         ENCODE.name,

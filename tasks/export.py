@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
+from bardflow.artifacts.store import Builder, Version, file_digest
 from bardflow.model.checkpoint import load_config, load_model
 from bardflow.model.config import ModelConfig
 from bardflow.model.errors import BardflowError
@@ -31,7 +31,7 @@ TOLERANCE = 1e-5
 CHECK = Path(__file__).with_name("export_check.py")
 
 
-WEIGHTS, CONFIG, FORWARD = "model.safetensors", "config.json", "forward.jax"
+WEIGHTS, CONFIG, FORWARD, CHECKSUMS = "model.safetensors", "config.json", "forward.jax", "checksums.json"
 
 
 def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str, int]:
@@ -46,6 +46,10 @@ def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str
                                              "inputs": "params (model.safetensors), tokens int32 (batch, length)"},
                                             indent=1))
     (folder / FORWARD).write_bytes(export_forward(model, portable))
+    # The folder carries its own checksums, so that whoever loads it (examples/) can tell a
+    # damaged or mixed-up file from a model, wherever the folder was copied to.
+    sums = {name: file_digest(folder / name) for name in (WEIGHTS, CONFIG, FORWARD)}
+    (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
     return {"parameters": int(sum(v.size for v in params.values())), "tensors": len(params)}
 
 

@@ -9,6 +9,7 @@ checksum: the default corpus's own, or the one the user gives (``data.md5``)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import time
 import urllib.error
@@ -19,52 +20,13 @@ from pathlib import Path
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Builder, file_digest
 from bardflow.model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
-from bardflow.model.errors import BardflowError
 from bardflow.tasks.registry import FETCH
+from bardflow.tasks.sources import FetchError, chunks, corpus_files, local_path, source_mode
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
 ATTEMPTS = 4
 TIMEOUT_S = 30.0
-
-
-class FetchError(BardflowError, RuntimeError):
-    """The corpus could not be fetched or is not the expected file."""
-
-
-def local_path(source: str) -> Path | None:
-    """The file or folder a path or file:// source names; None for a download."""
-    parsed = urllib.parse.urlparse(source)
-    if parsed.scheme == "file":
-        return Path(urllib.request.url2pathname(parsed.path))
-    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a path (or a Windows drive letter)
-        return Path(source).expanduser()
-    return None
-
-
-def corpus_files(path: Path) -> list[Path]:
-    """What a local corpus is made of: the file itself, or a folder's ``.txt`` files
-    (hidden ones left out) in sorted order of their names within it."""
-    if not path.exists():
-        raise FetchError(f"corpus file {path} does not exist; check --corpus / BARDFLOW_CORPUS")
-    if not path.is_dir():
-        return [path]
-    files = sorted((p for p in path.rglob("*.txt") if p.is_file() and not any(
-        part.startswith(".") for part in p.relative_to(path).parts)), key=lambda p: p.relative_to(path).as_posix())
-    if not files:
-        raise FetchError(f"corpus folder {path} holds no .txt files; put the text in .txt files or point "
-                         "--corpus at one file")
-    return files
-
-
-def _chunks(files: list[Path]):
-    for file in files:
-        try:
-            with open(file, "rb") as handle:
-                while chunk := handle.read(1 << 20):
-                    yield chunk
-        except PermissionError as error:
-            raise FetchError(f"corpus file {file} is not readable; fix its permissions") from error
 
 
 def pin(data: DataConfig) -> DataConfig:
@@ -76,7 +38,7 @@ def pin(data: DataConfig) -> DataConfig:
     path = local_path(data.corpus)
     if path is not None:
         digest = hashlib.md5()
-        for chunk in _chunks(corpus_files(path)):
+        for chunk in chunks(corpus_files(path)):
             digest.update(chunk)
         return data.model_copy(update={"md5": digest.hexdigest()})
     if data.corpus == TINYSHAKESPEARE_URL:
@@ -88,7 +50,7 @@ def pin(data: DataConfig) -> DataConfig:
 def _copy_local(path: Path, target: Path) -> list[Path]:
     files = corpus_files(path)
     with open(target, "wb") as out:
-        out.writelines(_chunks(files))
+        out.writelines(chunks(files))
     return files
 
 
@@ -146,6 +108,8 @@ def build(settings: DataConfig, out: Builder) -> None:
             "fetch it again or fix the source, or if this is the corpus you want, "
             f"pass its checksum: --set data.md5={actual}"
         )
+    if files is not None:  # no wider permissions than its source's
+        os.chmod(target, source_mode(files))
     out.metrics.update({"bytes": size, "md5": actual})
     out.record["source"] = settings.corpus
     if files is not None and (path := local_path(settings.corpus)).is_dir():  # a folder: which files, in order

@@ -51,8 +51,9 @@ CHECKPOINT = Stage(
     "checkpoint", "1", reads=("train_parallel",),
     settings=lambda run: {},
     builds=("model",), headline=("parameters", "bytes"))
+# "2": the folder holds checksums.json, the sha256 of its other files.
 EXPORT = Stage(
-    "export", "1", reads=("checkpoint",),
+    "export", "2", reads=("checkpoint",),
     settings=lambda run: {},
     builds=("export",), headline=("bytes", "max_abs_diff"))
 VERIFY = Stage(

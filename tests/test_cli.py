@@ -97,6 +97,8 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
     (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
     (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
     (["--corpus", ""], ["--corpus is empty"]),
+    (["--set", "data.corpus=/dev/zero"], ["corpus /dev/zero is a character device, not a regular file"]),
+    (["--set", 'generate.prompts=[{"text": "A", "temperature": 1e308}]'], ["temperature", "less than or equal to"]),
     (["--processes", "0"], ["--processes must be at least 1"]),
 ])
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
@@ -191,3 +193,54 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
         for value in ("ddc481f338a28f94d7e5", "tokens_per_s=21925.7", "val_loss=1.6869"):
             assert value in text, text
         assert ("2026-12-01 06:35" in text) == (width == 120), text  # whole, or left out
+
+
+def test_a_sweep_table_keeps_the_setting_its_runs_differ_in(capsys, monkeypatch):
+    """At 80 columns, settings that every run shares go before the one the runs differ in
+    (which, being rightmost, used to be the first setting left out)."""
+    from bardflow.flows.printing import print_sweep
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = [{"run": n, "model.d_model": 64, "train.warmup_steps": 10, "generate.max_new_bytes": 300,
+             "train.learning_rate": lr, "status": "completed", "val_loss": 1.68691, "val_bpb": 2.43372,
+             "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
+             "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
+    print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
+    out = capsys.readouterr().out
+    shown = out.split("left out at this width")[0]
+    assert "train.learning_rate" in shown and "0.003" in shown and "1.6869" in shown, out
+    assert "generate.max_new_bytes" in out.split("left out at this width")[1], out
+
+
+def test_a_virtual_memory_limit_a_run_cannot_live_under_is_refused_in_one_line(tmp_path):
+    """Under ``ulimit -v 3000000`` a run ended in native code (``std::system_error``, exit 134)
+    or hung once a thread could not start."""
+    import resource
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3_000_000 * 1024, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-m", "bardflow", "run", "--preset", "tiny", "--store",
+                           str(tmp_path / "store")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          preexec_fn=limited, check=False)
+    line = done.stderr.strip()
+    assert done.returncode == 1 and "\n" not in line, done.stderr
+    assert line.startswith("bardflow: error: this shell limits virtual memory to 2.9 GiB (ulimit -v 3000000)"), line
+    assert "ulimit -v unlimited" in line and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "train.learning_rate=3e-2..1e-3", "--search", "2"], "LOW < HIGH"),
+    (["--search", "2"], "--search needs a range to search"),
+])
+def test_a_sweep_is_refused_before_its_temporary_server_starts(tmp_path, args, words):
+    """An inverted search range used to print `starting a temporary Prefect server…` first."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["BARDFLOW_SERVER_FILE"] = str(tmp_path / "no-server.json")
+    done = subprocess.run([sys.executable, "-m", "bardflow", "sweep", "--preset", "tiny", "--store",
+                           str(tmp_path / "store"), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode in (1, 2) and words in done.stderr, done.stderr
+    assert "temporary Prefect server" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

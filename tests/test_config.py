@@ -176,6 +176,47 @@ def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(t
     assert config_file.read(run_yaml) == (None, {"data.seq_len": 256})
 
 
+def _laughs(levels: int = 9, under: str = "data:\n  corpus") -> str:
+    """The "billion laughs": each alias a list of nine of the one before."""
+    lines = ["anchors:", '  a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\n{under}: *a{levels}\n"
+
+
+@pytest.mark.parametrize("text, words", [
+    (_laughs(), "expands to more than 100,000 values"),
+    (_laughs(under="generate:\n  prompts"), "expands to more than 100,000 values"),
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML or JSON"),
+    ("train: &r\n  x: *r\n", "refers to itself (a recursive alias)"),
+    ("train:\n  steps: 5\n  warmup_steps: 1\n  steps: 7\n", "the key 'steps' is given twice (lines 2 and 4); keep one"),
+    ("preset: tiny\npreset: cpu\n", "the key 'preset' is given twice (lines 1 and 2)"),
+    (None, "holds at most 1,048,576"),
+    ('{"generate": {"prompts": [' + ", ".join(['{"text": "x"}'] * 1001) + "]}}", "at most 1000 items"),
+    ('{"generate": {"prompts": [{"text": "' + "x" * 10_001 + '"}]}}', "at most 10000 characters"),
+])
+def test_a_hostile_config_file_is_refused_in_one_line_at_once(tmp_path, text, words):
+    """516 bytes of nested aliases took 46 s and 3.15 GB before a 28-line MemoryError (or hung,
+    under generate.prompts); 50 MB of prompts passed and then hung; a duplicate key was taken,
+    the last one winning."""
+    import time
+
+    from bardflow.flows import config_file
+
+    path = tmp_path / "run.yaml"
+    if text is None:  # 450,000 prompts, as a file of 27 MB
+        text = '{"generate": {"prompts": [' + ", ".join(['{"text": "To be, or not to be"}'] * 450_000) + "]}}"
+    path.write_text(text)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as error:
+        config_file.read(path)
+    assert time.monotonic() - started < 0.5
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 400 and words in message and str(path) in message, message
+    # A merge key is no duplicate: `<<: *defaults` is overridden by the keys after it, as YAML says.
+    path.write_text("defaults: &d\n  steps: 3\ntrain:\n  <<: *d\n  steps: 5\n")
+    assert config_file.parse(path.read_text(), str(path))["train"] == {"steps": 5}
+
+
 def test_the_command_takes_a_config_file_under_set_and_refuses_a_bad_one_before_any_work(tmp_path):
     import subprocess
     import sys

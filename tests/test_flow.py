@@ -166,7 +166,62 @@ def test_the_exported_model_generates_text_without_bardflow(first_run):
     text = done.stdout.rstrip(b"\n")
     assert text.startswith(b"ROMEO:") and 40 <= len(text) - len(b"ROMEO:") <= 40 * 3  # 40 bytes (utf-8 replaced)
     source = (REPO / "examples" / "generate_from_export.py").read_text()
-    assert "bardflow" not in source.split('"""', 2)[2]  # no bardflow import, only its docstring names it
+    assert not [line for line in source.splitlines() if line.startswith(("import bardflow", "from bardflow"))]
+
+
+def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(first_run, tmp_path):
+    """One flipped byte in the weights used to sample garbage with exit 0; in forward.jax, a
+    raw deserialization traceback; a forward.jax of another configuration, a raw pytree error.
+    The version folder is taken as well as the export folder inside it."""
+    import hashlib
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import jax
+    from flax import nnx
+
+    from bardflow.model.config import build_config
+    from bardflow.model.export import export_forward, portable_config
+    from bardflow.model.transformer import Transformer
+    from tests.helpers import REPO
+
+    version = Path(first_run["stages"]["export"]["path"])
+
+    def sample(folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_from_export.py"), str(folder),
+                               "--bytes", "3"], capture_output=True, text=True, timeout=300, check=False)
+
+    assert sample(version).returncode == 0  # the version folder: its export folder is found
+    assert "holds no bardflow export" in sample(tmp_path).stderr
+
+    def damaged(name: str, change) -> Path:
+        folder = tmp_path / name.replace(".", "-")
+        shutil.copytree(version / "export", folder)
+        change(folder)
+        return folder
+
+    def flip(name: str):
+        def change(folder: Path) -> None:
+            data = bytearray((folder / name).read_bytes())
+            data[len(data) // 2] ^= 0x01
+            (folder / name).write_bytes(bytes(data))
+        return change
+
+    def other_configuration(folder: Path) -> None:  # a forward pass of another shape, its checksum updated
+        cfg = build_config("tiny", {"model.d_model": 48}).model
+        (folder / "forward.jax").write_bytes(export_forward(Transformer(cfg, rngs=nnx.Rngs(0)), portable_config(cfg),
+                                                            platforms=(jax.default_backend(),)))
+        sums = json.loads((folder / "checksums.json").read_text())
+        sums["sha256"]["forward.jax"] = hashlib.sha256((folder / "forward.jax").read_bytes()).hexdigest()
+        (folder / "checksums.json").write_text(json.dumps(sums))
+
+    for folder, words in ((damaged("model.safetensors", flip("model.safetensors")), "model.safetensors does not match"),
+                          (damaged("forward.jax", flip("forward.jax")), "forward.jax does not match its checksum"),
+                          (damaged("other", other_configuration), "the two files come from different exports")):
+        done = sample(folder)
+        line = done.stderr.strip()
+        assert done.returncode == 1 and "\n" not in line and line.startswith("error: ") and words in line, done.stderr
 
 
 def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_same(workspace, first_run, run_env):

@@ -118,8 +118,11 @@ def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
     os.killpg(server, signal.SIGKILL)
     rest = process.stderr.read()
     process.wait(timeout=60)
-    assert process.returncode == 1 and time.monotonic() - killed < 12
+    took_s = time.monotonic() - killed
+    assert process.returncode == 1 and took_s < 5, took_s  # it took 9.7 s while the run waited out its grace
     assert rest.strip().splitlines()[-1].startswith(f"bardflow: error: the run's Prefect server (pid {server}) exited")
+    # The stage's build folder and the version's lock file go with it (they used to stay).
+    assert not [p for p in chain["store"].glob("*/.*") if p.name.startswith((".build-", ".lock-"))]
     assert "Traceback" not in rest
     # What Prefect could no longer send is dropped quietly (it used to print a warning and a 3 KB line).
     assert "EventsWorker" not in rest and "prefect.events" not in rest, rest[-3000:]

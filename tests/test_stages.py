@@ -19,7 +19,7 @@ from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PAR
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model
 from bardflow.tasks.verify import VerificationError
-from tests.helpers import md5_bytes
+from tests.helpers import md5_bytes, play_text
 
 
 def make(stage, settings, store, **upstream):
@@ -147,7 +147,7 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
 
     exported, _ = make(EXPORT, {}, store, checkpoint=saved)
     folder = exported.file("export")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "forward.jax", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["checksums.json", "config.json", "forward.jax", "model.safetensors"]
     weights = load_file(str(folder / "model.safetensors"))
     ours = flat_params(trained_model(Store(store).require(trained))[0])
     assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights
@@ -286,3 +286,56 @@ def test_the_kernel_choice_and_checkpoint_cadence_are_not_part_of_the_training_k
     assert TRAIN_SINGLE.key(base, upstream) == TRAIN_SINGLE.key(faster, upstream)
     assert TRAIN_SINGLE.key(base, upstream) != TRAIN_SINGLE.key(other, upstream)
     assert TRAIN_SINGLE.key(base, upstream) != TRAIN_PARALLEL.key(base, {**upstream, "train_single": corpus})
+
+
+def test_a_corpus_folder_reads_only_its_own_regular_files_and_its_copies_keep_their_permissions(tmp_path):
+    """A link out of the folder would publish another file (``/etc/shadow``, run as root) into
+    the store: refused, naming the link and where it leads. A link within the folder is read.
+    What the store keeps of the corpus (its copy, the encoded windows) is no more readable
+    than the files it came from."""
+    import os
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(play_text(4_000, seed=3))
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_bytes(play_text(40_000))
+    (books / "a.txt").chmod(0o640)
+    (books / "x.txt").symlink_to(secret)
+    with pytest.raises(FetchError, match=r"books: x.txt is a symbolic link to .*secret.txt, outside the folder"):
+        pin(DataConfig(corpus=str(books)))
+    (books / "x.txt").unlink()
+    (books / "y.txt").symlink_to(books / "a.txt")  # within the folder: read
+    data = pin(DataConfig(corpus=str(books), seq_len=32))
+    fetched, _ = make(FETCH, data, tmp_path / "store")
+    assert fetched.file("corpus.txt").read_bytes() == 2 * play_text(40_000)
+    assert fetched.file("corpus.txt").stat().st_mode & 0o777 == 0o640
+    encoded, _ = make(ENCODE, data, tmp_path / "store", fetch=fetched)
+    assert {encoded.file(name).stat().st_mode & 0o777 for name in ENCODE.builds} == {0o640}
+    os.chmod(books / "a.txt", 0o644)
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "fifo in a folder", "socket"])
+def test_a_corpus_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """``/dev/zero`` was read for ever and a FIFO blocked, deaf to SIGTERM."""
+    import os
+    import socket
+
+    if kind == "device":
+        source, words = "/dev/zero", "is a character device, not a regular file"
+    elif kind == "socket":
+        source, words = str(tmp_path / "s.txt"), "is a socket, not a regular file"
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(source)
+    else:
+        os.mkfifo(tmp_path / "f.txt")
+        source = str(tmp_path if kind == "fifo in a folder" else tmp_path / "f.txt")
+        words = "f.txt is a FIFO (named pipe), not a regular file"
+    started = time.monotonic()
+    with pytest.raises(FetchError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        pin(DataConfig(corpus=source))
+    with pytest.raises(FetchError, match="not a regular file"):  # as the command line checks it, reading nothing
+        from bardflow.tasks.sources import check_local
+
+        check_local(source)
+    assert time.monotonic() - started < 1

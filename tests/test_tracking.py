@@ -85,8 +85,11 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=12))
     steps = 400
+    taken = tmp_path / "taken"  # a file where the TensorBoard folder should be: no folder can be made there
+    taken.write_text("")
     # One device: the subject is the tracking, not parallel training (no training process).
-    args = base_args(corpus, tmp_path / "store", "--track", f"mlflow={mlflow_server['url']}", "--set",
+    args = base_args(corpus, tmp_path / "store", "--track", f"mlflow={mlflow_server['url']}",
+                     "--track", f"tensorboard={taken}", "--set",
                      f"train.steps={steps}", "--set", "train.log_every=10", "--set", f"train.checkpoint_every={steps}",
                      devices=1)
     log = tmp_path / "run.log"
@@ -107,6 +110,9 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
     warnings = [line for line in stderr.splitlines() if "MLflow at" in line]
     assert len(warnings) == 1, stderr[-3000:]
     assert f"MLflow at {mlflow_server['url']} failed while" in warnings[0] and "goes on without it" in warnings[0]
+    # A TensorBoard folder that cannot be made: one warning for the run, not one per training stage.
+    warnings = [line for line in stderr.splitlines() if "TensorBoard at" in line]
+    assert len(warnings) == 1 and f"TensorBoard at {taken} failed" in warnings[0], stderr[-3000:]
     assert "Traceback" not in stderr
     # What reached the server before it died is in its database; the run was never ended.
     local = mlflow_tracking.MlflowClient(mlflow_server["db"])
