@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -147,6 +148,7 @@ class Version:
     manifest: dict[str, Any]
     uri: str = ""  # where the store keeps it, when that is not ``path`` (s3://…)
     store: str = ""  # the location of the store that holds it
+    same_as_stored: bool = False  # built again (a refresh) with the stored version's output: that one was kept
 
     @property
     def location(self) -> str:
@@ -199,6 +201,7 @@ class Builder:
         self.metrics: dict[str, Any] = {}
         self.record: dict[str, Any] = {}
         self.fingerprint: str | None = None
+        self.same_as_stored = False  # the build's output was the stored version's: that one stays
 
     def path(self, name: str) -> Path:
         target = (self.dir / name).resolve()
@@ -289,6 +292,8 @@ class VersionStore(abc.ABC):
             if version is None:
                 raise StoreError(f"the {stage} version {key} did not verify after it was written to {self.location}")
             resume.clear()
+            if builder.same_as_stored:
+                version = dataclasses.replace(version, same_as_stored=True)
             return version, True
 
 
@@ -417,7 +422,10 @@ class Store(VersionStore):
                 yield builder
                 self._seal(builder, params, inputs)
                 if commit is None or commit(scratch):
-                    self._publish(scratch, final)
+                    published = self._publish(scratch, final)
+                    # Here, the stored version was kept; a bucket's commit (above) may have
+                    # repaired its copy there, which is news, not "the same".
+                    builder.same_as_stored = commit is None and not published
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -449,18 +457,21 @@ class Store(VersionStore):
             handle.flush()
             os.fsync(handle.fileno())
 
-    def _publish(self, scratch: Path, final: Path) -> None:
+    def _publish(self, scratch: Path, final: Path) -> bool:
+        """Makes the build the version; False when the version in place has the same output
+        and is kept as it is."""
         if final.exists():
             previous = self.lookup(final.parent.name, final.name)
             fresh = json.loads((scratch / MANIFEST).read_text())
             if previous is not None and previous.fingerprint == fresh["fingerprint"]:
-                return  # same output as the version in place: keep that one untouched
+                return False  # same output as the version in place: keep that one untouched
             # A refresh of the same recipe, or a damaged version being rebuilt: keep the old
             # folder out of the way rather than deleting anything a user might still want.
             aside = final.parent / ".replaced" / f"{final.name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
             aside.parent.mkdir(exist_ok=True)
             os.rename(final, aside)
         os.rename(scratch, final)
+        return True
 
     def versions(self, stage: str | None = None) -> list[Version]:
         """Every complete version in the store, newest first."""

@@ -33,8 +33,16 @@ _embedded: EmbeddedServer | None = None  # this command's own Prefect server, wh
 
 
 def _ui(args: argparse.Namespace) -> int:
+    from bardflow.flows.server import healthy, running
+
     prepare_environment()
     url = f"http://{args.host}:{args.port}"
+    found = running()
+    if found is not None or healthy(url):  # `bardflow server start` already serves the UI: say where
+        shown = found["url"] if found is not None else url
+        whose = f"the background server, pid {found['pid']}" if found is not None else "a server already there"
+        print(f"Prefect UI:  {shown} ({whose})\nArtifacts:   {shown}/artifacts", flush=True)
+        return 0
     # The UI's browser code asks the server where its API is; tell it this port, not 4200.
     os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
     os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (flows/notify.py)
@@ -242,15 +250,17 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _artifacts(args: argparse.Namespace) -> int:
-    from bardflow.flows.runs import readable_store
+    from bardflow.flows.runs import corpus_of, manifests_of, readable_store
 
+    store = readable_store(store_location(args.store))
+    manifests = manifests_of(store)
     rows = [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
              "bytes": sum(f["bytes"] for f in v.manifest.get("files", {}).values()), "metrics": v.metrics,
-             "path": v.location} for v in readable_store(store_location(args.store)).versions(args.stage)]
+             "corpus": corpus_of(v, manifests), "path": v.location} for v in store.versions(args.stage)]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        printing.print_versions(f"versions in {store_location(args.store)}", rows)
+        printing.print_versions(f"versions in {store_location(args.store)}", rows, paths=args.stage is not None)
     return 0
 
 
@@ -307,7 +317,12 @@ def _run_command(args: argparse.Namespace) -> int:
     if follower is not None:
         _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
     else:
-        printing.show(_run(args), args.json, printing.print_summary)
+        result = _run(args)
+        ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
+        if ui and result.get("flow_run"):
+            result["ui"] = f"{ui.rstrip('/')}/runs/flow-run/{result['flow_run']}"
+            result["ui_served"] = _embedded is None  # else: once `bardflow ui` serves this Prefect home
+        printing.show(result, args.json, printing.print_summary)
     return 0
 
 

@@ -52,11 +52,17 @@ from bardflow.model.config import (
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
 from bardflow.runtime.distributed import hardware
+from bardflow.tasks.compare import overfitting
 from bardflow.tasks.fetch import pin
 from bardflow.tasks.registry import NAMES, STAGES
 from bardflow.tasks.stage import RunPlan, Stage, produce
+from bardflow.tasks.train import HISTORY
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
+SAME = "Unchanged"  # a task that built again what the store held already
+# A stage's state in the summary: the store answered, or it ran; a run whose output the store
+# already held shows that version's figures, not its own, so the summary says so.
+STATES = {"Cached": "cached", SAME: "ran (unchanged)"}
 StageName = Literal[NAMES]  # typed parameters: the UI's form offers exactly these
 Preset = Literal[PRESET_NAMES]
 
@@ -124,6 +130,9 @@ def _stage_task(stage: Stage):
             # could and cleaned up on its way here; Prefect can report nothing more. End now.
             stopping.end_if_failed()
             raise
+        if built and version.same_as_stored:
+            return Completed(data=version, name=SAME, message=f"{stage.name} built again: the same output as the "
+                             f"stored version {version.key}, which is kept (its figures are that build's)")
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -187,7 +196,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
             state = STAGE_TASKS[stage.name](stage_settings, {name: versions[name] for name in stage.reads},
                                             root, stage.name in refresh, return_state=True)
             versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
-            summary[stage.name] = {"state": "cached" if state.name == "Cached" else "ran", "key": version.key,
+            summary[stage.name] = {"state": STATES.get(state.name, "ran"), "key": version.key,
                                    "path": version.location, "metrics": version.metrics,
                                    "seconds": round(time.perf_counter() - started, 3)}
             if tracked is not None:
@@ -203,7 +212,14 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     from prefect.runtime import flow_run
 
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
-    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples}
+    warnings = [line for line in [overfitting(json.loads(versions["train_parallel"].file(HISTORY).read_text()))]
+                if line]
+    for line in warnings:
+        logger.warning(line)
+        ui.markdown(RUN_ARTIFACT, f"**Warning**: {line}\n", "A warning about this run", what="warning")
+    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples,
+            "warnings": warnings,
+            **({"tracking": tracked.where()} if tracked is not None else {})}
 
 
 @flow(name="bardflow-pipeline", log_prints=True, persist_result=False)

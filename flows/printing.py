@@ -33,16 +33,29 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.markup import escape
 
     columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
-    rows = [[name, f"[{'green' if stage['state'] == 'ran' else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
+    rows = [[name, f"[{'green' if stage['state'].startswith('ran') else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
              headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
     console = Console()
     console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
     console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
+    if any(stage["state"] == "ran (unchanged)" for stage in summary["stages"].values()):
+        console.print("ran (unchanged): built again with the same output as the stored version, which is kept: "
+                      "its figures (timings too) are that version's, not this run's")
     for sample in summary.get("samples", []):
         prompt, text = sample["prompt"], sample["text"]
         rest = text[len(prompt):] if text.startswith(prompt) else text
         console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
         console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
+    for line in summary.get("warnings", []):
+        console.print(f"\n[bold yellow]warning:[/bold yellow] {escape(line)}")
+    if summary.get("tracking"):
+        console.print()
+    for line in summary.get("tracking", []):  # whole lines: paths and commands to copy
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    if summary.get("ui"):
+        later = "" if summary.get("ui_served") else " (its server was this run's own: `bardflow ui` serves it there)"
+        console.print(f"This run in the Prefect UI: {summary['ui']}{later}", soft_wrap=True, highlight=False,
+                      markup=False)
 
 
 def print_sweep(result: dict[str, Any]) -> None:
@@ -59,7 +72,8 @@ def print_sweep(result: dict[str, Any]) -> None:
     columns = [Column(name, ranks.get(name, 5 if name in differ else 1)) for name in rows[0]]
     cells = []
     for row in rows:
-        shown = [f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
+        shown = [_setting(v) if k in differ or (k not in ranks and isinstance(v, str)) else
+                 f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
                  f"{v:,.0f}" if isinstance(v, float) and k == "tokens_per_s" else
                  f"{v:.1f}" if isinstance(v, float) else "—" if v is None else
                  str(v)[:SHORT_KEY] if k in ("train_parallel", "generate") else str(v) for k, v in row.items()]
@@ -67,21 +81,44 @@ def print_sweep(result: dict[str, Any]) -> None:
             shown[list(row).index("status")] = f"[red]{row['status']}"
         cells.append(shown)
     title = f"bardflow sweep: {len(rows)} runs, preset {result['preset']}{where}, store {result['store']}"
-    Console().print(fitted(title, columns, cells))
+    console = Console()
+    console.print(fitted(title, columns, cells))
     for number, run in enumerate(result["runs"], 1):
         if run.get("error"):
-            print(f"run {number} failed: {run['error']}", file=sys.stderr)
+            print(f"run {run.get('trial', number)} failed: {run['error']}", file=sys.stderr)
+    if "best" in result:  # last, whole and unwrapped: the line to paste into the next `bardflow run`
+        best = result["best"]
+        console.print(f"best: {best['line']}" if best else "best: none (every run failed)", soft_wrap=True,
+                      highlight=False, markup=False)
 
 
-def print_versions(title: str, rows: list[dict[str, Any]]) -> None:
-    """``bardflow artifacts``: one row per version, newest first."""
+def _setting(value: Any) -> str:
+    """A setting's value at a glance: a float at 4 significant digits (the exact value is in the
+    best run's --set line and --json)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    text = str(value)
+    return f"{number:.4g}" if len(text) > 8 and any(c in text for c in ".eE") else text
+
+
+def print_versions(title: str, rows: list[dict[str, Any]], paths: bool = False) -> None:
+    """``bardflow artifacts``: one row per version, newest first, each with the corpus it was
+    made from; for one stage, then each version's folder, whole, to copy."""
     from rich.console import Console
 
     columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
                Column("key figures", 2, text=True)]
     cells = [[row["stage"], row["key"], short_time(row["created"]), f"{row['bytes'] / 1e6:.2f} MB",
-              headline(row["stage"], row["metrics"])] for row in rows]
-    Console().print(fitted(title, columns, cells))
+              "\n".join(filter(None, [headline(row["stage"], row["metrics"]),
+                                      row.get("corpus") and f"corpus={row['corpus'].split(' (')[0]}"]))]
+             for row in rows]  # the corpus by name here; its size and md5 in --json
+    console = Console()
+    console.print(fitted(title, columns, cells))
+    for row in rows if paths else []:
+        console.print(f"{row['key'][:SHORT_KEY]} {short_time(row['created'])}  {row['path']}", soft_wrap=True,
+                      highlight=False, markup=False)
 
 
 def show(result: dict[str, Any], as_json: bool, table) -> None:

@@ -29,15 +29,41 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def describe(version: Version) -> dict[str, Any]:
+def corpus_of(version: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> str | None:
+    """The corpus a version was made from, as a person tells corpora apart: its source's name,
+    size and md5 (followed through the versions it read to the fetch version)."""
+    seen, todo = set(), [(version.stage, version.key, version.manifest)]
+    while todo:
+        stage, _, manifest = todo.pop()
+        if stage == "fetch":
+            source = str(manifest.get("source", "?")).rstrip("/")
+            name = source.rsplit("/", 1)[-1] or source
+            metrics = manifest.get("metrics", {})
+            return f"{name} ({metrics.get('bytes', 0):,} bytes, md5 {str(metrics.get('md5', '?'))[:12]}…)"
+        for entry in manifest.get("inputs", {}).values():
+            found = manifests.get((entry["stage"], entry["key"]))
+            if found is not None and (entry["stage"], entry["key"]) not in seen:
+                seen.add((entry["stage"], entry["key"]))
+                todo.append((entry["stage"], entry["key"], found))
+    return None
+
+
+def manifests_of(store) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every version's manifest in the store by (stage, key), read once."""
+    return {(v.stage, v.key): v.manifest for v in store.versions()}
+
+
+def describe(version: Version, manifests: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Everything a comparison looks at, flat: settings, code, data, libraries, hardware."""
     manifest = version.manifest
     encode = manifest.get("inputs", {}).get("encode", {})
+    corpus = corpus_of(version, manifests or {})
     return {
         **{f"settings.{k}": v for k, v in flatten(manifest.get("params", {})).items()},
         "code_version": manifest.get("code_version", "(not recorded)"),
         **{f"bardflow.{k}": v for k, v in manifest.get("bardflow", {}).items()},
-        "data.encode_fingerprint": encode.get("fingerprint"),
+        # The corpus as a person knows it; its encoding's fingerprint only where it is not known.
+        **({"data.corpus": corpus} if corpus else {"data.encode_fingerprint": encode.get("fingerprint")}),
         **{f"libraries.{k}": v for k, v in manifest.get("libraries", {}).items()},
         "hardware.devices": ", ".join(manifest.get("devices") or []),
         "hardware.host": manifest.get("host"),
@@ -60,9 +86,11 @@ def readable_store(root: str):
     return store
 
 
-def trained_versions(root: str) -> list[Version]:
+def trained_versions(root: str) -> tuple[list[Version], dict[tuple[str, str], dict[str, Any]]]:
+    """The trained versions, and every manifest of the store (to follow their inputs)."""
     store = readable_store(root)
-    return [v for stage in TRAINED for v in store.versions(stage)]
+    manifests = manifests_of(store)
+    return [v for stage in TRAINED for v in store.versions(stage)], manifests
 
 
 def find(versions: list[Version], prefix: str) -> Version:
@@ -74,16 +102,16 @@ def find(versions: list[Version], prefix: str) -> Version:
     return matches[0]
 
 
-def listing(versions: list[Version]) -> list[dict[str, Any]]:
-    described = [describe(v) for v in versions]
-    varying = [key for key in differing(described) if key.startswith("settings.")]
+def listing(versions: list[Version], manifests: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    described = [describe(v, manifests) for v in versions]
+    varying = [key for key in differing(described) if key.startswith(("settings.", "data.corpus"))]
     return [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
-             "differs": {key.removeprefix("settings."): d.get(key) for key in varying},
+             "differs": {key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
              **{name: v.metrics.get(name) for name in FIGURES}} for v, d in zip(versions, described)]
 
 
-def diff(a: Version, b: Version) -> dict[str, Any]:
-    da, db = describe(a), describe(b)
+def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    da, db = describe(a, manifests), describe(b, manifests)
     figures = {}
     for name in FIGURES:
         x, y = a.metrics.get(name), b.metrics.get(name)
@@ -94,11 +122,11 @@ def diff(a: Version, b: Version) -> dict[str, Any]:
 
 
 def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
-    versions = trained_versions(root)
+    versions, manifests = trained_versions(root)
     if keys:
-        result: Any = diff(find(versions, keys[0]), find(versions, keys[1]))
+        result: Any = diff(find(versions, keys[0]), find(versions, keys[1]), manifests)
     else:
-        result = listing(versions)
+        result = listing(versions, manifests)
     if as_json:
         print(json.dumps(result, indent=1))
         return

@@ -235,6 +235,7 @@ class EmbeddedServer:
 
 
 GOING_ON = "finished stages come back cached, training resumes from its checkpoint"
+LATER_UI = "http://127.0.0.1:4200"  # where `bardflow ui` serves the runs of this Prefect home
 SILENT_FOR_S = 4.0  # a server that answers no health check for this long is gone
 
 
@@ -302,6 +303,9 @@ def start_embedded() -> EmbeddedServer | None:
 
     server = EmbeddedServer()
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+    # The run's links (Prefect's "View at", MLflow's tag) point where the run can be seen
+    # afterwards: `bardflow ui` serves this Prefect home's runs there; this server is gone.
+    os.environ.setdefault("PREFECT_UI_URL", LATER_UI)
     print(f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running with "
           "`bardflow server start` to skip this)", file=sys.stderr, flush=True)
     atexit.register(server.stop)

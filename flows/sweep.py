@@ -135,7 +135,7 @@ def sweep(
     from prefect.runtime import flow_run
 
     return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs,
-            **({"study": search["study"]} if search else {})}
+            "best": best, **({"study": search["study"]} if search else {})}
 
 
 class Place:

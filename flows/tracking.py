@@ -123,6 +123,24 @@ class RunTracking:
             if self.mlflow is not None:
                 self.mlflow.artifact(version.file(name), folder)
 
+    def where(self) -> list[str]:
+        """One line per tracker: what the run wrote where, and the command that shows it."""
+        lines = []
+        if self.mlflow is not None:
+            uri = self.mlflow.where
+            experiment = self.track.experiment or DEFAULT_EXPERIMENT
+            shown = f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://")) \
+                else f"open {uri}"
+            beside = ""
+            if uri.startswith("sqlite:///"):
+                beside = f", its files in {Path(uri.removeprefix('sqlite:///')).resolve().parent / 'mlartifacts'}"
+            lines.append(f"MLflow: run {self.run_name} ({self.mlflow.run_id}) in experiment {experiment} at {uri}"
+                         f"{beside}; see it with `{shown}`")
+        if self.track.tensorboard is not None:
+            lines.append(f"TensorBoard: event files in {Path(self.track.tensorboard) / self.run_name}; see them with "
+                         f"`tensorboard --logdir {self.track.tensorboard}`")
+        return lines
+
     def end(self, status: str) -> None:
         """FINISHED, FAILED or KILLED."""
         if self.mlflow is not None:

@@ -14,6 +14,25 @@ from bardflow.tasks.train import HISTORY
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 
 
+OVERFIT_RISE = 0.05  # validation loss this far (relative) above its best, with training loss still falling
+
+
+def overfitting(history: list[dict[str, Any]]) -> str | None:
+    """One line when the validation loss rose from its best while the training loss fell: the
+    model learns its corpus by heart rather than the language in it."""
+    evaluated = [h for h in history if h.get("val_loss") is not None]
+    if len(evaluated) < 2:
+        return None
+    best = min(evaluated, key=lambda h: h["val_loss"])
+    last = evaluated[-1]
+    if last["val_loss"] <= best["val_loss"] * (1 + OVERFIT_RISE) or last["loss"] >= best["loss"]:
+        return None
+    return (f"overfitting: validation loss rose from {best['val_loss']:.3f} (step {best['step']}) to "
+            f"{last['val_loss']:.3f} while training loss fell to {last['loss']:.3f}; the model is learning this "
+            "corpus by heart: give it more text, a smaller model (model.num_layers, model.d_model) or fewer steps "
+            "(train.steps)")
+
+
 def comparison(single: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
     devices = parallel["devices"]
     speedup = parallel["tokens_per_s"] / single["tokens_per_s"]

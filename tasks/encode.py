@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Builder, Version
-from bardflow.model.config import BYTE_VALUES, DataConfig
+from bardflow.model.config import BYTE_VALUES, TINYSHAKESPEARE_URL, DataConfig
 from bardflow.model.data import encode, write_sequences
 from bardflow.tasks.fetch import CORPUS
 from bardflow.tasks.registry import ENCODE
 
 TRAIN, VAL = ENCODE.builds
+
+
+def corpus_name(source: str) -> str:
+    """A corpus as its source names it: the default download is TinyShakespeare, anything else
+    its file or folder name."""
+    if source == TINYSHAKESPEARE_URL:
+        return "TinyShakespeare"
+    return source.rstrip("/").rsplit("/", 1)[-1] or source
 
 
 def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
@@ -41,7 +49,7 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
             {"": "Training sequences", "value": f"{counts['train_sequences']:,}"},
             {"": "Validation sequences", "value": f"{counts['val_sequences']:,}"},
         ],
-        description="TinyShakespeare, byte-level tokenization",
+        description=f"{corpus_name(fetch.manifest.get('source', ''))}, byte-level tokenization",
     )
     sample = raw[:200].decode("utf-8", errors="replace")
     ui.markdown(ENCODE.name, f"First 200 bytes:\n\n```\n{sample}\n```\n", "Corpus sample", what="sample")

@@ -117,5 +117,6 @@ def build(settings: DataConfig, out: Builder) -> None:
     ui.table(
         FETCH.name,
         [{"source": settings.corpus, "bytes": size, "md5": actual}],
-        description=f"Corpus fetched: {size:,} bytes, md5 verified",
+        description=f"Corpus fetched: {size:,} bytes, md5 "
+                    + ("verified against the known checksum" if files is None else "computed from its files"),
     )

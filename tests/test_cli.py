@@ -1,5 +1,6 @@
 """The command line's own behaviour, without running the pipeline."""
 
+import os
 import subprocess
 import sys
 
@@ -205,10 +206,17 @@ def test_a_sweep_table_keeps_the_setting_its_runs_differ_in(capsys, monkeypatch)
              "train.learning_rate": lr, "status": "completed", "val_loss": 1.68691, "val_bpb": 2.43372,
              "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
              "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
-    print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
+    best = {"run": 2, "val_loss": 1.68691, "set": "--set train.learning_rate=0.0026938830192854116",
+            "line": "run 2, validation loss 1.6869: --set train.learning_rate=0.0026938830192854116"}
+    rows[1]["train.learning_rate"] = "0.0026938830192854116"
+    print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store", "best": best})
     out = capsys.readouterr().out
+    # The best run's line comes last, whole (the exact value); the table shows 4 digits.
+    assert out.rstrip("\n").splitlines()[-1] == f"best: {best['line']}", out
+    assert "0.002694" in out.split("best:")[0] and "0.0026938830192854116" not in out.split("best:")[0], out
     shown = out.split("left out at this width")[0]
     assert "train.learning_rate" in shown and "0.003" in shown and "1.6869" in shown, out
+
     assert "generate.max_new_bytes" in out.split("left out at this width")[1], out
 
 
@@ -244,3 +252,29 @@ def test_a_sweep_is_refused_before_its_temporary_server_starts(tmp_path, args, w
                           timeout=120, check=False)
     assert done.returncode in (1, 2) and words in done.stderr, done.stderr
     assert "temporary Prefect server" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
+    """It printed the URLs, then `Port 4200 is already in use`, exit 1."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"true")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "bardflow", "ui", "--port", str(server.server_port)], cwd=REPO,
+                              env={**os.environ, "BARDFLOW_SERVER_FILE": str(tmp_path / "none.json")},
+                              capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"Prefect UI:  http://127.0.0.1:{server.server_port} (a server already there)")

@@ -77,6 +77,10 @@ def test_a_fresh_run_builds_every_stage(workspace, first_run):
     assert all(row["bytes"] > 0 and row["created"] for row in listing)
     table = call("artifacts", "train_parallel", "--store", str(store)).stdout
     assert stages["train_parallel"]["key"] in table and "tokens_per_s" in table
+    # One stage's listing ends with each version's folder, whole; every row names its corpus.
+    exports = call("artifacts", "export", "--store", str(store)).stdout
+    assert stages["export"]["path"] in exports and "corpus=corpus.txt" in exports, exports
+    assert {row["corpus"].split(" ")[0] for row in listing} == {"corpus.txt"}
 
 
 def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
@@ -91,7 +95,11 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     # version's fingerprint describes what it holds, not how fast it was made.
     refreshed = run(common, "--refresh", "generate", "--refresh", "train_parallel",
                     "--set", "train.single_device_steps=5", env=run_env)[1]
-    assert refreshed == only("generate", "train_single", "train_parallel", "compare")
+    # Built again with the stored output: the stored version (and its figures) is kept, and
+    # the summary says so rather than show that version's timings as this run's.
+    assert {"generate": "ran (unchanged)", "train_parallel": "ran (unchanged)"}.items() <= refreshed.items()
+    assert {stage: state.removesuffix(" (unchanged)") for stage, state in refreshed.items()} == \
+        only("generate", "train_single", "train_parallel", "compare")
     # (A changed generation setting reruns only generate too: the `bardflow-samples/generate`
     # deployment in test_deployment.py.)
     # A model or training change reruns training and all after it; data stays cached.
@@ -237,6 +245,10 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
 
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("bardflow")
+    # The run ends saying where it was tracked and how to see it.
+    assert any(line.startswith("MLflow: run ") and "mlflow ui --backend-store-uri sqlite:///" in line
+               for line in second["tracking"]), second["tracking"]
+    assert any("tensorboard --logdir" in line for line in second["tracking"]), second["tracking"]
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
     preset = build_config("tiny")
@@ -267,7 +279,9 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
         assert artifacts == {"curves.png", "throughput.png", "samples.json", "export"}
         exported = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "export")}
         assert {"model.safetensors", "config.json", "forward.jax"} <= exported
-    assert not list(Path.cwd().glob("mlartifacts")), "artifacts were written to the working directory"
+        # Beside the tracking database, not in the working directory (which is the user's: a
+        # folder left there by their own runs is none of this test's business).
+        assert run.info.artifact_uri.startswith((str(root), f"file://{root}")), run.info.artifact_uri
 
 
 def assert_curve(found: list[tuple[int, float]], history: list[dict], name: str) -> None:

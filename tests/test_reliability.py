@@ -43,7 +43,11 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
         assert Store(store).lookup(stage, versions[0].name) is not None
         # Built once: each stage ran in one of the two runs, and the other found it.
         assert sorted((a["stages"][stage]["state"], b["stages"][stage]["state"])) == ["cached", "ran"], stage
-    assert "starting a temporary Prefect server for this run" in (tmp_path / "a.log").read_text()
+    log = (tmp_path / "a.log").read_text()
+    assert "starting a temporary Prefect server for this run" in log
+    # Its links point where the run can be seen once its own server is gone: `bardflow ui`.
+    assert f"View at http://127.0.0.1:4200/runs/flow-run/{a['flow_run']}" in log, log[-3000:]
+    assert a["ui"] == f"http://127.0.0.1:4200/runs/flow-run/{a['flow_run']}" and a["ui_served"] is False
 
 
 BAD_INPUTS = {

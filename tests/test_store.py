@@ -128,3 +128,33 @@ def test_versions_lists_newest_first(tmp_path):
     listed = store.versions()
     assert [v.metrics["n"] for v in listed] in ([2, 1], [1, 2])  # same second: any order
     assert all(v.stage == "demo" for v in listed) and len(listed) == 2
+
+
+def test_runs_tell_versions_apart_by_their_corpus(tmp_path):
+    """`bardflow runs` compared two trainings on different text by a 64-digit encode hash;
+    it names each corpus by its source, size and md5."""
+    from bardflow.flows.runs import describe, listing, manifests_of
+    from bardflow.model.config import DataConfig
+    from bardflow.tasks.fetch import pin
+    from bardflow.tasks.registry import ENCODE, FETCH
+    from bardflow.tasks.stage import produce
+    from tests.helpers import play_text
+
+    store = Store(tmp_path / "store")
+    trained = []
+    for name, seed in (("plays.txt", 1), ("sonnets.txt", 2)):
+        (tmp_path / name).write_bytes(play_text(20_000, seed=seed))
+        data = pin(DataConfig(corpus=str(tmp_path / name), seq_len=32))
+        fetched, _ = produce(FETCH, data, {}, store)
+        encoded, _ = produce(ENCODE, data, {"fetch": fetched}, store)
+
+        def work(out):
+            out.path("history.json").write_text("[]")
+            out.metrics["val_loss"] = 2.0
+
+        version, _ = store.produce("train_parallel", f"{seed:020x}", {"train": {"steps": 3}}, {"encode": encoded}, work)
+        trained.append(version)
+    manifests = manifests_of(store)
+    assert describe(trained[0], manifests)["data.corpus"].startswith("plays.txt (20,000 bytes, md5 ")
+    rows = listing(trained, manifests)
+    assert [row["differs"]["corpus"].split(" ")[0] for row in rows] == ["plays.txt", "sonnets.txt"]

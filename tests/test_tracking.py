@@ -31,6 +31,14 @@ def test_records_become_scalars_with_the_throughput_between_them():
                                 (10, {"loss": 4.0, "tokens_per_s": 500.0})]
 
 
+def test_a_run_says_where_its_trackers_wrote_and_how_to_see_it():
+    from bardflow.flows.tracking import RunTracking
+    from bardflow.model.config import TrackConfig
+
+    lines = RunTracking(TrackConfig(tensorboard="runs"), "bold-fox", print).where()
+    assert lines == ["TensorBoard: event files in runs/bold-fox; see them with `tensorboard --logdir runs`"]
+
+
 def test_track_options_name_a_destination_or_take_the_default(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
