@@ -171,10 +171,19 @@ def check(preset: str | None, overrides: dict[str, Any], source: str) -> None:
 
 
 def as_yaml(preset: str) -> str:
-    """A complete file to start from: the preset's every setting, which the file then pins."""
+    """A complete file to start from: the preset's every setting, which the file then pins, but
+    for the default corpus's URL (left out, so the file works offline with --corpus or
+    BARDFLOW_CORPUS, and online as the preset does)."""
     import yaml
 
+    from bardflow.model.config import TINYSHAKESPEARE_URL
+
     body = build_config(preset).model_dump(mode="json")
+    note = ""
+    if body["data"].get("corpus") == TINYSHAKESPEARE_URL:
+        del body["data"]["corpus"]
+        note = ("# data.corpus is left out: the public TinyShakespeare download unless --corpus or BARDFLOW_CORPUS\n"
+                "# names another source (a path, a folder, a file:// or https:// URL).\n")
     header = (f"# bardflow run --config FILE: the {preset} preset in full. Edit what you need, or delete\n"
-              "# sections to keep the preset's values; --set still applies on top.\n")
+              "# sections to keep the preset's values; --set still applies on top.\n" + note)
     return header + yaml.safe_dump({"preset": preset, **body}, sort_keys=False)

@@ -69,12 +69,27 @@ Preset = Literal[PRESET_NAMES]
 
 class ExplainedErrorFilter(logging.Filter):
     """Explained errors name the problem and the fix in their message; a traceback in the
-    log would only bury that line (unless debugging). Other errors keep theirs."""
+    log would only bury that line (unless debugging). Other errors keep theirs.
+
+    On the terminal (``terminal=True``), Prefect's own reports of an explained error (the task
+    failed, the task's state, the flow's exception, the flow's state: the same line four more
+    times) are left out: the command ends with that line once. The log and the UI keep them."""
+
+    explained: set[str] = set()  # the explained errors' lines seen in this process
+
+    def __init__(self, terminal: bool = False):
+        super().__init__()
+        self.terminal = terminal
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, BardflowError) and not debugging():
             record.exc_info, record.exc_text = None, None
+            ExplainedErrorFilter.explained.add(one_line(error))
+            return not self.terminal
+        if self.terminal and record.name.startswith("prefect.") and not debugging():
+            message = record.getMessage()
+            return not any(line and line[:200] in message for line in ExplainedErrorFilter.explained)
         return True
 
 
@@ -82,7 +97,8 @@ def quiet_explained_errors() -> None:
     loggers = [logging.getLogger(name) for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs")]
     for handler in (h for logger in loggers for h in logger.handlers):
         if not any(isinstance(f, ExplainedErrorFilter) for f in handler.filters):
-            handler.addFilter(ExplainedErrorFilter())
+            terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            handler.addFilter(ExplainedErrorFilter(terminal=terminal))
 
 
 def opened(root: str):

@@ -154,6 +154,7 @@ def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(t
     whole = tmp_path / "cpu.yaml"
     whole.write_text(config_file.as_yaml("cpu"))
     assert build_config(*config_file.read(whole)) == build_config("cpu")
+    assert "https://" not in whole.read_text().split("\npreset:")[1]  # no download URL to edit away offline
 
     for text, words in [
         ("trian:\n  steps: 3\n", [str(run_yaml), "unknown key 'trian'", "preset, data, model"]),

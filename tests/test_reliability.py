@@ -121,6 +121,9 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
     errors = [line for line in done.stderr.splitlines() if line.startswith("bardflow: error: ")]
     assert len(errors) == 1, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == errors[0], done.stderr[-3000:]  # the last line, after Prefect's own
+    # Once: Prefect's own reports of it (the task's failure and state, the flow's) stay in the
+    # log and the UI (the same line came four more times, as ERROR lines).
+    assert done.stderr.count(errors[0].removeprefix("bardflow: error: ")[:80]) == 1, done.stderr[-3000:]
     for word in words:
         assert word in errors[0], errors[0]
     assert "Traceback" not in done.stderr, "an explained error is shown without a traceback"
