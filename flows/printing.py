@@ -53,6 +53,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     for line in summary.get("tracking", []):  # whole lines: paths and commands to copy
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if summary.get("ui"):
+        console.print()
         later = "" if summary.get("ui_served") else " (its server was this run's own: `bardflow ui` serves it there)"
         console.print(f"This run in the Prefect UI: {summary['ui']}{later}", soft_wrap=True, highlight=False,
                       markup=False)
