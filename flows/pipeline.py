@@ -16,11 +16,12 @@ import logging
 import os
 import time
 from functools import partial
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import ValidationError
 
@@ -75,7 +76,7 @@ class ExplainedErrorFilter(logging.Filter):
     failed, the task's state, the flow's exception, the flow's state: the same line four more
     times) are left out: the command ends with that line once. The log and the UI keep them."""
 
-    explained: set[str] = set()  # the explained errors' lines seen in this process
+    explained: ClassVar[set[str]] = set()  # the explained errors' lines seen in this process
 
     def __init__(self, terminal: bool = False):
         super().__init__()
@@ -132,8 +133,6 @@ def _ended(tracked: RunTracking | None, error: BaseException | None = None, stag
 
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
-        from prefect.runtime import flow_run
-
         logger = get_run_logger()
         # One training at a time on a host (flows/slots.py).
         around = partial(training_slot, stage.name, logger.info, flow_run.id) \
@@ -225,17 +224,19 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     # machine, what a child it ran on a worker produced.
     ui.table(RUN_ARTIFACT, [{"stage": name, "state": row["state"], "key": row["key"], "seconds": row["seconds"]}
                             for name, row in summary.items()], description=f"bardflow run, preset {chosen}")
-    from prefect.runtime import flow_run
-
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
-    warnings = [line for line in [overfitting(json.loads(versions["train_parallel"].file(HISTORY).read_text()))]
-                if line]
-    for line in warnings:
+    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples,
+            "warnings": _warnings(versions, logger), **({"tracking": tracked.where()} if tracked is not None else {})}
+
+
+def _warnings(versions: dict[str, Version], logger) -> list[str]:
+    """What the run's figures say is wrong with it (overfitting), told in the log and the UI."""
+    found = [line for line in [overfitting(json.loads(versions["train_parallel"].file(HISTORY).read_text()))]
+             if line]
+    for line in found:
         logger.warning(line)
         ui.markdown(RUN_ARTIFACT, f"**Warning**: {line}\n", "A warning about this run", what="warning")
-    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples,
-            "warnings": warnings,
-            **({"tracking": tracked.where()} if tracked is not None else {})}
+    return found
 
 
 @flow(name="bardflow-pipeline", log_prints=True, persist_result=False)

@@ -10,6 +10,7 @@ from typing import Any
 from bardflow.artifacts.objects import is_remote, open_store
 from bardflow.artifacts.store import Version
 from bardflow.model.errors import BardflowError
+from bardflow.tasks.sources import corpus_name
 
 TRAINED = ("train_single", "train_parallel")
 FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
@@ -36,8 +37,7 @@ def corpus_of(version: Version, manifests: dict[tuple[str, str], dict[str, Any]]
     while todo:
         stage, _, manifest = todo.pop()
         if stage == "fetch":
-            source = str(manifest.get("source", "?")).rstrip("/")
-            name = source.rsplit("/", 1)[-1] or source
+            name = corpus_name(str(manifest.get("source", "?")))
             metrics = manifest.get("metrics", {})
             return f"{name} ({metrics.get('bytes', 0):,} bytes, md5 {str(metrics.get('md5', '?'))[:12]}…)"
         for entry in manifest.get("inputs", {}).values():

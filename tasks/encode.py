@@ -5,20 +5,13 @@ from __future__ import annotations
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Builder, Version
-from bardflow.model.config import BYTE_VALUES, TINYSHAKESPEARE_URL, DataConfig
+from bardflow.model.config import BYTE_VALUES, DataConfig
 from bardflow.model.data import encode, write_sequences
 from bardflow.tasks.fetch import CORPUS
 from bardflow.tasks.registry import ENCODE
+from bardflow.tasks.sources import corpus_name
 
 TRAIN, VAL = ENCODE.builds
-
-
-def corpus_name(source: str) -> str:
-    """A corpus as its source names it: the default download is TinyShakespeare, anything else
-    its file or folder name."""
-    if source == TINYSHAKESPEARE_URL:
-        return "TinyShakespeare"
-    return source.rstrip("/").rsplit("/", 1)[-1] or source
 
 
 def build(settings: DataConfig, out: Builder, fetch: Version) -> None:

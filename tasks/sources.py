@@ -11,11 +11,20 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from bardflow.model.config import TINYSHAKESPEARE_URL
 from bardflow.model.errors import BardflowError
 
 
 class FetchError(BardflowError, RuntimeError):
     """The corpus could not be fetched or is not the expected file."""
+
+
+def corpus_name(source: str) -> str:
+    """A corpus as its source names it: the default download is TinyShakespeare, anything else
+    its file or folder name."""
+    if source == TINYSHAKESPEARE_URL:
+        return "TinyShakespeare"
+    return source.rstrip("/").rsplit("/", 1)[-1] or source
 
 
 def local_path(source: str) -> Path | None:
