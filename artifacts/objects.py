@@ -268,23 +268,29 @@ class RemoteResumeFolder(ResumeFolder):
     def pull(self) -> int | None:
         bucket = Bucket(self.url)
         committed = self.committed(bucket)
-        if not committed:
-            return None
-        step = max(committed)
-        local = self.path / str(step)
-        if local.is_dir() and not Store.damage(local, committed[step]):
-            return step
-        incoming = self.path / f".pull-{step}-{uuid.uuid4().hex[:6]}"
-        try:
-            if not _fetch_verified(bucket, str(step), committed[step]["files"], incoming):
+        while committed:
+            step = max(committed)
+            local = self.path / str(step)
+            if local.is_dir() and not Store.damage(local, committed[step]):
+                return step
+            incoming = self.path / f".pull-{step}-{uuid.uuid4().hex[:6]}"
+            try:
+                if _fetch_verified(bucket, str(step), committed[step]["files"], incoming):
+                    shutil.rmtree(local, ignore_errors=True)
+                    os.rename(incoming, local)
+                    return step
+            finally:
+                shutil.rmtree(incoming, ignore_errors=True)
+            # Another run training the same version may have moved on (it removes older steps)
+            # or finished (it clears the folder) while this one read: damaged only if the step
+            # it read is still committed.
+            now = self.committed(bucket)
+            if now.get(step) == committed[step]:
                 raise ObjectStoreError(
                     f"the training checkpoint {bucket.uri(str(step))} is damaged; remove "
                     f"{bucket.uri()} to train from the start")
-            shutil.rmtree(local, ignore_errors=True)
-            os.rename(incoming, local)
-        finally:
-            shutil.rmtree(incoming, ignore_errors=True)
-        return step
+            committed = now
+        return None
 
     def push(self) -> None:
         bucket = Bucket(self.url)

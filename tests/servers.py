@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from bardflow.runtime.launch import free_port
@@ -95,6 +95,12 @@ class Server:
 
     def run(self, *command: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def deployments(self) -> AbstractContextManager[None]:
+        """The server's deployments, held by one test module of the session at a time: one that
+        redeploys prefect.yaml (`deploy --all`, on the `gpu` pool) would move the `sweep`
+        deployment off the pool another module's search is running on."""
+        return locked(self.home / "deployments")
 
     def api(self, path: str, body: dict | None = None, tries: int = 5) -> list[dict] | dict:
         """POST ``body`` (a filter) to the API, or GET ``path`` without one. A 503 (the server's

@@ -35,9 +35,10 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
     if not SHARED_CORPUS.exists():
         pytest.skip(f"needs the offline TinyShakespeare copy at {SHARED_CORPUS}")
     store = object_server.prefix("deployed")
-    for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"], ["--no-prompt", "deploy", "--all"]):
-        done = prefect_server.run(str(BIN / "prefect"), *command)
-        assert done.returncode == 0, done.stdout + done.stderr
+    with prefect_server.deployments():
+        for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"], ["--no-prompt", "deploy", "--all"]):
+            done = prefect_server.run(str(BIN / "prefect"), *command)
+            assert done.returncode == 0, done.stdout + done.stderr
     # The worker's host has an offline mirror of the corpus, the bucket's credentials and a
     # working folder of its own; flow runs inherit the worker's environment, as on a GPU host.
     worker = prefect_server.start("worker", str(BIN / "prefect"), "worker", "start", "--pool", "gpu",

@@ -143,6 +143,23 @@ def test_checkpoints_go_up_once_complete_and_come_down_on_another_machine(s3, bu
     (here.path / "300" / "state" / "data").write_bytes(b"x")
     here.push()
     assert sorted(n for n in objects(s3, url) if n.endswith(".json")) == ["200.json", "300.json"]
+
+    # A third machine lists step 300, and the run training there moves on to 400 (removing 300)
+    # before this one has read it: not damage; the newest step still committed comes down.
+    late = RemoteResumeFolder(tmp_path / "c", url)
+    listing = late.committed
+
+    def listed_then_the_other_run_moves_on(bucket):
+        found = listing(bucket)
+        if 400 not in found:
+            shutil.rmtree(here.path / "300")
+            (here.path / "400" / "state").mkdir(parents=True)
+            (here.path / "400" / "state" / "data").write_bytes(b"y")
+            here.push()
+        return found
+
+    late.committed = listed_then_the_other_run_moves_on
+    assert late.pull() == 400 and (late.path / "400/state/data").read_bytes() == b"y"
     there.clear()
     assert objects(s3, url) == [] and not there.path.exists()
 

@@ -73,11 +73,16 @@ def shared_bucket(tmp_path_factory, corpus, run_env, object_server):
                    machine(run_env, object_server, root / "host-0", BARDFLOW_PROCESS_ID="0", **cluster))
     follower = start(args(corpus, store, "--cpu-devices", "1"), root / "follower.log",
                      machine(run_env, object_server, root / "host-1", BARDFLOW_PROCESS_ID="1", **cluster))
-    # The plain run in this process, while the cluster's two run beside it.
-    plain = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
-                            env=machine(run_env, object_server, root / "laptop")).stdout)
-    runs = {"cluster": finish(leader), "plain": plain}
-    follower.communicate(timeout=60)
+    try:
+        # The plain run in this process, while the cluster's two run beside it.
+        plain = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
+                                env=machine(run_env, object_server, root / "laptop")).stdout)
+        runs = {"cluster": finish(leader), "plain": plain}
+        follower.communicate(timeout=60)
+    finally:  # a follower whose leader failed would wait for it for an hour
+        for process in (leader, follower):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
     assert follower.returncode == 0, (root / "follower.log").read_text()[-2000:]
     return store, root, runs
 

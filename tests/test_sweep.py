@@ -208,23 +208,24 @@ def pool_workers(prefect_server):
     from pathlib import Path
 
     prefect = str(Path(sys.executable).parent / "prefect")
-    for command in (["work-pool", "create", "--overwrite", "--type", "process", "sweepers"],
-                    ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"]):
-        done = prefect_server.run(prefect, *command)
-        assert done.returncode == 0, done.stdout + done.stderr
-    # Two workers of one host with one device: their runs take turns at the host's training
-    # slot (flows/slots.py), and train_parallel takes over train_single's version.
-    one_device = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"
-    env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME, "XLA_FLAGS": one_device}
-    workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,
-                                          "--limit", "1", env=env)
-               for name in ("sweeper-a", "sweeper-b")}
-    try:
-        yield workers
-    finally:
-        for worker in workers.values():
-            prefect_server.stop_worker(worker)
-        assert all(worker.poll() is not None for worker in workers.values()), "a worker was left running"
+    with prefect_server.deployments():  # until the module is done: see Server.deployments
+        for command in (["work-pool", "create", "--overwrite", "--type", "process", "sweepers"],
+                        ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"]):
+            done = prefect_server.run(prefect, *command)
+            assert done.returncode == 0, done.stdout + done.stderr
+        # Two workers of one host with one device: their runs take turns at the host's training
+        # slot (flows/slots.py), and train_parallel takes over train_single's version.
+        one_device = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"
+        env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME, "XLA_FLAGS": one_device}
+        workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,
+                                              "--limit", "1", env=env)
+                   for name in ("sweeper-a", "sweeper-b")}
+        try:
+            yield workers
+        finally:
+            for worker in workers.values():
+                prefect_server.stop_worker(worker)
+            assert all(worker.poll() is not None for worker in workers.values()), "a worker was left running"
 
 
 @pytest.mark.flow
