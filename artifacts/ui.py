@@ -30,14 +30,23 @@ def _in_run() -> bool:
     return TaskRunContext.get() is not None or FlowRunContext.get() is not None
 
 
-def log(message: str, *args: Any) -> None:
-    """To the run's log in the UI when inside a run, else to the ``bardflow`` logger."""
+TERMINAL = {"bardflow_terminal": True}  # a record's mark: the terminal shows this INFO line too
+
+
+def log(message: str, *args: Any, terminal: bool = False) -> None:
+    """To the run's log in the UI when inside a run, else to the ``bardflow`` logger. A
+    terminal run shows INFO lines only with ``terminal`` (the rest: the log, the UI, --verbose)."""
     import logging
 
     from prefect.logging import get_run_logger
 
     logger = get_run_logger() if _in_run() else logging.getLogger("bardflow")
-    logger.info(message, *args)
+    logger.info(message, *args, extra=TERMINAL if terminal else None)
+
+
+def say(message: str, *args: Any) -> None:
+    """An INFO line a user at the terminal needs (progress, a resume, a wait, a measurement)."""
+    log(message, *args, terminal=True)
 
 
 def warning(message: str) -> None:
@@ -104,9 +113,13 @@ class Progress:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
 
+        import shutil
+
+        # The label, the count and the time left keep their room on a narrow terminal; the bar takes the rest.
+        room = shutil.get_terminal_size().columns - len(label) - 2 * len(str(total)) - 12
         self._bar = Bar(
             TextColumn(f"[bold]{label}"),
-            BarColumn(),
+            BarColumn(bar_width=max(5, min(40, room))),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
             transient=False,
@@ -118,7 +131,7 @@ class Progress:
     def __call__(self, done: int, total: int | None = None) -> None:
         self._bar.update(self._task, completed=done)
         if self._bar.disable and done * 10 // self.total > (done - 1) * 10 // self.total:
-            log("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
+            say("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
         now = time.monotonic()
         if self._artifact is not None and (now - self._last >= self.every_s or done == self.total):
             self._last = now

@@ -7,6 +7,7 @@ Writes one table to the terminal and the same as JSON under ``bench/results/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -266,11 +267,16 @@ def timed_n(fn, count: int):
     return run
 
 
+CACHED_ROUNDS = 3  # fully cached runs timed in each setting; the median is reported
+
+
 def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
     """The preset's whole pipeline from ``repo`` (a checkout), on a fresh store, a fresh
     Prefect home and an empty compilation cache; then again fully cached; then on another
     fresh store with the compilation cache the first run left (a new run of a machine that
-    has run before). Wall time, time in and outside the stages."""
+    has run before); then fully cached again, ``CACHED_ROUNDS`` times with the run's own
+    server and as many with a background one (`bardflow server start`). Wall time, time in
+    and outside the stages."""
     if not SHARED_CORPUS.exists():
         return {"skipped": f"no offline corpus at {SHARED_CORPUS}"}
     try:
@@ -278,9 +284,11 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
     except ImportError:
         return {"skipped": "prefect is not installed"}
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "JAX_COMPILATION_CACHE_DIR": f"{tmp}/jax"}
-        runs = []
-        for store in ("store", "store", "store-2"):
+        env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "JAX_COMPILATION_CACHE_DIR": f"{tmp}/jax",
+               "BARDFLOW_SERVER_FILE": f"{tmp}/server.json"}
+        env.pop("PREFECT_API_URL", None)
+
+        def run(store: str) -> dict:
             command = [sys.executable, "-m", "bardflow", "run", "--preset", preset, "--corpus", str(SHARED_CORPUS),
                        "--store", f"{tmp}/{store}", "--json"]
             started = time.perf_counter()
@@ -290,13 +298,46 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
             stages = {name: stage["seconds"] for name, stage in summary.items()}
             # Everything outside the stage calls: interpreter and imports, the embedded
             # Prefect server's start and stop, the flow run's own bookkeeping.
-            runs.append({"wall_s": wall, "stages_s": sum(stages.values()), "outside_stages_s": wall - sum(stages.values()),
-                         "per_stage_s": stages,
-                         # the model that is checkpointed, verified and sampled
-                         "val_loss": summary["train_parallel"]["metrics"].get("val_loss")})
+            return {"wall_s": wall, "stages_s": sum(stages.values()), "outside_stages_s": wall - sum(stages.values()),
+                    "per_stage_s": stages,
+                    # the model that is checkpointed, verified and sampled
+                    "val_loss": summary["train_parallel"]["metrics"].get("val_loss")}
+
+        runs = [run(store) for store in ("store", "store", "store-2")]
+        embedded = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
+        server = [sys.executable, "-m", "bardflow", "server"]
+        subprocess.run([*server, "start", "--port", str(free_port())], cwd=repo, env=env, check=True,
+                       capture_output=True)
+        try:
+            background = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
+        finally:
+            subprocess.run([*server, "stop"], cwd=repo, env=env, check=False, capture_output=True)
     return {"preset": preset, "fresh_s": runs[0]["wall_s"], "cached_rerun_s": runs[1]["wall_s"],
             "warm_compile_s": runs[2]["wall_s"], "val_loss": runs[0]["val_loss"],
+            "cached_embedded_s": statistics.median(embedded), "cached_background_s": statistics.median(background),
             "fresh": runs[0], "cached_rerun": runs[1], "warm_compile": runs[2]}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def checkout(revision: str):
+    """``revision`` of this repository in a temporary work tree (removed afterwards)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), revision], check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False,
+                           capture_output=True)
 
 
 def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
@@ -313,6 +354,22 @@ def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
     return out
 
 
+PIPELINE_FIGURES = ("fresh_s", "cached_embedded_s", "cached_background_s", "val_loss")
+
+
+def pipeline_only(preset: str, against: str | None, folder: Path) -> int:
+    """The whole pipeline's figures, this checkout's beside ``against``'s when given."""
+    report = {"machine": machine(), "mode": "pipeline", "pipeline": bench_pipeline(preset)}
+    flat = {f"pipeline.{key}": report["pipeline"].get(key) for key in PIPELINE_FIGURES}
+    if against:
+        with checkout(against) as tree:
+            report["pipeline_against"] = {"revision": against, **bench_pipeline(preset, tree)}
+        flat.update({f"pipeline[{against}].{key}": report["pipeline_against"].get(key) for key in PIPELINE_FIGURES})
+    out = write_report(report, flat, folder, "pipeline")
+    print(f"written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps than the full run")
@@ -324,7 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="skip the whole-pipeline timing (the GPU check times the pipeline on its own)")
+    parser.add_argument("--pipeline-only", action="store_true", help="time the whole pipeline alone")
+    parser.add_argument("--against", metavar="REVISION",
+                        help="time the whole pipeline of this git revision too, beside this checkout's")
     args = parser.parse_args(argv)
+    if args.pipeline_only:
+        return pipeline_only(MODES["smoke" if args.smoke else "quick" if args.quick else "full"].pipeline,
+                             args.against, args.out)
 
     from bardflow.model.config import build_config
 
@@ -357,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline.cached_rerun_s": report["pipeline"].get("cached_rerun_s"),
         "pipeline.val_loss": report["pipeline"].get("val_loss"),
         "pipeline.cached_rerun_outside_stages_s": report["pipeline"].get("cached_rerun", {}).get("outside_stages_s"),
+        "pipeline.cached_embedded_s": report["pipeline"].get("cached_embedded_s"),
+        "pipeline.cached_background_s": report["pipeline"].get("cached_background_s"),
     }
     out = write_report(report, flat, args.out, report["mode"])
     versus_torch = report["train"]["bardflow_over_torch"]

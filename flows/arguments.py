@@ -45,6 +45,9 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
                              "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
                              "runs the pipeline, the others join its train_parallel")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every line of the run's log here too (Prefect's own included); by default the "
+                             "terminal shows each stage's end, progress, warnings and errors, the UI everything")
 
 
 def parser() -> argparse.ArgumentParser:

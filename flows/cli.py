@@ -27,6 +27,7 @@ from bardflow.flows.settings import (
 from bardflow.flows.tracking import check_installed, track_settings
 from bardflow.model.errors import BardflowError
 from bardflow.runtime import stopping
+from bardflow.runtime.distributed import probe_devices
 from bardflow.tasks.registry import NAMES
 
 _embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
@@ -68,6 +69,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     root = store_location(args.store)
     check_resource_limits()
     prepare_environment(args.cpu_devices)
+    probe_devices()
     use_running_server()
     check_chosen_server()
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
@@ -152,8 +154,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
     if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
-    from bardflow.flows.pipeline import pipeline
+    from bardflow.flows.pipeline import ExplainedErrorFilter, pipeline, quiet_explained_errors
 
+    ExplainedErrorFilter.quiet = not args.verbose
+    quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
     with _terminal_run():
         return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
                         processes=args.processes)
@@ -200,7 +204,11 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
     _start_server()
+    from bardflow.flows.pipeline import ExplainedErrorFilter, quiet_explained_errors
     from bardflow.flows.sweep import sweep
+
+    ExplainedErrorFilter.quiet = not args.verbose
+    quiet_explained_errors()
 
     with _terminal_run():
         return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,

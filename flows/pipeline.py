@@ -55,9 +55,8 @@ from bardflow.runtime import stopping
 from bardflow.runtime.distributed import hardware
 from bardflow.tasks.compare import overfitting
 from bardflow.tasks.fetch import pin
-from bardflow.tasks.registry import NAMES, STAGES
+from bardflow.tasks.registry import HISTORY, NAMES, STAGES
 from bardflow.tasks.stage import RunPlan, Stage, produce
-from bardflow.tasks.train import HISTORY
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 SAME = "Unchanged"  # a task that built again what the store held already
@@ -74,9 +73,12 @@ class ExplainedErrorFilter(logging.Filter):
 
     On the terminal (``terminal=True``), Prefect's own reports of an explained error (the task
     failed, the task's state, the flow's exception, the flow's state: the same line four more
-    times) are left out: the command ends with that line once. The log and the UI keep them."""
+    times) are left out: the command ends with that line once. With ``quiet`` (a run at the
+    terminal, without --verbose), the terminal shows warnings, errors and the INFO lines marked
+    for it (``ui.say``: a stage's end, progress, a wait); the log and the UI keep everything."""
 
     explained: ClassVar[set[str]] = set()  # the explained errors' lines seen in this process
+    quiet: ClassVar[bool] = False  # set by the command line
 
     def __init__(self, terminal: bool = False):
         super().__init__()
@@ -89,17 +91,35 @@ class ExplainedErrorFilter(logging.Filter):
             ExplainedErrorFilter.explained.add(one_line(error))
             return not self.terminal
         if self.terminal and record.name.startswith("prefect.") and not debugging():
+            if self.quiet and record.levelno < logging.WARNING and not getattr(record, "bardflow_terminal", False):
+                return False
             message = record.getMessage()
             return not any(line and line[:200] in message for line in ExplainedErrorFilter.explained)
         return True
 
 
+class TerminalFormatter(logging.Formatter):
+    """A quiet terminal's lines: the time and the message (a level only where it is not INFO),
+    short enough for 80 columns; the log and the UI keep Prefect's full form."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        return line if record.levelno == logging.INFO else line.replace(" ", f" {record.levelname.lower()}: ", 1)
+
+
 def quiet_explained_errors() -> None:
+    """Each log handler gets the filter above (once); with ``ExplainedErrorFilter.quiet``, the
+    terminal's handler also the short form."""
     loggers = [logging.getLogger(name) for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs")]
     for handler in (h for logger in loggers for h in logger.handlers):
+        terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
         if not any(isinstance(f, ExplainedErrorFilter) for f in handler.filters):
-            terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
             handler.addFilter(ExplainedErrorFilter(terminal=terminal))
+        if terminal and ExplainedErrorFilter.quiet and not debugging():
+            handler.setFormatter(TerminalFormatter())
 
 
 def opened(root: str):
@@ -135,8 +155,8 @@ def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
         logger = get_run_logger()
         # One training at a time on a host (flows/slots.py).
-        around = partial(training_slot, stage.name, logger.info, flow_run.id) \
-            if isinstance(settings, TrainingRequest) else None
+        around = partial(training_slot, stage.name, logger.info, flow_run.id,
+                         say=partial(logger.info, extra=ui.TERMINAL)) if isinstance(settings, TrainingRequest) else None
         try:
             version, built = produce(stage, settings, upstream, checked_store(store), force, notice=logger.warning,
                                      around=around)
@@ -190,7 +210,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
     config = config.model_copy(update={"data": pin(config.data)})  # a local corpus's md5: computed, and keys it
     devices, platform = hardware()
-    logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform)
+    logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform,
+                extra=ui.TERMINAL)
     plan = RunPlan(config, devices, platform, processes)
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
     root = store_location(store)
@@ -214,6 +235,8 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
             summary[stage.name] = {"state": STATES.get(state.name, "ran"), "key": version.key,
                                    "path": version.location, "metrics": version.metrics,
                                    "seconds": round(time.perf_counter() - started, 3)}
+            logger.info("%s: %s in %.1f s (version %s)", stage.name, summary[stage.name]["state"],
+                        summary[stage.name]["seconds"], version.key[:12], extra=ui.TERMINAL)
             if tracked is not None:
                 tracked.stage_done(stage.name, summary[stage.name]["state"], version)
     except BaseException as error:

@@ -31,10 +31,10 @@ def pick_preset(preset: str) -> str:
     """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
     if preset != "auto":
         return preset
-    import jax  # only now: XLA_FLAGS and friends are set by then
+    from bardflow.runtime.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
 
     on_gpu, elsewhere = AUTO_CHOICES
-    return on_gpu if jax.default_backend() == "gpu" else elsewhere
+    return on_gpu if hardware()[1] == "gpu" else elsewhere
 
 
 def empty_corpus(name: str) -> str:

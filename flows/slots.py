@@ -96,10 +96,10 @@ def _describe(holder: dict, now: float) -> str:
 
 @contextmanager
 def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | None = None,
-                  name: str | None = None) -> Iterator[None]:
+                  name: str | None = None, say: Callable[[str], None] | None = None) -> Iterator[None]:
     """Holds this host's training slot (or the slot ``name``) for the body; waits for it,
-    saying so (in the log, and on stderr where the log would not show it), while another run
-    holds it. A stop (SIGINT/SIGTERM) while waiting stops the run as anywhere else."""
+    saying so (with ``say``, else ``log``; and on stderr where the log would not show it), while
+    another run holds it. A stop (SIGINT/SIGTERM) while waiting stops the run as anywhere else."""
     name = name or slot_name()
     if name is None:
         yield
@@ -108,7 +108,7 @@ def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | Non
 
     with get_client(sync_client=True) as client:
         _ensure_limit(client, name, log)
-        wait = _Wait(stage, name, log)
+        wait = _Wait(stage, name, say or log)
         holding = _Holding(name, {"host": socket.gethostname(), "pid": os.getpid(),
                                   "started": _process_start(os.getpid()), "stage": stage, "flow_run": flow_run_id})
         while True:
@@ -125,7 +125,7 @@ def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | Non
             stopping.check(f"while {stage} waited for the training slot {name}")
             time.sleep(POLL_S)
         holding.hold(lease)
-        log(f"{stage}: holds this host's training slot {name}"
+        (wait.log if wait.said else log)(f"{stage}: holds this host's training slot {name}"
             + (f" (waited {_duration(time.monotonic() - wait.began)})" if wait.said else ""))
         done = threading.Event()
         renewer = threading.Thread(target=contextvars.copy_context().run, args=(holding.renew, done), daemon=True,

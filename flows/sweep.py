@@ -221,7 +221,7 @@ def _here(configurations, configs, place: Place, progress) -> list[dict[str, Any
     for number, (varying, config) in enumerate(zip(configurations, configs), 1):
         runs.append(place.run_here(number, total, varying, config))
         progress(number)
-        get_run_logger().info("sweep: %d of %d done", number, total)
+        get_run_logger().info("sweep: %d of %d done", number, total, extra=ui.TERMINAL)
     return runs
 
 
@@ -256,7 +256,7 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, 
     logger, total = get_run_logger(), len(configs)
     runs = [place.submit(number, total, varying, config)
             for number, (varying, config) in enumerate(zip(configurations, configs), 1)]
-    logger.info("sweep: %d runs submitted to work pool %s", total, place.pool)
+    logger.info("sweep: %d runs submitted to work pool %s", total, place.pool, extra=ui.TERMINAL)
     done = 0
     with get_client(sync_client=True) as client:
         while done < total:
@@ -266,7 +266,8 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, 
                 if run["status"] == "running" and place.ended(client, run, total):
                     done += 1
                     progress(done)
-                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run["number"], run["status"])
+                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run["number"], run["status"],
+                                extra=ui.TERMINAL)
     return runs
 
 
@@ -280,9 +281,10 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
     logger, total = get_run_logger(), spec["trials"]
     study = Search(spec, place.root, listed)
     if study.resumed:
-        logger.info("search %s: resuming with %d of %d trials finished", study.name, study.finished(), total)
+        logger.info("search %s: resuming with %d of %d trials finished", study.name, study.finished(), total,
+                    extra=ui.TERMINAL)
     else:
-        logger.info("search %s: a new study of %d trials in %s", study.name, total, place.root)
+        logger.info("search %s: a new study of %d trials in %s", study.name, total, place.root, extra=ui.TERMINAL)
 
     def ask() -> tuple[int, dict[str, Any], PipelineConfig | None]:
         number, params = study.ask()
@@ -315,7 +317,7 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
                     running.remove(run)
                     study.tell(run["trial"], run)
                     progress(min(study.finished(), total))
-                    logger.info("search: trial %d %s", run["shown"], run["status"])
+                    logger.info("search: trial %d %s", run["shown"], run["status"], extra=ui.TERMINAL)
     return study.runs()
 
 

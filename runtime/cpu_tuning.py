@@ -30,6 +30,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -118,8 +119,10 @@ def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
     return lambda: run(TIMED_STEPS)
 
 
-def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
-    """The step's settings for this CPU and shape: from the cache, or measured now."""
+def choose(model_cfg, train_cfg, placement, seq_len: int, say: Callable[[str], None] = lambda line: None,
+           ) -> dict[str, Any]:
+    """The step's settings for this CPU and shape: from the cache, or measured now (``say``
+    tells the user first: it takes seconds to a minute)."""
     import jax
 
     base = default_choice(model_cfg, train_cfg, seq_len)
@@ -147,6 +150,8 @@ def choose(model_cfg, train_cfg, placement, seq_len: int) -> dict[str, Any]:
         first = alone["chosen"]
         tried = [first, {**first, "xla": "default" if first["xla"] == "tuned" else "tuned"}]
         note = "; kernels and rows per pass as measured on one device"
+    say(f"measuring {len(tried)} training step settings on this CPU for this model shape, to keep the fastest "
+        f"(once per machine and shape; kept in {path})")
     for choice in tried:
         started = time.perf_counter()
         runs.append(prepare(model_cfg, train_cfg, placement, seq_len, choice))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -88,13 +90,45 @@ def requested_cpu_devices(flags: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+_probe: subprocess.Popen | None = None
+_probed_answer: tuple[int, str] | None = None
+
+
+def probe_devices() -> None:
+    """Asks JAX for this host's devices in a process of its own, from now on (the environment,
+    XLA_FLAGS included, is final): JAX loads there while Prefect loads here, and a run whose
+    stages all come from the store never loads it here (a second of a cached run's four). A
+    process of a group asks in-process, once joined (``hardware``)."""
+    global _probe
+    if _probe is None and "jax" not in sys.modules and ProcessGroup.from_env() is None:
+        _probe = subprocess.Popen([sys.executable, "-c", "import jax; print(len(jax.devices()), jax.default_backend())"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _probed() -> tuple[int, str] | None:
+    global _probe, _probed_answer
+    if "jax" in sys.modules:  # JAX is here already: its own answer is the one
+        return None
+    if _probe is not None:
+        out, _ = _probe.communicate()
+        words = out.split()
+        if _probe.returncode == 0 and len(words) == 2 and words[0].isdigit():
+            _probed_answer = int(words[0]), words[1]
+        _probe = None
+    return _probed_answer
+
+
 def hardware() -> tuple[int, str]:
     """How many devices this process trains on (every process's, once joined), and their platform."""
-    import jax
+    found = _probed()
+    if found is not None:
+        count, platform, processes = *found, 1
+    else:
+        import jax
 
-    count, platform = len(jax.devices()), jax.default_backend()
+        count, platform, processes = len(jax.devices()), jax.default_backend(), jax.process_count()
     requested = requested_cpu_devices(os.environ.get("XLA_FLAGS", ""))
-    if platform == "cpu" and jax.process_count() == 1 and requested:
+    if platform == "cpu" and processes == 1 and requested:
         # JAX reads XLA_FLAGS once, when it starts: a run called in a process whose JAX
         # already emulates more devices than its --cpu-devices asks for takes the first ones.
         count = min(count, requested)

@@ -24,6 +24,7 @@ from bardflow.runtime.distributed import CPU_DEVICE_FLAG, NUM_PROCESSES, Process
 
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
 WARNING = "bardflow-warning"  # and its warnings, passed on to the stage's log: "bardflow-warning text"
+NOTE = "bardflow-note"  # and what the terminal shows of it besides (a measurement): "bardflow-note text"
 
 
 class ProcessFailure(BardflowError, RuntimeError):
@@ -58,19 +59,22 @@ def process_env(index: int, processes: int, port: int, devices_per_process: int,
 
 def launch_local(main: ModuleType, spec_path: Path, processes: int, devices_per_process: int, platform: str,
                  on_step: Callable[[int, int], None] | None = None,
-                 on_warning: Callable[[str], None] | None = None) -> None:
+                 on_warning: Callable[[str], None] | None = None,
+                 on_note: Callable[[str], None] | None = None) -> None:
     """Runs the spec as ``processes`` processes of ``main`` on this host, on 127.0.0.1, each
     with its share of the devices, and waits for all of them (see ``supervise``)."""
     port = free_port()
     envs = [process_env(i, processes, port, devices_per_process, platform) for i in range(processes)]
-    supervise(main, spec_path, envs, on_step, on_warning=on_warning)
+    supervise(main, spec_path, envs, on_step, on_warning=on_warning, on_note=on_note)
 
 
 def launch_leader(main: ModuleType, spec_path: Path, on_step: Callable[[int, int], None] | None = None,
-                  on_warning: Callable[[str], None] | None = None) -> None:
+                  on_warning: Callable[[str], None] | None = None,
+                  on_note: Callable[[str], None] | None = None) -> None:
     """Runs process 0 of a group that a cluster scheduler started: the others are
     ``bardflow run`` on the other hosts, following it."""
-    supervise(main, spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step, on_warning=on_warning)
+    supervise(main, spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step, on_warning=on_warning,
+              on_note=on_note)
 
 
 def process_command(main: ModuleType, spec_path: Path | None, join_timeout_s: int | None = None) -> list[str]:
@@ -82,7 +86,7 @@ def process_command(main: ModuleType, spec_path: Path | None, join_timeout_s: in
 
 
 def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: float = 0.2,
-              on_warning: Callable[[str], None] | None = None) -> None:
+              on_warning: Callable[[str], None] | None = None, on_note: Callable[[str], None] | None = None) -> None:
     """Starts one process per environment (the first is process 0) and waits for all,
     raising ``ProcessFailure`` on the first failure. Logs: ``process-<i>.log`` beside the
     spec; each process's id in ``process-<i>.pid``."""
@@ -106,7 +110,7 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
 
         while True:
             codes = [p.poll() for p in running]
-            seen = _follow_progress(logs[0], seen, progress, on_warning)
+            seen = _follow_progress(logs[0], seen, progress, on_warning, on_note)
             if stopping.requested() is not None:
                 # Each process has a session of its own, out of reach of a terminal's Ctrl-C:
                 # told here, they agree on a step, save its checkpoint together and exit.
@@ -171,7 +175,8 @@ def _how(code: int) -> str:
 
 
 def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None],
-                     on_warning: Callable[[str], None] | None = None) -> int:
+                     on_warning: Callable[[str], None] | None = None,
+                     on_note: Callable[[str], None] | None = None) -> int:
     try:
         with log.open("rb") as source:
             source.seek(seen)
@@ -185,6 +190,8 @@ def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None],
             on_step(done, total)
         elif line.startswith(WARNING) and on_warning is not None:
             on_warning(line[len(WARNING) + 1:])
+        elif line.startswith(NOTE) and on_note is not None:
+            on_note(line[len(NOTE) + 1:])
     return seen + len(complete)
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from bardflow.model.config import TrainingRequest
 from bardflow.model.multihost import broadcast_json
 from bardflow.runtime.distributed import DistributedError, ProcessGroup, initialize
-from bardflow.runtime.launch import PROGRESS, WARNING
+from bardflow.runtime.launch import NOTE, PROGRESS, WARNING
 
 if TYPE_CHECKING:
     from bardflow.runtime.training import RunFiles
@@ -56,7 +56,11 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     def warn(message: str) -> None:  # to the stage's log, through the launcher
         print(f"{WARNING} {message}", flush=True)
 
+    def note(message: str) -> None:  # to the stage's log and the terminal, through the launcher
+        if leader:
+            print(f"{NOTE} {message}", flush=True)
+
     files = files_of(spec, leader)
-    summary = run_training(request, files, devices, parallel=True, on_step=report, warn=warn)
+    summary = run_training(request, files, devices, parallel=True, on_step=report, warn=warn, note=note)
     if leader:  # the stage makes the version's other files and its manifest from this
         Path(spec["result"]).write_text(json.dumps(summary))

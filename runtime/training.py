@@ -68,11 +68,13 @@ def stop_hook() -> Hook:
 
 def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
                  on_step: Callable[[int, int], None] | None = None,
-                 warn: tracking.Warn = tracking.warn_on_stderr) -> dict[str, Any]:
+                 warn: tracking.Warn = tracking.warn_on_stderr,
+                 note: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
     final state at ``files.state`` (every process calls this; process 0 writes, and reports
-    each record to ``request.report``'s trackers, warning through ``warn``). Returns the
+    each record to ``request.report``'s trackers, warning through ``warn``; ``note`` tells the
+    user of a long step before training, the CPU's measurement). Returns the
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
     global_batch = request.train.per_device_batch * len(devices)
@@ -93,7 +95,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     if platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
         from bardflow.runtime.cpu_tuning import choose
 
-        tuning = choose(request.model, request.train, placement, seq_len)
+        tuning = choose(request.model, request.train, placement, seq_len, say=note)
     step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)

@@ -8,8 +8,7 @@ from typing import Any
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Builder, Version
-from bardflow.tasks.registry import COMPARE
-from bardflow.tasks.train import HISTORY
+from bardflow.tasks.registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 
@@ -33,27 +32,61 @@ def overfitting(history: list[dict[str, Any]]) -> str | None:
             "(train.steps)")
 
 
-def comparison(single: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
+def timed_window(*histories: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """The steps every run is timed on, as (a, b): steps a+1 to b, between the first record
+    they share (after step 0, which warms up: caches, threads, first transfers) and the last.
+    A record's ``seconds`` is the training clock once its step is done (evaluation left out)."""
+    clocks = [{h["step"]: h for h in history if h.get("seconds") is not None} for history in histories]
+    shared = sorted(set.intersection(*(set(clock) for clock in clocks)))
+    if len(shared) < 2 or any(clock[shared[-1]]["seconds"] <= clock[shared[0]]["seconds"] for clock in clocks):
+        return None
+    return shared[0], shared[-1]
+
+
+def _speed(history: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, float]:
+    at = {h["step"]: h for h in history}
+    (first, last), seconds = window, at[window[1]]["seconds"] - at[window[0]]["seconds"]
+    return {"tokens_per_s": (at[last]["tokens"] - at[first]["tokens"]) / seconds,
+            "ms_per_step": 1e3 * seconds / (last - first)}
+
+
+def comparison(single: dict[str, Any], parallel: dict[str, Any], single_history: list[dict[str, Any]] | None = None,
+               parallel_history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The two training stages' throughput on the same steps (``timed_window``), or, where
+    their records share no window, over each whole run (said in the note)."""
     devices = parallel["devices"]
-    speedup = parallel["tokens_per_s"] / single["tokens_per_s"]
+    window = timed_window(single_history, parallel_history) if single_history and parallel_history else None
+    if window is not None:
+        one, many = _speed(single_history, window), _speed(parallel_history, window)
+        timed = [f"{window[0] + 1} to {window[1]}"] * 2 + ["same"]
+        how = (f"Both runs are timed on the same steps, {window[0] + 1} to {window[1]} (the first step, which warms "
+               "up, left out; evaluation excluded).")
+    else:
+        one, many = single, parallel
+        timed = [f"all {single['steps']}", f"all {parallel['steps']}",
+                 "same" if single["steps"] == parallel["steps"] else "differs"]
+        how = "Each run is timed over all its steps: their records share no window of steps."
+    speedup = many["tokens_per_s"] / one["tokens_per_s"]
     rows = [
-        ["Global batch", single["global_batch"], parallel["global_batch"], f"{parallel['global_batch'] / single['global_batch']:.2f}x"],
+        ["Global batch", single["global_batch"], parallel["global_batch"],
+         f"{parallel['global_batch'] / single['global_batch']:.2f}x"],
         ["Per-device batch", single["per_device_batch"], parallel["per_device_batch"], "same"],
-        ["Timed steps", single["steps"], parallel["steps"], "same" if single["steps"] == parallel["steps"] else "differs"],
-        ["ms/step", f"{single['ms_per_step']:.2f}", f"{parallel['ms_per_step']:.2f}", f"{single['ms_per_step'] / parallel['ms_per_step']:.2f}x"],
-        ["Tokens/s", f"{single['tokens_per_s']:,.0f}", f"{parallel['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
+        ["Timed steps", *timed],
+        ["ms/step", f"{one['ms_per_step']:.2f}", f"{many['ms_per_step']:.2f}",
+         f"{one['ms_per_step'] / many['ms_per_step']:.2f}x"],
+        ["Tokens/s", f"{one['tokens_per_s']:,.0f}", f"{many['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
     ]
-    note = None
+    note = (f"{how} The speedup is the data-parallel run's tokens/s over the single device's; with the same batch "
+            f"on each device, {devices} devices ideally give {devices}x (emulated CPU devices share the same cores: "
+            "about 1x).")
     if speedup > 1.25 * devices:
-        note = (
-            f"The measured speedup {speedup:.2f}x exceeds 1.25 x {devices} devices. On a benchmark "
-            "this small, treat that as a measurement artifact (compilation, layout, kernel "
-            "choice), not as a scaling claim."
-        )
+        note += (f" The measured {speedup:.2f}x exceeds 1.25 x {devices} devices: on a benchmark this small, a "
+                 "measurement artifact (layout, kernel choice), not a scaling claim.")
     elif devices == 1:
-        note = "Only one device was visible, so the data-parallel run used the same single device."
+        note = f"{how} Only one device was visible, so the data-parallel run used the same single device."
     return {"header": ["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
-            "rows": rows,
+            "rows": rows, "window": window, "tokens_per_s": [round(one["tokens_per_s"], 1),
+                                                              round(many["tokens_per_s"], 1)],
             "speedup": round(speedup, 3), "devices": devices, "note": note}
 
 
@@ -130,12 +163,12 @@ def _history(version: Version) -> list[dict[str, Any]]:
 
 def build(settings: dict, out: Builder, train_single: Version, train_parallel: Version) -> None:
     single, parallel = train_single, train_parallel
-    result = comparison(single.metrics, parallel.metrics)
+    result = comparison(single.metrics, parallel.metrics, _history(single), _history(parallel))
     out.path(TABLE).write_text(json.dumps(result, indent=1))
     devices = result["devices"]
     plot(
-        [("single device", _history(single), single.metrics["tokens_per_s"]),
-         (result["header"][2], _history(parallel), parallel.metrics["tokens_per_s"])],
+        [("single device", _history(single), result["tokens_per_s"][0]),
+         (result["header"][2], _history(parallel), result["tokens_per_s"][1])],
         out.path(THROUGHPUT_PNG),
         out.path(CURVES_PNG),
     )

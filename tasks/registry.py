@@ -26,11 +26,12 @@ ENCODE = Stage(
 # "4": the model and its optimizer state are made in one compiled program, whose initial
 # values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
 # its own, mlp.up and mlp.down, so a state of "2" has other names.)
+STATE, HISTORY = "state", "history.json"  # what each training stage builds
 TRAIN_SINGLE = Stage(
     "train_single", "4", reads=("encode",),
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
-    builds=("state", "history.json"), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    builds=(STATE, HISTORY), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="train:build_single")
 # "6": the initial values of "4" above. "5": it reads train_single, whose version it takes
 # over when it has one device only:
@@ -40,11 +41,12 @@ TRAIN_PARALLEL = Stage(
     "train_parallel", "6", reads=("encode", "train_single"), keyed_by=("encode",),
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
-    builds=("state", "history.json"), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    builds=(STATE, HISTORY), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="train:build_parallel")
-# "2": its curves include validation loss against tokens and against seconds.
+# "3": both runs timed on the same window of steps. "2": its curves include validation loss
+# against tokens and against seconds.
 COMPARE = Stage(
-    "compare", "2", reads=("train_single", "train_parallel"),
+    "compare", "3", reads=("train_single", "train_parallel"),
     settings=lambda run: {},
     builds=("comparison.json", "throughput.png", "curves.png"), headline=("speedup", "devices"))
 CHECKPOINT = Stage(

@@ -26,9 +26,8 @@ from bardflow.runtime.launch import ProcessFailure, launch_leader, launch_local
 from bardflow.runtime.training import RunFiles, run_training
 from bardflow.tasks import train_process
 from bardflow.tasks.encode import TRAIN, VAL
-from bardflow.tasks.registry import TRAIN_PARALLEL, TRAIN_SINGLE
+from bardflow.tasks.registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
 
-STATE, HISTORY = TRAIN_SINGLE.builds
 RESULT = "result.json"  # process 0's summary of a multi-process run
 
 
@@ -43,18 +42,18 @@ def _say_if_resuming(stage: str, out: Builder) -> None:
     """Said before training starts (the resume itself is reported when it ends)."""
     kept = TrainingCheckpoints.steps(out.resume.path)
     if kept:
-        ui.log("%s: resuming from its checkpoint of step %d", stage, kept[-1])
+        ui.say("%s: resuming from its checkpoint of step %d", stage, kept[-1])
 
 
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
     device = jax.devices()[0]
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
-        label += f", the first {settings.steps} of {settings.train.steps} steps"
+        label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
     _say_if_resuming(TRAIN_SINGLE.name, out)
     with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
-                               warn=ui.warning)
+                               warn=ui.warning, note=ui.say)
     _finish(TRAIN_SINGLE.name, out, summary)
 
 
@@ -80,14 +79,15 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
     with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
-        summary = run_training(settings, files, jax.devices()[:visible], parallel=True, on_step=progress, warn=ui.warning)
+        summary = run_training(settings, files, jax.devices()[:visible], parallel=True, on_step=progress,
+                               warn=ui.warning, note=ui.say)
     _finish(TRAIN_PARALLEL.name, out, summary)
 
 
 def _reuse(train_single: Version, out: Builder) -> None:
     """One device, one process: data-parallel training would repeat train_single's
     computation step for step, so its version is taken over instead of trained again."""
-    ui.log("train_parallel: only one device is visible, so data-parallel training would repeat train_single "
+    ui.say("train_parallel: only one device is visible, so data-parallel training would repeat train_single "
            "exactly; reusing its version %s (on a CPU, emulate devices with --cpu-devices)", train_single.key)
     shutil.copytree(train_single.file(STATE), out.path(STATE))
     shutil.copyfile(train_single.file(HISTORY), out.path(HISTORY))
@@ -118,9 +118,10 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
             if group is None:
                 launch_local(train_process, launch / "spec.json", settings.processes,
                              settings.devices // settings.processes, settings.platform, on_step=progress,
-                             on_warning=_relay(settings))
+                             on_warning=_relay(settings), on_note=ui.say)
             else:
-                launch_leader(train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings))
+                launch_leader(train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings),
+                              on_note=ui.say)
     except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
         resume = (f"rerun the same command to resume from the checkpoint of step {kept[-1]}" if kept

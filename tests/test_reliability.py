@@ -33,9 +33,9 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
     so what one builds the other uses, whatever server each reports to."""
     store = tmp_path / "store"
     plain = {k: v for k, v in run_env.items() if k != "PREFECT_API_URL"}
-    first = start(base_args(corpus, store, devices=1), tmp_path / "a.log", plain)
-    b = json.loads(call(*base_args(corpus, store, devices=1), env=run_env).stdout)  # in this process, beside the first
-    a = finish(first)
+    first = start([*base_args(corpus, store, devices=1), "--verbose"], tmp_path / "a.log", plain)
+    second = call(*base_args(corpus, store, devices=1), env=run_env)  # in this process, beside the first
+    b, a = json.loads(second.stdout), finish(first)
     assert {n: s["key"] for n, s in a["stages"].items()} == {n: s["key"] for n, s in b["stages"].items()}
     for stage in a["stages"]:
         versions = [p for p in (store / stage).iterdir() if not p.name.startswith(".")]
@@ -46,7 +46,13 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
     log = (tmp_path / "a.log").read_text()
     assert "starting a temporary Prefect server for this run" in log
     # Its links point where the run can be seen once its own server is gone: `bardflow ui`.
+    # (Prefect's own lines, "View at" among them, reach the terminal with --verbose.)
     assert f"View at http://127.0.0.1:4200/runs/flow-run/{a['flow_run']}" in log, log[-3000:]
+    # Without --verbose the terminal shows each stage's end, not Prefect's bookkeeping: the
+    # log and the UI keep that.
+    quiet = second.stderr
+    assert all(f"{stage}: {b['stages'][stage]['state']} in " in quiet for stage in b["stages"]), quiet[-3000:]
+    assert "Beginning flow run" not in quiet and "Finished in state" not in quiet and "| INFO" not in quiet
     assert a["ui"] == f"http://127.0.0.1:4200/runs/flow-run/{a['flow_run']}" and a["ui_served"] is False
 
 
