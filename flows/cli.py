@@ -69,8 +69,12 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     root = store_location(args.store)
     check_resource_limits()
     prepare_environment(args.cpu_devices)
-    probe_devices()
     use_running_server()
+    if os.environ.get("PREFECT_API_URL"):
+        # A chosen server answers at once: JAX's device count comes from a process of its own
+        # while Prefect loads here. (The run's own server takes seconds to start; JAX loads
+        # here while this process waits for it: _terminal_run.)
+        probe_devices()
     check_chosen_server()
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
         raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
@@ -127,6 +131,15 @@ def _terminal_run():
 
     watch = None
     if _embedded is not None:
+        from bardflow.runtime.distributed import ProcessGroup, hardware
+        from bardflow.tasks.registry import STAGES
+
+        # The seconds the server takes to start are idle here: JAX and the stages' modules
+        # load now (a stage that runs would load them later, on the run's clock).
+        if ProcessGroup.from_env() is None:  # a group's process joins it before JAX starts
+            hardware()
+            for stage in STAGES:
+                stage.build()
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):

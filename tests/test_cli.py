@@ -278,3 +278,15 @@ def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
         server.shutdown()
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"Prefect UI:  http://127.0.0.1:{server.server_port} (a server already there)")
+
+
+def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_process_of_their_own():
+    """A fully cached run needs no JAX in the command's process (a second of a cached run's
+    four): the flow's modules load without it, and the device count comes from a process that
+    started while Prefect loaded."""
+    code = ("import sys; import bardflow.flows.cli, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
+            "from bardflow.runtime.distributed import hardware, probe_devices; probe_devices(); "
+            "print(loaded, hardware(), hardware(), 'jax' in sys.modules)")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[0] == "False (3, 'cpu') (3, 'cpu') False", done.stdout + done.stderr

@@ -28,13 +28,17 @@ def measuring(tmp_path, monkeypatch):
 def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     cfg = build_config("tiny", {"train.per_device_batch": 32})
     placement = Placement.data_parallel(jax.devices()[:1])
-    first = choose(cfg.model, cfg.train, placement, cfg.data.seq_len)
+    said: list[str] = []
+    first = choose(cfg.model, cfg.train, placement, cfg.data.seq_len, say=said.append)
     assert first["source"] == "measured now" and len(first["measured"]) == 4
+    # The user is told before the seconds of measuring, once: a later run finds the choice kept.
+    assert len(said) == 1 and said[0].startswith("measuring 4 training step settings on this CPU")
     default, fastest = first["measured"][0], min(first["measured"], key=lambda m: m["ms_per_step"])
     winner = fastest if fastest["ms_per_step"] <= 0.95 * default["ms_per_step"] else default  # a clear win only
     assert first["chosen"] == {k: v for k, v in winner.items() if k != "ms_per_step"}
-    again = choose(cfg.model, cfg.train, placement, cfg.data.seq_len)
+    again = choose(cfg.model, cfg.train, placement, cfg.data.seq_len, say=said.append)
     assert again["source"].startswith("measured before on this CPU") and again["chosen"] == first["chosen"]
+    assert len(said) == 1
 
     # Two devices share the cores: the same shape is measured again for them, its kernels
     # and passes as on one device, only XLA's options tried both ways.
