@@ -132,14 +132,14 @@ def _terminal_run():
     watch = None
     if _embedded is not None:
         from bardflow.runtime.distributed import ProcessGroup, hardware
-        from bardflow.tasks.registry import STAGES
+        from bardflow.tasks.registry import TRAIN_SINGLE
 
-        # The seconds the server takes to start are idle here: JAX and the stages' modules
-        # load now (a stage that runs would load them later, on the run's clock).
+        # The seconds the server takes to start are idle here: JAX and the training stages'
+        # module load now (training would load them later, on the run's clock). The other
+        # stages' modules are light once these are in; a cached stage never loads its own.
         if ProcessGroup.from_env() is None:  # a group's process joins it before JAX starts
             hardware()
-            for stage in STAGES:
-                stage.build()
+            TRAIN_SINGLE.build()
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
