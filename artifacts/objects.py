@@ -31,11 +31,12 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
-from bardflow.artifacts.store import (
+from .store import (
     MANIFEST,
     Builder,
     ResumeFolder,

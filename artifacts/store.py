@@ -22,12 +22,13 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
-from bardflow.model.errors import BardflowError
+from ..model.errors import BardflowError
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")

@@ -110,10 +110,10 @@ class Progress:
             self._sender = threading.Thread(target=contextvars.copy_context().run, args=(self._send,),
                                             name="bardflow-progress", daemon=True)
             self._sender.start()
+        import shutil
+
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
-
-        import shutil
 
         # The label, the count and the time left keep their room on a narrow terminal; the bar takes the rest.
         room = shutil.get_terminal_size().columns - len(label) - 2 * len(str(total)) - 12

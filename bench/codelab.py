@@ -73,6 +73,6 @@ def codelab_generate_batch(model, prompt: bytes, max_new: int, temperature: floa
             pairs = jax.vmap(jax.random.split)(keys)
             keys, subs = pairs[:, 0], pairs[:, 1]
             new = jax.vmap(jax.random.categorical)(subs, last / temperature)
-        for row, token in zip(rows, new.tolist()):
+        for row, token in zip(rows, new.tolist(), strict=True):
             row.append(int(token))
     return [bytes(row) for row in rows]

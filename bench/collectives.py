@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     for record in runs:
         record["same_losses"] = "history" in record and record["history"] == reference
     bad = [r for r in runs if r["exit"] != 0 or r["stalls"] or not r["same_losses"]]
-    flat = {"runs": len(runs), "aborted": sum(r["aborted"] for r in runs), "timed_out": sum(r["timed_out"] for r in runs),
-            "stalls": sum(r["stalls"] for r in runs), "losses_differ": sum(not r["same_losses"] for r in runs),
+    flat = {"runs": len(runs), "aborted": sum(r["aborted"] for r in runs),
+            "timed_out": sum(r["timed_out"] for r in runs), "stalls": sum(r["stalls"] for r in runs),
+            "losses_differ": sum(not r["same_losses"] for r in runs),
             "evaluations_per_run": args.steps // args.eval_every + 1, "stall_bound_s": STALL_S}
     report = {"machine": machine(), "steps": args.steps, "eval_every": args.eval_every, "runs": runs}
     out = write_report(report, flat, args.out, "collectives")

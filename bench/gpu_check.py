@@ -195,7 +195,8 @@ class Check:
             flow_start = datetime.fromisoformat(run["start_time"]).timestamp()
             if run["state"]["type"] != "COMPLETED":
                 raise RuntimeError(f"the deployment run ended {run['state']['name']}")
-            return {"run_to_flow_start_s": round(flow_start - started, 1), "run_to_done_s": round(finished - started, 1)}
+            return {"run_to_flow_start_s": round(flow_start - started, 1),
+                    "run_to_done_s": round(finished - started, 1)}
         finally:
             if worker is not None:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):

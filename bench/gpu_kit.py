@@ -127,12 +127,14 @@ def build(out: Path, limit_mib: float, python: str = sys.executable) -> dict:
     (out / "kit.json").write_text(json.dumps(kit, indent=1))
     if total > limit_mib:
         raise KitError(f"the kit is {total:.1f} MiB, over the {limit_mib:g} MiB that leaves room for the repository; "
-                       f"its largest wheels: {', '.join(w.name for w in sorted(wheels, key=lambda w: -w.stat().st_size)[:3])}")
+                       f"its largest wheels: "
+                       f"{', '.join(w.name for w in sorted(wheels, key=lambda w: -w.stat().st_size)[:3])}")
     return kit
 
 
 def find_python(version: str = PYTHON) -> str | None:
-    pyenv = sorted(Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser().glob(f"versions/{version}*/bin/python{version}"))
+    root = Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser()
+    pyenv = sorted(root.glob(f"versions/{version}*/bin/python{version}"))
     for candidate in (f"python{version}", f"/usr/bin/python{version}", *map(str, pyenv)):
         found = shutil.which(candidate)
         if found and subprocess.run([found, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
@@ -164,13 +166,14 @@ def verify(out: Path) -> str:
             raise KitError(f"the kit does not install with --no-index:\n{install.stderr[-2000:]}")
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "PYTHONNOUSERSITE": "1"}
         env.pop("PREFECT_API_URL", None)
-        probe = ("import prefect, pydantic, s3fs, bardflow.flows.cli, bardflow.flows.settings, bardflow.model.config, bardflow.artifacts.store;"
-                 "print(prefect.__version__)")
+        probe = ("import prefect, pydantic, s3fs, bardflow.flows.cli, bardflow.flows.settings, bardflow.model.config, "
+                 "bardflow.artifacts.store; print(prefect.__version__)")
         for command in ([python, "-c", probe], [python, "-m", "bardflow", "--help"],
                         [python, "-m", "bardflow", "presets", "tiny"]):
             done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
-                raise KitError(f"with the kit, `{' '.join(command[1:])}` failed on Python {PYTHON}:\n{done.stderr[-2000:]}")
+                raise KitError(f"with the kit, `{' '.join(command[1:])}` failed on Python {PYTHON}:\n"
+                               f"{done.stderr[-2000:]}")
     return (f"installed with --no-index into an empty folder (beside {len(stand_in)} of the host's packages) and "
             f"imported prefect and the command line on {python}")
 

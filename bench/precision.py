@@ -94,7 +94,7 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
             return 1e3 * (time.perf_counter() - started) / steps
         return run
 
-    ms = dict(zip(PRECISIONS, alternating([timed(p) for p in PRECISIONS], rounds)))
+    ms = dict(zip(PRECISIONS, alternating([timed(p) for p in PRECISIONS], rounds), strict=True))
     losses = {}
     for precision in PRECISIONS:
         program, state = built[precision].program, built[precision].state
@@ -108,7 +108,8 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
             "seq_len": cfg.data.seq_len, "step_settings": built["float32"].settings.as_json(), "timed_steps": steps,
             "rounds": rounds, "ms_per_step": ms, "float32_ms": f32, "bfloat16_ms": bf16,
             "bfloat16_speedup": f32 / bf16,
-            "loss_steps": loss_steps, "loss": losses, "bfloat16_minus_float32_loss": losses["bfloat16"] - losses["float32"]}
+            "loss_steps": loss_steps, "loss": losses,
+            "bfloat16_minus_float32_loss": losses["bfloat16"] - losses["float32"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,14 +65,14 @@ def alternating(runs, rounds: int) -> list[list[float]]:
         run()
     results = [[] for _ in runs]
     for _ in range(rounds):
-        for run, values in zip(runs, results):
+        for run, values in zip(runs, results, strict=True):
             values.append(run())
     return results
 
 
 def summary(a: list[float], b: list[float]) -> dict:
     return {"a_median": statistics.median(a), "b_median": statistics.median(b),
-            "ratio_median": statistics.median(y / x for x, y in zip(a, b)), "a": a, "b": b}
+            "ratio_median": statistics.median(y / x for x, y in zip(a, b, strict=True)), "a": a, "b": b}
 
 
 def bench_train(cfg, pairs: int, steps: int) -> dict:
@@ -91,7 +91,8 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     tokens_per_run = steps * batch * (seq_len - 1)
 
     model = build_model(cfg.model, cfg.train.init_seed)
-    optimizer = nnx.Optimizer(model, optax.adamw(cfg.train.learning_rate, weight_decay=cfg.train.weight_decay), wrt=nnx.Param)
+    adamw = optax.adamw(cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    optimizer = nnx.Optimizer(model, adamw, wrt=nnx.Param)
     started = time.perf_counter()
     jax.block_until_ready(codelab_train_step(model, optimizer, stream[0]))
     codelab_compile = time.perf_counter() - started
@@ -203,12 +204,14 @@ def bench_generate(cfg, pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> 
     a, b = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
                         timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)], pairs)
     result = summary(a, b)
-    seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == generate(model, "ROMEO:", new_bytes, 0.8, 7, window)
+    seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == \
+        generate(model, "ROMEO:", new_bytes, 0.8, 7, window)
     seeds = list(range(8))
     codelab_generate_batch(model, b"ROMEO:", 1, 0.8, seeds, window)  # compile both for batch 8 first
     generate_batch(model, "ROMEO:", 1, 0.8, seeds, window)
-    a8, b8 = alternating([timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
-                          timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes)], pairs)
+    a8, b8 = alternating(
+        [timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
+         timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes)], pairs)
     batch8 = summary(a8, b8)
     within = min(new_bytes, window - len(b"ROMEO:"))  # at most the longest sample that never slides
     a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),

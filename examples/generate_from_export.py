@@ -74,7 +74,7 @@ def verified(folder: Path):
     if tree != forward.in_tree:
         raise ExportError(f"{folder / 'forward.jax'} was exported for other weights than model.safetensors holds "
                           f"({len(params)} tensors); the two files come from different exports")
-    for (name, array), aval in zip(sorted(params.items()), forward.in_avals):
+    for (name, array), aval in zip(sorted(params.items()), forward.in_avals[:len(params)], strict=True):
         if tuple(array.shape) != tuple(aval.shape) or np.dtype(array.dtype) != np.dtype(aval.dtype):
             raise ExportError(f"model.safetensors holds {name} as {array.dtype}{list(array.shape)}, where "
                               f"forward.jax expects {aval.dtype}{list(aval.shape)}; the two files come from "

@@ -7,10 +7,10 @@ import argparse
 import json
 from typing import Any
 
-from bardflow.flows.settings import DEBUG, PRESET_NAMES
-from bardflow.model.config import ConfigError, build_config
-from bardflow.model.errors import BardflowError
-from bardflow.tasks.registry import NAMES
+from ..model.config import ConfigError, build_config
+from ..model.errors import BardflowError
+from ..tasks.registry import NAMES
+from .settings import DEBUG, PRESET_NAMES
 
 
 class UsageError(BardflowError, ValueError):
@@ -118,8 +118,8 @@ def _sweep_command(commands) -> None:
                        help="with --search and --pool: K trials at a time on the pool's workers (default 1)")
     sweep.add_argument("--seed", type=int, default=0, help="with --search: the sampler's seed (default 0)")
     sweep.add_argument("--pool", metavar="NAME",
-                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this work pool, "
-                            "all at once: every worker of the pool trains one (needs a running server)")
+                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this "
+                            "work pool, all at once: every worker of the pool trains one (needs a running server)")
     _pipeline_options(sweep)
 
 
@@ -190,7 +190,8 @@ def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], lis
         axes[key] = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
         if not axes[key]:
             raise ConfigError(f"--grid {key} lists no values; give at least one")
-    runs = [dict(zip(axes, combination)) for combination in itertools.product(*axes.values())] if axes else []
+    combinations = itertools.product(*axes.values()) if axes else ()
+    runs = [dict(zip(axes, combination, strict=True)) for combination in combinations]
     for text in listed:
         try:
             entry = json.loads(text)

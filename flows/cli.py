@@ -10,10 +10,14 @@ import sys
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from bardflow.flows import config_file, printing
-from bardflow.flows.arguments import UsageError, parse_assignment, parser
-from bardflow.flows.server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
-from bardflow.flows.settings import (
+from ..model.errors import BardflowError
+from ..runtime import stopping
+from ..runtime.distributed import probe_devices
+from ..tasks.registry import NAMES
+from . import config_file, printing
+from .arguments import UsageError, parse_assignment, parser
+from .server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
+from .settings import (
     AUTO_CHOICES,
     DEBUG,
     STORE_CREDENTIALS,
@@ -24,17 +28,13 @@ from bardflow.flows.settings import (
     prepare_environment,
     store_location,
 )
-from bardflow.flows.tracking import check_installed, track_settings
-from bardflow.model.errors import BardflowError
-from bardflow.runtime import stopping
-from bardflow.runtime.distributed import probe_devices
-from bardflow.tasks.registry import NAMES
+from .tracking import check_installed, track_settings
 
 _embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from bardflow.flows.server import healthy, running
+    from .server import healthy, running
 
     prepare_environment()
     url = f"http://{args.host}:{args.port}"
@@ -79,7 +79,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
         raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
-    from bardflow.model.config import ConfigError, build_config
+    from ..model.config import ConfigError, build_config
 
     named, overrides = config_file.read(args.config) if args.config else (None, {})
     args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
@@ -100,11 +100,11 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     if args.processes > 1:
         # Whether the devices share out evenly needs JAX's count of them: asked now, before
         # the run's server starts, so that the refusal comes first, like every other one.
-        from bardflow.runtime.distributed import hardware
-        from bardflow.tasks.stage import RunPlan
+        from ..runtime.distributed import hardware
+        from ..tasks.stage import RunPlan
 
         RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
-    from bardflow.tasks.sources import check_local
+    from ..tasks.sources import check_local
 
     # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
     # folder) is refused now; reading /dev/zero or a FIFO would never end.
@@ -131,8 +131,8 @@ def _terminal_run():
 
     watch = None
     if _embedded is not None:
-        from bardflow.runtime.distributed import ProcessGroup, hardware
-        from bardflow.tasks.registry import TRAIN_SINGLE
+        from ..runtime.distributed import ProcessGroup, hardware
+        from ..tasks.registry import TRAIN_SINGLE
 
         # The seconds the server takes to start are idle here: JAX and the training stages'
         # module load now (training would load them later, on the run's clock). The other
@@ -143,7 +143,7 @@ def _terminal_run():
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
-        from bardflow.flows.server import watch_chosen
+        from .server import watch_chosen
 
         watch = watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
     asked = any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
@@ -161,13 +161,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
     root, overrides = _prepare(args)
-    from bardflow.artifacts.objects import checked_store
-    from bardflow.model.config import build_config
+    from ..artifacts.objects import checked_store
+    from ..model.config import build_config
 
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
     if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
-    from bardflow.flows.pipeline import ExplainedErrorFilter, pipeline, quiet_explained_errors
+    from .pipeline import ExplainedErrorFilter, pipeline, quiet_explained_errors
 
     ExplainedErrorFilter.quiet = not args.verbose
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from bardflow.flows.arguments import MAX_SWEEP_RUNS, parse_range, search_space, sweep_configurations
+    from .arguments import MAX_SWEEP_RUNS, parse_range, search_space, sweep_configurations
 
     ranges = {}
     for text in list(args.settings):  # a search's ranges are --set KEY=LOW..HIGH[:log]
@@ -199,12 +199,12 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
                          "(here, trials run one at a time)")
     root, base = _prepare(args, start_server=False)
-    from bardflow.artifacts.objects import checked_store
+    from ..artifacts.objects import checked_store
 
     preset = pick_preset(args.preset)
     search = None
     if args.search is not None:
-        from bardflow.flows.search import study_name
+        from .search import study_name
 
         space = search_space(preset, base, ranges, args.grid)
         configurations = [json.loads(text) for text in args.listed]
@@ -217,8 +217,8 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
     _start_server()
-    from bardflow.flows.pipeline import ExplainedErrorFilter, quiet_explained_errors
-    from bardflow.flows.sweep import sweep
+    from .pipeline import ExplainedErrorFilter, quiet_explained_errors
+    from .sweep import sweep
 
     ExplainedErrorFilter.quiet = not args.verbose
     quiet_explained_errors()
@@ -236,8 +236,8 @@ def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
     prepare_environment(cpu_devices)
     print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
           f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
-    from bardflow.runtime.launch import process_command
-    from bardflow.tasks import train_process
+    from ..runtime.launch import process_command
+    from ..tasks import train_process
 
     code = subprocess.call(process_command(train_process, None, join_timeout))
     if code:
@@ -251,14 +251,14 @@ class FollowerError(BardflowError, RuntimeError):
 
 def _cluster_follower():
     """This process's group when it is a cluster process other than process 0."""
-    from bardflow.runtime.distributed import ProcessGroup
+    from ..runtime.distributed import ProcessGroup
 
     group = ProcessGroup.from_env()
     return group if group is not None and not group.leader else None
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from bardflow.model.config import PRESETS, build_config
+    from ..model.config import PRESETS, build_config
 
     if args.yaml:
         if not args.name:
@@ -271,7 +271,7 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _artifacts(args: argparse.Namespace) -> int:
-    from bardflow.flows.runs import corpus_of, manifests_of, readable_store
+    from .runs import corpus_of, manifests_of, readable_store
 
     store = readable_store(store_location(args.store))
     manifests = manifests_of(store)
@@ -286,7 +286,7 @@ def _artifacts(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from bardflow.flows.runs import show_runs
+    from .runs import show_runs
 
     show_runs(store_location(args.store), args.diff, args.json)
     return 0
@@ -299,7 +299,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from bardflow.flows.server import command
+    from .server import command
 
     command(args.action, args.port, args.database)
     return 0
@@ -315,7 +315,7 @@ def _notify(args: argparse.Namespace) -> int:
         raise UsageError("notifications live on the Prefect server that runs report to: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
     check_chosen_server()
-    from bardflow.flows import notify
+    from . import notify
 
     if args.action == "add":
         created = notify.add(args.url, args.name, args.block)

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from bardflow.model.config import PRESETS, ConfigError, PipelineConfig, build_config
+from ..model.config import PRESETS, ConfigError, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)
 KEYS = ("preset", *SECTIONS)
@@ -176,7 +176,7 @@ def as_yaml(preset: str) -> str:
     BARDFLOW_CORPUS, and online as the preset does)."""
     import yaml
 
-    from bardflow.model.config import TINYSHAKESPEARE_URL
+    from ..model.config import TINYSHAKESPEARE_URL
 
     body = build_config(preset).model_dump(mode="json")
     note = ""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from bardflow.model.errors import BardflowError
+from ..model.errors import BardflowError
 
 RUN_FAILED = "bardflow.run.failed"
 SWEEP_FINISHED = "bardflow.sweep.finished"

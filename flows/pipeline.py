@@ -25,11 +25,27 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import ValidationError
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.objects import checked_store
-from bardflow.artifacts.store import Version, abandon_unfinished
-from bardflow.flows import config_file, notify
-from bardflow.flows.settings import (
+from ..artifacts import ui
+from ..artifacts.objects import checked_store
+from ..artifacts.store import Version, abandon_unfinished
+from ..model.config import (
+    ConfigError,
+    GenerateConfig,
+    PipelineConfig,
+    Prompt,
+    TrackConfig,
+    TrainingRequest,
+    build_config,
+)
+from ..model.errors import BardflowError
+from ..runtime import stopping
+from ..runtime.distributed import hardware
+from ..tasks.compare import overfitting
+from ..tasks.fetch import pin
+from ..tasks.registry import HISTORY, NAMES, STAGES
+from ..tasks.stage import RunPlan, Stage, produce
+from . import config_file, notify
+from .settings import (
     PRESET_NAMES,
     STORE_CREDENTIALS,
     debugging,
@@ -39,24 +55,8 @@ from bardflow.flows.settings import (
     store_credentials,
     store_location,
 )
-from bardflow.flows.slots import training_slot
-from bardflow.flows.tracking import RunTracking, track_settings
-from bardflow.model.config import (
-    ConfigError,
-    GenerateConfig,
-    PipelineConfig,
-    Prompt,
-    TrackConfig,
-    TrainingRequest,
-    build_config,
-)
-from bardflow.model.errors import BardflowError
-from bardflow.runtime import stopping
-from bardflow.runtime.distributed import hardware
-from bardflow.tasks.compare import overfitting
-from bardflow.tasks.fetch import pin
-from bardflow.tasks.registry import HISTORY, NAMES, STAGES
-from bardflow.tasks.stage import RunPlan, Stage, produce
+from .slots import training_slot
+from .tracking import RunTracking, track_settings
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 SAME = "Unchanged"  # a task that built again what the store held already

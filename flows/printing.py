@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from bardflow.flows.tables import Column, fitted, short_time
-from bardflow.tasks.registry import BY_NAME
+from ..tasks.registry import BY_NAME
+from .tables import Column, fitted, short_time
 
 SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
 
@@ -33,8 +33,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.markup import escape
 
     columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
-    rows = [[name, f"[{'green' if stage['state'].startswith('ran') else 'cyan'}]{stage['state']}", stage["key"][:SHORT_KEY],
-             headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
+    rows = [[name, f"[{'green' if stage['state'].startswith('ran') else 'cyan'}]{stage['state']}",
+             stage["key"][:SHORT_KEY], headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
     console = Console()
     console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
     console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")

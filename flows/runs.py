@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bardflow.artifacts.objects import is_remote, open_store
-from bardflow.artifacts.store import Version
-from bardflow.model.errors import BardflowError
-from bardflow.tasks.sources import corpus_name
+from ..artifacts.objects import is_remote, open_store
+from ..artifacts.store import Version
+from ..model.errors import BardflowError
+from ..tasks.sources import corpus_name
 
 TRAINED = ("train_single", "train_parallel")
 FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
@@ -107,7 +107,7 @@ def listing(versions: list[Version], manifests: dict[tuple[str, str], dict[str, 
     varying = [key for key in differing(described) if key.startswith(("settings.", "data.corpus"))]
     return [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
              "differs": {key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
-             **{name: v.metrics.get(name) for name in FIGURES}} for v, d in zip(versions, described)]
+             **{name: v.metrics.get(name) for name in FIGURES}} for v, d in zip(versions, described, strict=True)]
 
 
 def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -115,7 +115,8 @@ def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]
     figures = {}
     for name in FIGURES:
         x, y = a.metrics.get(name), b.metrics.get(name)
-        figures[name] = {"a": x, "b": y, "b_minus_a": (y - x) if isinstance(x, (int, float)) and isinstance(y, (int, float)) else None}
+        numbers = isinstance(x, (int, float)) and isinstance(y, (int, float))
+        figures[name] = {"a": x, "b": y, "b_minus_a": (y - x) if numbers else None}
     return {"a": f"{a.stage}/{a.key}", "b": f"{b.stage}/{b.key}",
             "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
             "figures": figures}
@@ -143,10 +144,11 @@ def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
             delta = figure["b_minus_a"]
             table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
     else:
-        from bardflow.flows.tables import Column, fitted, short_time
+        from .tables import Column, fitted, short_time
 
-        columns = [Column("stage", 5), Column("key", 4), Column("created", 0), Column("settings that differ", 3, text=True),
-                   Column("val loss", 3), Column("tokens/s", 2), Column("training s", 1)]
+        columns = [Column("stage", 5), Column("key", 4), Column("created", 0),
+                   Column("settings that differ", 3, text=True), Column("val loss", 3), Column("tokens/s", 2),
+                   Column("training s", 1)]
         cells = [[row["stage"], row["key"], short_time(row["created"]),
                   "\n".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
                   "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",

@@ -18,8 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bardflow.artifacts.objects import ObjectStore, checked_store
-from bardflow.model.errors import BardflowError
+from ..artifacts.objects import ObjectStore, checked_store
+from ..model.errors import BardflowError
 
 FOLDER = ".searches"
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bardflow.model.errors import BardflowError
+from ..model.errors import BardflowError
 
 
 class ServerError(BardflowError, RuntimeError):
@@ -173,7 +173,7 @@ class EmbeddedServer:
     process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
 
     def __init__(self) -> None:
-        from bardflow.runtime.launch import free_port
+        from ..runtime.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -195,7 +195,7 @@ class EmbeddedServer:
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        from bardflow.runtime import stopping
+        from ..runtime import stopping
 
         while not healthy(self.url, timeout_s=1.0):
             stopping.check("before the run started")
@@ -273,7 +273,7 @@ def server_gone(why: str) -> None:
     so that the run's last line is the one that says what happened."""
     import logging
 
-    from bardflow.runtime import stopping
+    from ..runtime import stopping
 
     known = [name for name in logging.root.manager.loggerDict if name.startswith("prefect")]
     for name in (*known, "prefect", "EventsWorker", "APILogWorker"):
@@ -299,7 +299,7 @@ def start_embedded() -> EmbeddedServer | None:
         return None
     import atexit
 
-    from bardflow.runtime import stopping
+    from ..runtime import stopping
 
     server = EmbeddedServer()
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bardflow.model.config import PRESETS
-from bardflow.model.errors import BardflowError
-from bardflow.runtime import cache_dir
-from bardflow.runtime.distributed import CPU_DEVICE_FLAG
+from ..model.config import PRESETS
+from ..model.errors import BardflowError
+from ..runtime import cache_dir
+from ..runtime.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)
@@ -31,7 +31,7 @@ def pick_preset(preset: str) -> str:
     """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
     if preset != "auto":
         return preset
-    from bardflow.runtime.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
+    from ..runtime.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
 
     on_gpu, elsewhere = AUTO_CHOICES
     return on_gpu if hardware()[1] == "gpu" else elsewhere
@@ -108,7 +108,7 @@ def store_credentials() -> str | None:
     named = os.environ.get(STORE_CREDENTIALS, "").strip()
     if not named:
         return None
-    from bardflow.model.config import ConfigError
+    from ..model.config import ConfigError
 
     kind, _, block = named.partition("/")
     if kind != "aws-credentials" or not block:

@@ -22,14 +22,14 @@ from typing import Any
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.objects import checked_store
-from bardflow.flows import notify
-from bardflow.flows.pipeline import RUN_ARTIFACT, Preset, opened, pipeline, quiet_explained_errors
-from bardflow.flows.settings import pick_preset, store_location
-from bardflow.model.config import ConfigError, PipelineConfig, build_config
-from bardflow.runtime import stopping
-from bardflow.tasks.compare import plot_validation_curves
+from ..artifacts import ui
+from ..artifacts.objects import checked_store
+from ..model.config import ConfigError, PipelineConfig, build_config
+from ..runtime import stopping
+from ..tasks.compare import plot_validation_curves
+from . import notify
+from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline, quiet_explained_errors
+from .settings import pick_preset, store_location
 
 SWEEP = "sweep"
 DEPLOYMENT = "bardflow-pipeline/sweep"  # prefect.yaml's `sweep`: the pipeline, one configuration per run
@@ -70,7 +70,7 @@ def set_line(varying: dict[str, Any]) -> str:
 def best_run(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The finished run with the lowest validation loss: its number, its loss and its ``--set``
     line (``rows`` as ``comparison_rows`` made them from ``runs``, in the same order)."""
-    finished = [(row["val_loss"], row["run"], run) for row, run in zip(rows, runs)
+    finished = [(row["val_loss"], row["run"], run) for row, run in zip(rows, runs, strict=True)
                 if row["status"] == "completed" and row["val_loss"] is not None]
     if not finished:
         return None
@@ -218,7 +218,7 @@ def _failed(number: int, total: int, run: dict[str, Any], why: str) -> None:
 def _here(configurations, configs, place: Place, progress) -> list[dict[str, Any]]:
     """Each configuration in turn, as a child flow run of this process."""
     total, runs = len(configs), []
-    for number, (varying, config) in enumerate(zip(configurations, configs), 1):
+    for number, (varying, config) in enumerate(zip(configurations, configs, strict=True), 1):
         runs.append(place.run_here(number, total, varying, config))
         progress(number)
         get_run_logger().info("sweep: %d of %d done", number, total, extra=ui.TERMINAL)
@@ -255,7 +255,7 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, 
 
     logger, total = get_run_logger(), len(configs)
     runs = [place.submit(number, total, varying, config)
-            for number, (varying, config) in enumerate(zip(configurations, configs), 1)]
+            for number, (varying, config) in enumerate(zip(configurations, configs, strict=True), 1)]
     logger.info("sweep: %d runs submitted to work pool %s", total, place.pool, extra=ui.TERMINAL)
     done = 0
     with get_client(sync_client=True) as client:
@@ -276,7 +276,7 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
     the study has ``spec["trials"]`` finished ones; every finished trial of the study is a row."""
     from prefect.client.orchestration import get_client
 
-    from bardflow.flows.search import Search
+    from .search import Search
 
     logger, total = get_run_logger(), spec["trials"]
     study = Search(spec, place.root, listed)
@@ -326,8 +326,9 @@ def _child_summary(client, run_id, root: str) -> dict[str, Any]:
     state, version key, seconds) and the shared store (each version's metrics)."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ui.artifact_key(RUN_ARTIFACT)])),
-                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    summary = ArtifactFilter(key=ArtifactFilterKey(any_=[ui.artifact_key(RUN_ARTIFACT)]))
+    child = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+    artifacts = client.read_artifacts(artifact_filter=summary, flow_run_filter=child)
     rows = json.loads(artifacts[0].data) if artifacts else []
     store = checked_store(root)
     stages = {}

@@ -5,8 +5,9 @@ only between its entries."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ def fitted(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],
 
     def needs(index: int) -> int:
         """The narrowest this column can be without breaking an entry: its widest line."""
-        lines = [columns[index].name] + [line for row in rows for line in Text.from_markup(row[index]).plain.split("\n")]
+        lines = [columns[index].name]
+        lines += [line for row in rows for line in Text.from_markup(row[index]).plain.split("\n")]
         return max(len(line) for line in lines)
 
     kept = list(range(len(columns)))

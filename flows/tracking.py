@@ -15,9 +15,9 @@ import json
 import os
 from pathlib import Path
 
-from bardflow.artifacts.store import Version
-from bardflow.model.config import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
-from bardflow.runtime import tracking
+from ..artifacts.store import Version
+from ..model.config import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
+from ..runtime import tracking
 
 DEFAULT_EXPERIMENT = "bardflow"
 TRAINING = ("train_single", "train_parallel")
@@ -97,8 +97,8 @@ class RunTracking:
                 probe.write_bytes(b"")
                 probe.unlink()
             except OSError as error:
-                warn(f"TensorBoard at {track.tensorboard} failed while making the run's folder ({error.__class__.__name__}: "
-                     f"{error.strerror or error}); the run goes on without it")
+                warn(f"TensorBoard at {track.tensorboard} failed while making the run's folder "
+                     f"({error.__class__.__name__}: {error.strerror or error}); the run goes on without it")
                 run.track = track.model_copy(update={"tensorboard": None})
         return run
 

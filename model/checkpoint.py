@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from bardflow.model.config import ModelConfig
-from bardflow.model.errors import BardflowError, require_space
-from bardflow.model.transformer import Transformer, build_model
+from .config import ModelConfig
+from .errors import BardflowError, require_space
+from .transformer import Transformer, build_model
 
 
 class CheckpointError(BardflowError, RuntimeError):
@@ -192,7 +192,7 @@ class TrainingCheckpoints:
         multi = jax.process_count() > 1
         step = self.manager.latest_step() if self.manager is not None else None
         if multi:
-            from bardflow.model.multihost import broadcast_json
+            from .multihost import broadcast_json
 
             step = broadcast_json(step)
         if step is None:
@@ -232,10 +232,16 @@ def _from_leader(template: dict, restored: dict | None) -> tuple[dict, dict]:
     """Process 0's restored state and record on every process, placed like ``template``."""
     from jax.experimental import multihost_utils
 
-    from bardflow.model.multihost import broadcast_json
+    from .multihost import broadcast_json
 
     host = restored["state"] if restored is not None else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
     shared = multihost_utils.broadcast_one_to_all(host)
-    state = jax.tree.map(lambda x, value: jax.make_array_from_callback(
-        x.shape, x.sharding, lambda index, value=np.asarray(value): value[index]), template, shared)
+    state = jax.tree.map(lambda x, value: jax.make_array_from_callback(x.shape, x.sharding, _reader(value)),
+                         template, shared)
     return state, broadcast_json(restored["record"] if restored is not None else None)
+
+
+def _reader(value) -> Callable:
+    """A device's part of ``value``, by index (one host array per leaf)."""
+    value = np.asarray(value)
+    return lambda index: value[index]

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bardflow.model.errors import BardflowError
+from .errors import BardflowError
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -98,15 +98,17 @@ class TrainConfig(_Section):
         "constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
         "min_learning_rate_fraction of the peak at the last step")
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate")
-    min_learning_rate_fraction: float = Field(0.1, ge=0.0, le=1.0, description="cosine's floor, as a fraction of the peak")
+    min_learning_rate_fraction: float = Field(0.1, ge=0.0, le=1.0,
+                                              description="cosine's floor, as a fraction of the peak")
     grad_clip: float = Field(0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
     weight_decay: float = Field(1e-4, ge=0.0)
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) for "
         "the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
     muon_learning_rate: float = Field(0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
-    muon_ns_steps: int = Field(5, ge=1, le=10, description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's "
-                               "update; fewer make a step cheaper and the update less orthogonal")
+    muon_ns_steps: int = Field(5, ge=1, le=10,
+                               description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's update; "
+                                           "fewer make a step cheaper and the update less orthogonal")
     beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
     log_every: int = Field(100, gt=0, le=MAX_STEPS, description="record loss every N steps")
@@ -309,7 +311,7 @@ def _describe(error: ValidationError) -> str:
     items = error.errors()
     locations = [tuple(item["loc"]) for item in items]
     parts = []
-    for item, loc in zip(items, locations):
+    for item, loc in zip(items, locations, strict=True):
         if item["type"] == "too_short" and any(other[: len(loc)] == loc and other != loc for other in locations):
             continue
         where = ".".join(str(p) for p in loc) or "config"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bardflow.model.errors import BardflowError
+from .errors import BardflowError
 
 COLUMN = "tokens"
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bardflow.model.config import ModelConfig
-from bardflow.model.transformer import Transformer
+from .config import ModelConfig
+from .transformer import Transformer
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both from any host (docs/architecture.md, "Export")
 

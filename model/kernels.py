@@ -93,7 +93,7 @@ def _attention_backward(saved, grad_out):
         dq = dq.at[:, :, start:].add(jnp.matmul(dscores_t.swapaxes(-1, -2), k[:, :, start:end],
                                                 preferred_element_type=jnp.float32))
     grads = (dq * scale, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2))
-    return tuple(g.astype(x.dtype).transpose(0, 2, 1, 3) for g, x in zip(grads, (q, k, v)))
+    return tuple(g.astype(x.dtype).transpose(0, 2, 1, 3) for g, x in zip(grads, (q, k, v), strict=True))
 
 
 causal_attention.defvjp(_attention_forward, _attention_backward)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bardflow.model.errors import DistributedError
+from .errors import DistributedError
 
 
 def broadcast_json(value: Any) -> Any:
@@ -35,6 +35,6 @@ def local_rows(sharding, global_rows: int) -> tuple[int, int]:
             starts.append(rows.start or 0)
             stops.append(global_rows if rows.stop is None else rows.stop)
     start, stop = min(starts), max(stops)
-    if stop - start != sum(b - a for a, b in set(zip(starts, stops))):
+    if stop - start != sum(b - a for a, b in set(zip(starts, stops, strict=True))):
         raise DistributedError("this process's devices hold rows that are not contiguous")
     return start, stop

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
-from bardflow.model.config import TrainConfig
+from .config import TrainConfig
 
 DATA_AXIS = "data"  # the data-parallel mesh axis (model/train.py, Placement)
 
@@ -78,7 +78,7 @@ def _by_shape(core, state: MuonState, grads: list, moments: list, chosen: list[i
     out, new = core.update([jnp.stack([grads[i] for i in g]) for g in groups.values()],
                            state._replace(mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()]))
     outs, mus = {}, {}
-    for g, o, m in zip(groups.values(), out, new.mu):
+    for g, o, m in zip(groups.values(), out, new.mu, strict=True):
         for j, i in enumerate(g):
             outs[i], mus[i] = o[j], m[j]
     return outs, mus
@@ -100,7 +100,8 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
         grads, tree = jax.tree.flatten(updates)  # the leaves of other labels are masked: none here
         moments = tree.flatten_up_to(state.mu)
         outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
-        new = state._replace(count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in range(len(grads))]))
+        new = state._replace(count=optax.safe_increment(state.count),
+                             mu=tree.unflatten([mus[i] for i in range(len(grads))]))
         if devices == 1 or len(grads) < 2:
             return tree.unflatten([outs[i] for i in range(len(grads))]), new
         owners = share_out([_newton_schulz_cost(g.shape) for g in grads], devices)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bardflow.model.errors import BardflowError
-from bardflow.model.transformer import Transformer
+from .errors import BardflowError
+from .transformer import Transformer
 
 
 class PromptError(BardflowError, ValueError):

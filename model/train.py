@@ -22,11 +22,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bardflow.model.config import ModelConfig, TrainConfig
-from bardflow.model.errors import BardflowError
-from bardflow.model.optimizer import DATA_AXIS, make_optimizer
-from bardflow.model.settings import StepSettings, resolve
-from bardflow.model.transformer import Transformer, build_model
+from .config import ModelConfig, TrainConfig
+from .errors import BardflowError
+from .optimizer import DATA_AXIS, make_optimizer
+from .settings import StepSettings, resolve
+from .transformer import Transformer, build_model
 
 
 class TrainingError(BardflowError, RuntimeError):
@@ -210,7 +210,7 @@ class Placement:
         """The rows ``[start, stop)`` of every global batch that this process supplies."""
         if jax.process_count() == 1:
             return 0, global_rows
-        from bardflow.model.multihost import local_rows
+        from .multihost import local_rows
 
         return local_rows(self.batch_sharding, global_rows)
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bardflow.model.config import Kernel, ModelConfig
-from bardflow.model.kernels import attend, causal_attention, dense
+from .config import Kernel, ModelConfig
+from .kernels import attend, causal_attention, dense
 
 
 def use_custom(setting: Kernel) -> bool:
@@ -53,7 +53,8 @@ def output_init(cfg: ModelConfig) -> dict:
 
 def rms_norm(x):
     """Each vector over its last axis scaled to unit root mean square; no weights."""
-    return (x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+    mean_square = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return (x * jax.lax.rsqrt(mean_square + 1e-6)).astype(x.dtype)
 
 
 def rotate(x, positions, base: float = 10000.0):
@@ -176,7 +177,7 @@ class Transformer(nnx.Module):
         x = self.token_embed(tokens) if self.rotary else self.token_embed(tokens) + self.pos_embed(positions)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
-        for depth, (block, layer) in enumerate(zip(self.blocks, layers)):
+        for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
             x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
             updated.append(layer)
         logits = self.lm_head(self.final_norm(x))

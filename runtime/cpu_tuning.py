@@ -29,14 +29,14 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bardflow.model.settings import resolve
-from bardflow.runtime import cache_dir
+from ..model.settings import resolve
+from . import cache_dir
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 TIMED_STEPS, ROUNDS, WARM_STEPS = 3, 3, 1
@@ -86,7 +86,7 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
 def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
     """``choice``'s training step compiled on this placement, with its placed start state and
     a placed batch of random tokens: (step, state, batch)."""
-    from bardflow.model.train import init_state, make_train_step
+    from ..model.train import init_state, make_train_step
 
     step = resolve(model_cfg, train_cfg, seq_len, "cpu", choice)
     graphdef, state = init_state(step.model(model_cfg), train_cfg)
@@ -156,11 +156,12 @@ def choose(model_cfg, train_cfg, placement, seq_len: int, say: Callable[[str], N
         started = time.perf_counter()
         runs.append(prepare(model_cfg, train_cfg, placement, seq_len, choice))
         if len(runs) == 1 and time.perf_counter() - started > MAX_CANDIDATE_S:
-            note = f"; the defaults alone took {time.perf_counter() - started:.0f} s to compile and warm, so the rest were not"
+            note = (f"; the defaults alone took {time.perf_counter() - started:.0f} s to compile and warm, so the rest "
+                    "were not")
             break
     rounds = [[run() for run in runs] for _ in range(ROUNDS)]  # in turns: drift slows every candidate alike
     measured = [{**choice, "ms_per_step": round(float(np.median(times)), 2)}
-                for choice, times in zip(tried, zip(*rounds))]
+                for choice, times in zip(tried, zip(*rounds, strict=True), strict=False)]  # tried: maybe more than ran
     default, best = measured[0], min(measured, key=lambda m: m["ms_per_step"])
     if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
         best = default

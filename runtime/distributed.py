@@ -18,10 +18,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
-from bardflow.model.errors import DistributedError
+from ..model.errors import DistributedError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
 HEARTBEAT = "BARDFLOW_HEARTBEAT_TIMEOUT_S"
@@ -101,8 +101,9 @@ def probe_devices() -> None:
     process of a group asks in-process, once joined (``hardware``)."""
     global _probe
     if _probe is None and "jax" not in sys.modules and ProcessGroup.from_env() is None:
-        _probe = subprocess.Popen([sys.executable, "-c", "import jax; print(len(jax.devices()), jax.default_backend())"],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        count = "import jax; print(len(jax.devices()), jax.default_backend())"
+        _probe = subprocess.Popen([sys.executable, "-c", count], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
 
 
 def _probed() -> tuple[int, str] | None:

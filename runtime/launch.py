@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from bardflow.model.errors import BardflowError
-from bardflow.runtime import stopping
-from bardflow.runtime.distributed import CPU_DEVICE_FLAG, NUM_PROCESSES, ProcessGroup
+from ..model.errors import BardflowError
+from . import stopping
+from .distributed import CPU_DEVICE_FLAG, NUM_PROCESSES, ProcessGroup
 
 PROGRESS = "bardflow-progress"  # process 0's progress lines in its log: "bardflow-progress 40 200"
 WARNING = "bardflow-warning"  # and its warnings, passed on to the stage's log: "bardflow-warning text"
@@ -94,7 +94,7 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
     logs = [spec_path.parent / f"process-{i}.log" for i in range(len(envs))]
     running = []
     try:
-        for index, (env, log) in enumerate(zip(envs, logs)):
+        for index, (env, log) in enumerate(zip(envs, logs, strict=True)):
             with log.open("w") as sink:
                 running.append(subprocess.Popen(process_command(main, spec_path if index == 0 else None),
                                                 stdout=sink, stderr=subprocess.STDOUT, env=env,

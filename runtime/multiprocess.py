@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bardflow.model.config import TrainingRequest
-from bardflow.model.multihost import broadcast_json
-from bardflow.runtime.distributed import DistributedError, ProcessGroup, initialize
-from bardflow.runtime.launch import NOTE, PROGRESS, WARNING
+from ..model.config import TrainingRequest
+from ..model.multihost import broadcast_json
+from .distributed import DistributedError, ProcessGroup, initialize
+from .launch import NOTE, PROGRESS, WARNING
 
 if TYPE_CHECKING:
-    from bardflow.runtime.training import RunFiles
+    from .training import RunFiles
 
 
 def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[[dict, bool], RunFiles]) -> None:
@@ -40,8 +40,8 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
 
     import jax
 
-    from bardflow.model.train import TrainingError
-    from bardflow.runtime.training import run_training
+    from ..model.train import TrainingError
+    from .training import run_training
 
     request = TrainingRequest.model_validate(spec["request"])
     devices = jax.devices()

@@ -17,9 +17,9 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-from bardflow.model.errors import BardflowError
+from ..model.errors import BardflowError
 
 GRACE_S = 8.0  # then the process ends itself: the promise is a stop within 10 s
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

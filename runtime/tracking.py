@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bardflow.model.config import TrackingTarget
+from ..model.config import TrackingTarget
 
 if TYPE_CHECKING:
-    from bardflow.model.train import Hook, StepInfo
+    from ..model.train import Hook, StepInfo
 
 Warn = Callable[[str], None]
 SCALARS = ("loss", "val_loss", "val_bpb", "tokens_per_s")
@@ -257,7 +257,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     """After each new history record (every ``train.log_every`` steps, and the last), that
     record, to each destination of ``target``. A resumed run's earlier records come from
     its checkpoint and are written first, so the curves are whole."""
-    from bardflow.model.train import Hook
+    from ..model.train import Hook
 
     written: list[dict[str, Any]] = []
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import jax
 
-from bardflow.model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
-from bardflow.model.config import TrainingRequest
-from bardflow.model.data import Batches, read_sequences
-from bardflow.model.settings import CPU_TOKENS_PER_PASS, resolve
-from bardflow.model.train import (
+from ..model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
+from ..model.config import TrainingRequest
+from ..model.data import Batches, read_sequences
+from ..model.settings import CPU_TOKENS_PER_PASS, resolve
+from ..model.train import (
     Hook,
     Placement,
     StepInfo,
@@ -24,7 +24,7 @@ from bardflow.model.train import (
     train,
     val_batches,
 )
-from bardflow.runtime import stopping, tracking
+from . import stopping, tracking
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -93,7 +93,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
               f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
     platform, seq_len, tuning = placement.devices[0].platform, train_rows.shape[1], None
     if platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
-        from bardflow.runtime.cpu_tuning import choose
+        from .cpu_tuning import choose
 
         tuning = choose(request.model, request.train, placement, seq_len, say=note)
     step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])

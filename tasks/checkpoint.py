@@ -3,12 +3,12 @@ with its model config, so that restoring needs nothing but the checkpoint."""
 
 from __future__ import annotations
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
-from bardflow.model.checkpoint import params_digest, save_model
-from bardflow.model.transformer import count_params
-from bardflow.tasks.registry import CHECKPOINT
-from bardflow.tasks.train import trained_model
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version
+from ..model.checkpoint import params_digest, save_model
+from ..model.transformer import count_params
+from .registry import CHECKPOINT
+from .train import trained_model
 
 (MODEL,) = CHECKPOINT.builds
 

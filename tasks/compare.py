@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
-from bardflow.tasks.registry import COMPARE, HISTORY
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version
+from .registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 
@@ -128,7 +128,7 @@ def _draw(panels, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
         for label, history in runs:
             points = [(x_of(h), y_of(h)) for h in history if x_of(h) is not None and y_of(h) is not None]
             if points:
-                ax.plot(*zip(*points), "o-", markersize=3, label=label)
+                ax.plot(*zip(*points, strict=True), "o-", markersize=3, label=label)
         ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(True, alpha=0.25)
@@ -175,7 +175,7 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
     out.metrics.update({"speedup": result["speedup"], "devices": devices})
     ui.table(
         COMPARE.name,
-        [dict(zip(result["header"], row)) for row in result["rows"]],
+        [dict(zip(result["header"], row, strict=True)) for row in result["rows"]],
         description=f"Throughput comparison: {result['speedup']:.2f}x tokens/s on {devices} device(s)"
         + (f". {result['note']}" if result["note"] else ""),
     )

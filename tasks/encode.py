@@ -3,13 +3,13 @@ shuffle of the training windows, stored as memory-mappable Arrow IPC files."""
 
 from __future__ import annotations
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
-from bardflow.model.config import BYTE_VALUES, DataConfig
-from bardflow.model.data import encode, write_sequences
-from bardflow.tasks.fetch import CORPUS
-from bardflow.tasks.registry import ENCODE
-from bardflow.tasks.sources import corpus_name
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version
+from ..model.config import BYTE_VALUES, DataConfig
+from ..model.data import encode, write_sequences
+from .fetch import CORPUS
+from .registry import ENCODE
+from .sources import corpus_name
 
 TRAIN, VAL = ENCODE.builds
 

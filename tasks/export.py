@@ -16,15 +16,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version, file_digest
-from bardflow.model.checkpoint import load_config, load_model
-from bardflow.model.config import ModelConfig
-from bardflow.model.errors import BardflowError
-from bardflow.model.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
-from bardflow.model.transformer import Transformer
-from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.registry import EXPORT
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version, file_digest
+from ..model.checkpoint import load_config, load_model
+from ..model.config import ModelConfig
+from ..model.errors import BardflowError
+from ..model.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
+from ..model.transformer import Transformer
+from .checkpoint import MODEL
+from .registry import EXPORT
 
 (FOLDER,) = EXPORT.builds
 TOLERANCE = 1e-5

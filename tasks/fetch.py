@@ -19,11 +19,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, file_digest
-from bardflow.model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
-from bardflow.tasks.registry import FETCH
-from bardflow.tasks.sources import FetchError, chunks, corpus_files, local_path, source_mode
+from ..artifacts import ui
+from ..artifacts.store import Builder, file_digest
+from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
+from .registry import FETCH
+from .sources import FetchError, chunks, corpus_files, local_path, source_mode
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
@@ -122,7 +122,8 @@ def build(settings: DataConfig, out: Builder) -> None:
     out.metrics.update({"bytes": size, "md5": actual})
     out.record["source"] = settings.corpus
     if files is not None and (path := local_path(settings.corpus)).is_dir():  # a folder: which files, in order
-        out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size} for f in files]
+        out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size}
+                                      for f in files]
     ui.table(
         FETCH.name,
         [{"source": settings.corpus, "bytes": size, "md5": actual}],

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import time
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
-from bardflow.model.checkpoint import load_config, load_model
-from bardflow.model.config import GenerateConfig
-from bardflow.model.sampling import as_text, generate
-from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.registry import GENERATE
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version
+from ..model.checkpoint import load_config, load_model
+from ..model.config import GenerateConfig
+from ..model.sampling import as_text, generate
+from .checkpoint import MODEL
+from .registry import GENERATE
 
 (SAMPLES,) = GENERATE.builds
 

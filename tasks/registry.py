@@ -8,8 +8,8 @@ Importing this module is cheap (no JAX, no Prefect): the command line reads it f
 
 from __future__ import annotations
 
-from bardflow.model.config import TrainingRequest
-from bardflow.tasks.stage import RunPlan, Stage
+from ..model.config import TrainingRequest
+from .stage import RunPlan, Stage
 
 FETCH = Stage(
     "fetch", "1", reads=(),

@@ -11,8 +11,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from bardflow.model.config import TINYSHAKESPEARE_URL
-from bardflow.model.errors import BardflowError
+from ..model.config import TINYSHAKESPEARE_URL
+from ..model.errors import BardflowError
 
 
 class FetchError(BardflowError, RuntimeError):

@@ -13,14 +13,15 @@ imports Prefect: the flow wraps ``produce`` in a task.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from bardflow.artifacts.store import Builder, Store, Version, version_key
-from bardflow.model.config import ConfigError, PipelineConfig, TrainingRequest
-from bardflow.model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
-from bardflow.runtime.distributed import ProcessGroup
+from ..artifacts.store import Builder, Store, Version, version_key
+from ..model.config import ConfigError, PipelineConfig, TrainingRequest
+from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
+from ..runtime.distributed import ProcessGroup
 
 
 def jsonable(settings: Any) -> Any:

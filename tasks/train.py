@@ -15,18 +15,18 @@ from typing import Any
 import jax
 from flax import nnx
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version, canonical_json
-from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state
-from bardflow.model.config import TrainingRequest
-from bardflow.model.train import TrainingError, init_state, model_from_state
-from bardflow.runtime import stopping, tracking
-from bardflow.runtime.distributed import ProcessGroup, hardware
-from bardflow.runtime.launch import ProcessFailure, launch_leader, launch_local
-from bardflow.runtime.training import RunFiles, run_training
-from bardflow.tasks import train_process
-from bardflow.tasks.encode import TRAIN, VAL
-from bardflow.tasks.registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version, canonical_json
+from ..model.checkpoint import TrainingCheckpoints, load_train_state
+from ..model.config import TrainingRequest
+from ..model.train import TrainingError, init_state, model_from_state
+from ..runtime import stopping, tracking
+from ..runtime.distributed import ProcessGroup, hardware
+from ..runtime.launch import ProcessFailure, launch_leader, launch_local
+from ..runtime.training import RunFiles, run_training
+from . import train_process
+from .encode import TRAIN, VAL
+from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
 
 RESULT = "result.json"  # process 0's summary of a multi-process run
 

@@ -18,20 +18,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bardflow.artifacts.objects import RemoteResumeFolder, is_remote, open_store
-from bardflow.artifacts.store import StoreError
-from bardflow.model.errors import BardflowError
-from bardflow.tasks.registry import ENCODE
+from ..artifacts.objects import RemoteResumeFolder, is_remote, open_store
+from ..artifacts.store import StoreError
+from ..model.errors import BardflowError
+from .registry import ENCODE
 
 if TYPE_CHECKING:
-    from bardflow.runtime.training import RunFiles
+    from ..runtime.training import RunFiles
 
 TRAIN, VAL = ENCODE.builds
 
 
 def files_of(spec: dict, leader: bool) -> RunFiles:
     """Where this process finds the run's files (see the module doc)."""
-    from bardflow.runtime.training import RunFiles  # JAX only now: the group joins first
+    from ..runtime.training import RunFiles  # JAX only now: the group joins first
 
     local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
     saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-timeout", type=int, default=300, metavar="S",
                         help="seconds to wait for every process to join (default 300)")
     args = parser.parse_args(argv)
-    from bardflow.runtime import stopping
-    from bardflow.runtime.multiprocess import run_process
+    from ..runtime import stopping
+    from ..runtime.multiprocess import run_process
 
     stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
     stopping.at("in a train_parallel process")

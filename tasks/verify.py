@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 
-from bardflow.artifacts import ui
-from bardflow.artifacts.store import Builder, Version
-from bardflow.model.checkpoint import load_model, max_logit_diff
-from bardflow.model.config import VerifyConfig
-from bardflow.model.data import read_sequences
-from bardflow.model.errors import BardflowError
-from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.encode import VAL
-from bardflow.tasks.registry import VERIFY
-from bardflow.tasks.train import trained_model
+from ..artifacts import ui
+from ..artifacts.store import Builder, Version
+from ..model.checkpoint import load_model, max_logit_diff
+from ..model.config import VerifyConfig
+from ..model.data import read_sequences
+from ..model.errors import BardflowError
+from .checkpoint import MODEL
+from .encode import VAL
+from .registry import VERIFY
+from .train import trained_model
 
 (VERDICT,) = VERIFY.builds
 

@@ -13,6 +13,7 @@ import ast
 import hashlib
 import json
 import sys
+from importlib.util import resolve_name
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,24 +32,32 @@ def source_of(module: str) -> Path | None:
         path / "__init__.py" if (path / "__init__.py").exists() else None)
 
 
-def imports(tree: ast.AST) -> set[str]:
-    """Every module a module's code imports, anywhere in it; ``from bardflow.runtime import
-    stopping`` names ``bardflow.runtime.stopping`` too."""
+def package_of(path: Path) -> str | None:
+    """The package a file of the repository belongs to (``tasks/train.py``: ``bardflow.tasks``)."""
+    room = path.resolve().parent
+    return f"bardflow.{room.name}" if room.parent == REPO and room.name in ROOMS else None
+
+
+def imports(tree: ast.AST, package: str | None = None) -> set[str]:
+    """Every module a module's code imports, anywhere in it, by its full name (a relative import
+    resolved against ``package``, as Python resolves it); ``from ..runtime import stopping``
+    names ``bardflow.runtime.stopping`` too."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            if node.module in {"bardflow", *(f"bardflow.{room}" for room in ROOMS)}:
-                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.level == 0 or package):
+            module = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            found.add(module)
+            if module in {"bardflow", *(f"bardflow.{room}" for room in ROOMS)}:
+                found |= {f"{module}.{alias.name}" for alias in node.names}
     return found
 
 
 def normalized(path: Path) -> tuple[str, set[str]]:
     """The module's code without comments or docstrings, and the bardflow modules it imports."""
     tree = ast.parse(path.read_text())
-    imported = imports(tree)
+    imported = imports(tree, package_of(path))
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \

@@ -69,7 +69,7 @@ os.environ.pop("PREFECT_API_URL", None)
 if importlib.util.find_spec("prefect") is not None:
     import prefect.main  # noqa: F401 - after the environment above
 
-from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # after the environment above
+from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - after the environment above
 
 # JAX reads XLA_FLAGS once, at its first use: that is here, so that the session's two devices
 # are fixed before a run called in this process with --cpu-devices 1 (which then takes one of

@@ -106,7 +106,8 @@ class Server:
         """POST ``body`` (a filter) to the API, or GET ``path`` without one. A 503 (the server's
         SQLite database busy with another writer) is retried, as Prefect's own client does."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}/api{path}", data=data, headers={"content-type": "application/json"})
+        request = urllib.request.Request(f"{self.url}/api{path}", data=data,
+                                         headers={"content-type": "application/json"})
         for attempt in range(tries - 1):
             try:
                 return json.loads(urllib.request.urlopen(request, timeout=30).read())

@@ -104,7 +104,8 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
 ])
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
     """Checked in the CLI before anything heavy: refused in well under a second of work."""
-    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
+    code = ("import sys; from bardflow.flows.cli import main; "
+            "rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
             "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
             "print('imported:', heavy); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), *args], cwd=REPO,
@@ -153,8 +154,9 @@ def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
 
 def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_server_starts(tmp_path):
     """The only refusal that needs JAX (to count the devices): still one line, before any server."""
-    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', "
-            "'--processes', '3']); import bardflow.flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
+    code = ("import sys; from bardflow.flows.cli import main; "
+            "rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', '--processes', '3']); "
+            " import bardflow.flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr

@@ -124,7 +124,7 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
     for line in lines[header + 2:]:
         if not line.startswith("| `"):
             break
-        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
         rows[cells["preset"].strip("`")] = cells
     assert set(rows) == set(printed)
     for name, cfg in printed.items():

@@ -36,13 +36,15 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
         pytest.skip(f"needs the offline TinyShakespeare copy at {SHARED_CORPUS}")
     store = object_server.prefix("deployed")
     with prefect_server.deployments():
-        for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"], ["--no-prompt", "deploy", "--all"]):
+        for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"],
+                        ["--no-prompt", "deploy", "--all"]):
             done = prefect_server.run(str(BIN / "prefect"), *command)
             assert done.returncode == 0, done.stdout + done.stderr
     # The worker's host has an offline mirror of the corpus, the bucket's credentials and a
     # working folder of its own; flow runs inherit the worker's environment, as on a GPU host.
     worker = prefect_server.start("worker", str(BIN / "prefect"), "worker", "start", "--pool", "gpu",
-                                  env={**prefect_server.env, **object_server.env, "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
+                                  env={**prefect_server.env, **object_server.env,
+                                       "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
                                        "BARDFLOW_WORKDIR": str(tmp_path_factory.mktemp("worker-workdir"))})
     try:
         yield prefect_server, store, object_server
@@ -111,7 +113,8 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
         pytest.skip("chromium is not installed (.ci/run installs it)")
     run_filter = {"flow_run_id": {"any_": [first_deployment_run["id"]]}}
     compare = server.api("/artifacts/filter", {"artifacts": {"key": {"any_": ["bardflow-compare"]}, **run_filter}})
-    plots = server.api("/artifacts/filter", {"artifacts": {"key": {"any_": ["bardflow-compare-plots"]}, **run_filter}})[0]
+    plots = server.api("/artifacts/filter",
+                       {"artifacts": {"key": {"any_": ["bardflow-compare-plots"]}, **run_filter}})[0]
     shots = OUTPUT / "deployment"
     shots.mkdir(parents=True, exist_ok=True)
     browser = Browser(binary)

@@ -34,12 +34,14 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
     assert ProcessGroup.from_env({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}) == ProcessGroup(2, 1, None)
     assert ProcessGroup.from_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
     assert ProcessGroup.from_env({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "0"}) == ProcessGroup(3, 0, None)
-    assert ProcessGroup.from_env({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}) == ProcessGroup(4, 2, None)
+    tpu = {"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}
+    assert ProcessGroup.from_env(tpu) == ProcessGroup(4, 2, None)
     assert ProcessGroup.from_env({"TPU_WORKER_HOSTNAMES": "t0", "TPU_WORKER_ID": "0"}) is None  # one host
     indexed_job = {"BARDFLOW_COORDINATOR": "job-0.svc:1234", "BARDFLOW_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"}
     assert ProcessGroup.from_env(indexed_job) == ProcessGroup(2, 1, "job-0.svc:1234")
     assert ProcessGroup.from_env({}) is None
-    for bad, message in [({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"}, "BARDFLOW_COORDINATOR is not set"),
+    for bad, message in [({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"},
+                          "BARDFLOW_COORDINATOR is not set"),
                          ({**env, "BARDFLOW_PROCESS_ID": "4"}, "outside 0..3"),
                          ({**env, "BARDFLOW_PROCESS_ID": "one"}, "must be integers")]:
         with pytest.raises(DistributedError, match=message):
@@ -138,7 +140,7 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     np.testing.assert_allclose(result["metrics"]["val_loss"], one.val_loss, rtol=1e-4)  # rounded to 4 places
     _, template = init_state(TINY.model, cfg)
     saved = jax.tree.leaves(load_train_state(tmp_path / "out" / "state", template))
-    for theirs, ours in zip(saved, jax.tree.leaves(jax.device_get(one.state))):
+    for theirs, ours in zip(saved, jax.tree.leaves(jax.device_get(one.state)), strict=True):
         if np.issubdtype(np.asarray(ours).dtype, np.floating):
             np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-6, atol=1e-7)
     (events,) = (tmp_path / "tb").iterdir()  # one writer: process 0's
@@ -149,7 +151,8 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     assert [e.step for e in reader.Scalars("loss")] == [h["step"] for h in result["history"]]
     # Each process read only its own half of every batch.
     for index, rows in enumerate(("[0, 4)", "[4, 8)")):
-        assert f"process {index} of 2: rows {rows} of every global batch of 8" in (tmp_path / f"process-{index}.log").read_text()
+        log = (tmp_path / f"process-{index}.log").read_text()
+        assert f"process {index} of 2: rows {rows} of every global batch of 8" in log
 
 
 @pytest.mark.processes

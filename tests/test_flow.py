@@ -252,7 +252,7 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
     preset = build_config("tiny")
-    for run, summary in zip(runs, (first_run, second)):
+    for run, summary in zip(runs, (first_run, second), strict=True):
         tags, params = run.data.tags, run.data.params
         assert tags["prefect.flow_run_id"] == summary["flow_run"]
         assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run']}")

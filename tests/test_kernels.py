@@ -10,11 +10,12 @@ from bardflow.model.kernels import causal_attention, dense
 
 def value_and_grads(fn, *args):
     weights = jax.random.normal(jax.random.key(9), jax.eval_shape(fn, *args).shape)  # a non-uniform cotangent
-    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * weights), argnums=tuple(range(len(args))))(*args)
+    weighted = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * weights)  # noqa: E731 - one line, read as math
+    return jax.value_and_grad(weighted, argnums=tuple(range(len(args))))(*args)
 
 
 def assert_close(got, want, tolerance):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tolerance, atol=tolerance)
 

@@ -94,7 +94,8 @@ def test_two_machines_building_at_once_share_one_version_of_each_stage(shared_bu
     for stage in ("fetch", "encode", "train_single"):  # asked for by both, built once
         assert versions[stage] == [cluster[stage]["key"]] == [plain[stage]["key"]], stage
     # train_parallel differs: 2 processes x 1 device there, 1 process x 2 devices here.
-    assert cluster["train_parallel"]["metrics"]["processes"] == 2 and plain["train_parallel"]["metrics"]["processes"] == 1
+    assert cluster["train_parallel"]["metrics"]["processes"] == 2
+    assert plain["train_parallel"]["metrics"]["processes"] == 1
     assert len(build_prefixes(object_server, store)) == sum(len(keys) for keys in versions.values())
     assert cluster["train_parallel"]["path"].startswith(store + "/train_parallel/")
     # The follower had no store of its own: it read the data from the bucket into its own folder.

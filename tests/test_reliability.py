@@ -111,8 +111,8 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
     (tmp_path / "short.txt").write_bytes(b"To be, or not to be")
     (tmp_path / "truncated.txt").write_bytes(corpus.read_bytes()[:1000])
     (tmp_path / "blocked").write_text("a file where a folder would go: no writes, even as root")
-    values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "missing": tmp_path / "gone.txt", "truncated": tmp_path / "truncated.txt",
-              "blocked": tmp_path / "blocked",
+    values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "missing": tmp_path / "gone.txt",
+              "truncated": tmp_path / "truncated.txt", "blocked": tmp_path / "blocked",
               "short_md5": md5_bytes(b"To be, or not to be"), "real_md5": "6fb458f1232090904fb40fe944165e91",
               "missing_url": missing_url}
     extra, words = BAD_INPUTS[case]

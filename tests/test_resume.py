@@ -63,7 +63,7 @@ def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches, cf
     checkpoints.close()
     assert resumed.resumed_from == 10 and reference.resumed_from is None
     assert without_seconds(resumed.history) == without_seconds(reference.history)
-    for a, b in zip(leaves(resumed.state), leaves(reference.state)):
+    for a, b in zip(leaves(resumed.state), leaves(reference.state), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -74,7 +74,8 @@ def test_a_diverging_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_p
 
     exploding = CFG.model_copy(update={"learning_rate": 1e30})
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
-    with pytest.raises(TrainingError, match=r"(loss became nan|non-finite) at step \d+; the checkpoint of step 5 is kept"):
+    kept = r"(loss became nan|non-finite) at step \d+; the checkpoint of step 5 is kept"
+    with pytest.raises(TrainingError, match=kept):
         run(batches, checkpoints, cfg=exploding)
     checkpoints.close()
     graphdef, template = init_state(TINY.model, CFG)

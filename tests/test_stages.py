@@ -136,7 +136,8 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     model, _ = trained_model(Store(store).require(trained))
     kernel = model.lm_head.kernel
     kernel.set_value(kernel.get_value().at[0, 0].add(0.05))
-    bad, _ = Store(store).produce("checkpoint", "f" * 20, {}, {}, lambda out: save_model(out.path(MODEL), model, cfg.model))
+    bad, _ = Store(store).produce("checkpoint", "f" * 20, {}, {},
+                                  lambda out: save_model(out.path(MODEL), model, cfg.model))
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
         make(VERIFY, VerifyConfig(), store, **{**upstream, "checkpoint": bad})
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
@@ -150,7 +151,8 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
 
     exported, _ = make(EXPORT, {}, store, checkpoint=saved)
     folder = exported.file("export")
-    assert sorted(p.name for p in folder.iterdir()) == ["checksums.json", "config.json", "forward.jax", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == \
+        ["checksums.json", "config.json", "forward.jax", "model.safetensors"]
     weights = load_file(str(folder / "model.safetensors"))
     ours = flat_params(trained_model(Store(store).require(trained))[0])
     assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights
@@ -284,7 +286,8 @@ def test_the_kernel_choice_and_checkpoint_cadence_are_not_part_of_the_training_k
     faster = TrainingRequest(model=cfg.model.model_copy(update={"attention": "xla", "dense": "custom"}),
                              train=cfg.train.model_copy(update={"checkpoint_every": 3, "keep_checkpoints": 5}),
                              devices=1, platform="cpu")
-    other = TrainingRequest(model=cfg.model, train=cfg.train.model_copy(update={"steps": 21}), devices=1, platform="cpu")
+    other = TrainingRequest(model=cfg.model, train=cfg.train.model_copy(update={"steps": 21}), devices=1,
+                            platform="cpu")
     upstream = {"encode": corpus}  # any version: only its fingerprint enters the key
     assert TRAIN_SINGLE.key(base, upstream) == TRAIN_SINGLE.key(faster, upstream)
     assert TRAIN_SINGLE.key(base, upstream) != TRAIN_SINGLE.key(other, upstream)

@@ -45,7 +45,8 @@ def test_loss_falls_on_tiny(split):
     from bardflow.model.train import model_from_state, target_losses
 
     assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
-    whole = float(nnx.jit(target_losses)(model_from_state(graphdef, result.state), jnp.asarray(split.val, jnp.int32)).mean())
+    trained = model_from_state(graphdef, result.state)
+    whole = float(nnx.jit(target_losses)(trained, jnp.asarray(split.val, jnp.int32)).mean())
     assert result.val_loss == pytest.approx(whole, rel=1e-5)
     assert result.history[0]["val_loss"] > result.val_loss and result.history[-1]["val_bpb"] == pytest.approx(
         result.val_loss / np.log(2))
@@ -114,7 +115,7 @@ def test_a_step_in_several_passes_is_the_one_pass_step(split):
     reference_state, reference_loss, _ = steps["one pass"]
     for name, (state, loss, _) in steps.items():
         np.testing.assert_allclose(float(loss), float(reference_loss), rtol=1e-6, err_msg=name)
-        for ours, theirs in zip(_moments(state), _moments(reference_state)):
+        for ours, theirs in zip(_moments(state), _moments(reference_state), strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-8, err_msg=name)
     # The passes' gradients are summed on each device and averaged across devices once.
     assert steps["2 devices, 2 passes"][2] == steps["2 devices, 1 pass"][2] >= 1
@@ -151,7 +152,8 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
                                 cfg.model_copy(update={"precision": precision}))
     half, full = runs["bfloat16"], runs["float32"]
     assert half.precision == "bfloat16" and full.precision == "float32"
-    assert {leaf.dtype for leaf in jax.tree.leaves(half.state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {jnp.dtype("float32")}
+    floats = {leaf.dtype for leaf in jax.tree.leaves(half.state) if jnp.issubdtype(leaf.dtype, jnp.floating)}
+    assert floats == {jnp.dtype("float32")}
     # Another rounding, the same learning: the final losses differ, but only a little.
     first, last_half, last_full = full.history[0]["loss"], half.history[-1]["loss"], full.history[-1]["loss"]
     assert last_half != last_full
@@ -235,7 +237,7 @@ def test_runs_that_differ_only_in_learning_rate_compile_one_step(optimizer, sche
     assert programs[0] == programs[1]
     def peak(state) -> float:
         (found,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state[1]["opt_state"])
-                    if "'hyperparams'" in jax.tree_util.keystr(path) and "'learning_rate'" in jax.tree_util.keystr(path)]
+                    if all(part in jax.tree_util.keystr(path) for part in ("'hyperparams'", "'learning_rate'"))]
         return float(found)
 
     assert [peak(state) for state in states] == [np.float32(rate * (10 if optimizer == "muon" else 1))
@@ -344,5 +346,6 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
 
     # The costliest matrices first, each to the least loaded device: the loads come out level.
     owners = share_out([19, 15, 6, 19, 19, 15, 6, 19], 2)
-    assert [sum(c for c, o in zip([19, 15, 6, 19, 19, 15, 6, 19], owners) if o == d) for d in (0, 1)] == [59, 59]
+    costs = [19, 15, 6, 19, 19, 15, 6, 19]
+    assert [sum(c for c, o in zip(costs, owners, strict=True) if o == d) for d in (0, 1)] == [59, 59]
     assert share_out([5, 1], 4) == [0, 1]
