@@ -126,3 +126,9 @@ def test_the_pipeline_the_samples_flow_and_the_sweep_are_distinct_flows_in_the_u
     assert DEPLOYMENT == f"{flow_of[entry['sweep']]}/sweep"
     assert {name: flow_of[function] for name, function in entry.items()} == {
         "pipeline": "bardflow-pipeline", "generate": "bardflow-samples", "sweep": "bardflow-pipeline"}
+    # Each loads as `prefect deploy` and a worker's flow run load it (a file path would not
+    # import: the package's modules import each other relatively).
+    from prefect.flows import load_flow_from_entrypoint
+
+    for deployment in deployments:
+        assert load_flow_from_entrypoint(deployment["entrypoint"]).name in names, deployment["entrypoint"]
