@@ -210,7 +210,7 @@ def test_a_hostile_config_file_is_refused_in_one_line_at_once(tmp_path, text, wo
     started = time.monotonic()
     with pytest.raises(ConfigError) as error:
         config_file.read(path)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 5  # not the 46 s (or the hang) of before; a loaded host takes ~1 s
     message = str(error.value)
     assert "\n" not in message and len(message) < 400 and words in message and str(path) in message, message
     # A merge key is no duplicate: `<<: *defaults` is overridden by the keys after it, as YAML says.

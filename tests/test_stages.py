@@ -344,7 +344,7 @@ def test_a_corpus_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
         from bardflow.tasks.sources import check_local
 
         check_local(source)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 5  # refused, not read for ever: a loaded host takes ~1 s
 
 
 def test_overfitting_is_named_when_validation_loss_rises_as_training_loss_falls():
