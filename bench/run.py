@@ -308,6 +308,8 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
 
         runs = [run(store) for store in ("store", "store", "store-2")]
         embedded = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
+        from bardflow.runtime.launch import free_port
+
         server = [sys.executable, "-m", "bardflow", "server"]
         subprocess.run([*server, "start", "--port", str(free_port())], cwd=repo, env=env, check=True,
                        capture_output=True)
@@ -319,14 +321,6 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
             "warm_compile_s": runs[2]["wall_s"], "val_loss": runs[0]["val_loss"],
             "cached_embedded_s": statistics.median(embedded), "cached_background_s": statistics.median(background),
             "fresh": runs[0], "cached_rerun": runs[1], "warm_compile": runs[2]}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

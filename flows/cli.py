@@ -120,8 +120,9 @@ def _start_server() -> None:
 
 
 @contextmanager
-def _terminal_run():
-    """Prefect settings for a flow run in this terminal, and a watch over its server for as
+def _terminal_run(verbose: bool):
+    """Prefect settings for a flow run in this terminal, its log lines there (each stage's end,
+    progress, warnings; every line with ``verbose``), and a watch over its server for as
     long as it runs. No run heartbeats unless the user asks (PREFECT_FLOWS_HEARTBEAT_FREQUENCY):
     this process reports its own end, heartbeats only feed automations a user would have to
     create, and the heartbeat thread, which sleeps in whole seconds, holds up the end of
@@ -129,6 +130,10 @@ def _terminal_run():
     keep Prefect's default."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+    from .pipeline import ExplainedErrorFilter, quiet_explained_errors
+
+    ExplainedErrorFilter.quiet = not verbose
+    quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
     watch = None
     if _embedded is not None:
         from ..runtime.distributed import ProcessGroup, hardware
@@ -167,11 +172,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
     if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
-    from .pipeline import ExplainedErrorFilter, pipeline, quiet_explained_errors
+    from .pipeline import pipeline
 
-    ExplainedErrorFilter.quiet = not args.verbose
-    quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
-    with _terminal_run():
+    with _terminal_run(args.verbose):
         return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
                         processes=args.processes)
 
@@ -217,13 +220,9 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
     _start_server()
-    from .pipeline import ExplainedErrorFilter, quiet_explained_errors
     from .sweep import sweep
 
-    ExplainedErrorFilter.quiet = not args.verbose
-    quiet_explained_errors()
-
-    with _terminal_run():
+    with _terminal_run(args.verbose):
         return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
                      processes=args.processes, pool=args.pool, search=search)
 

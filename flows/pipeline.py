@@ -195,20 +195,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
         named, overrides = config_file.settings(settings, "the settings parameter")
         preset = named or preset  # the file's own preset, over a deployment's default one
     chosen = pick_preset(preset)
-    config = config or build_config(chosen, overrides)
-    if track:  # the flow's own parameter, as the command line's --track
-        fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
-        try:
-            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
-                                                                                   **fields})})
-        except ValidationError as error:
-            raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
-    if corpus is not None and not corpus.strip():
-        raise ConfigError(empty_corpus("corpus"))
-    corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
-    if corpus:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
-    config = config.model_copy(update={"data": pin(config.data)})  # a local corpus's md5: computed, and keys it
+    config = _with_inputs(config or build_config(chosen, overrides), track, corpus)
     devices, platform = hardware()
     logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform,
                 extra=ui.TERMINAL)
@@ -250,6 +237,25 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
     return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples,
             "warnings": _warnings(versions, logger), **({"tracking": tracked.where()} if tracked is not None else {})}
+
+
+def _with_inputs(config: PipelineConfig, track: list[str] | None, corpus: str | None) -> PipelineConfig:
+    """``config`` with the flow's own ``track`` and ``corpus`` parameters (as the command line's
+    --track and --corpus; BARDFLOW_CORPUS where no corpus is given) and the corpus's md5 pinned:
+    computed for a local corpus, it keys the versions."""
+    if track:
+        fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
+        try:
+            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
+                                                                                   **fields})})
+        except ValidationError as error:
+            raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
+    if corpus is not None and not corpus.strip():
+        raise ConfigError(empty_corpus("corpus"))
+    corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
+    if corpus:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
+    return config.model_copy(update={"data": pin(config.data)})
 
 
 def _warnings(versions: dict[str, Version], logger) -> list[str]:

@@ -163,12 +163,13 @@ def _history(version: Version) -> list[dict[str, Any]]:
 
 def build(settings: dict, out: Builder, train_single: Version, train_parallel: Version) -> None:
     single, parallel = train_single, train_parallel
-    result = comparison(single.metrics, parallel.metrics, _history(single), _history(parallel))
+    histories = _history(single), _history(parallel)
+    result = comparison(single.metrics, parallel.metrics, *histories)
     out.path(TABLE).write_text(json.dumps(result, indent=1))
     devices = result["devices"]
     plot(
-        [("single device", _history(single), result["tokens_per_s"][0]),
-         (result["header"][2], _history(parallel), result["tokens_per_s"][1])],
+        [("single device", histories[0], result["tokens_per_s"][0]),
+         (result["header"][2], histories[1], result["tokens_per_s"][1])],
         out.path(THROUGHPUT_PNG),
         out.path(CURVES_PNG),
     )
