@@ -428,7 +428,8 @@ class ObjectStore(VersionStore):
         for name in self.bucket.glob(f"{stage or '*'}/*/{MANIFEST}"):
             stage_name, key, _ = name.split("/")
             try:
-                valid_stage(stage_name), valid_key(key)
+                valid_stage(stage_name)
+                valid_key(key)
                 manifest = json.loads(self.bucket.read(name) or b"")
             except (StoreError, ValueError):
                 continue

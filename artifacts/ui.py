@@ -11,7 +11,7 @@ import base64
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -20,6 +20,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext, TaskRunContext
+
+if TYPE_CHECKING:
+    from uuid import UUID
 
 
 def artifact_key(stage: str, what: str = "") -> str:
@@ -103,9 +106,8 @@ class Progress:
         self._closed = False
         self._sender: threading.Thread | None = None
         if _in_run():
-            self._artifact = create_progress_artifact(
-                progress=0.0, key=artifact_key(stage, "progress"), description=label
-            )
+            self._artifact = cast("UUID", create_progress_artifact(  # the synchronous call's result
+                progress=0.0, key=artifact_key(stage, "progress"), description=label))
             # In this run's context (its settings: which server), as Prefect's own threads are.
             self._sender = threading.Thread(target=contextvars.copy_context().run, args=(self._send,),
                                             name="bardflow-progress", daemon=True)
@@ -140,6 +142,9 @@ class Progress:
                 self._wake.notify()
 
     def _send(self) -> None:
+        artifact = self._artifact  # made before this thread starts
+        if artifact is None:
+            return
         while True:
             with self._wake:
                 while self._pending is None and not self._closed:
@@ -148,7 +153,7 @@ class Progress:
                 if value is None:  # closed with nothing left to send
                     return
             try:
-                update_progress_artifact(self._artifact, progress=value)
+                update_progress_artifact(artifact, progress=value)
             except Exception:  # noqa: BLE001 - progress is a courtesy: a lost update costs nothing
                 pass
 

@@ -4,7 +4,7 @@ CPU hog (a busy loop on every core), counting aborts and stalls and comparing ev
 losses with the first finished run's. Exit status 1 if any run aborted, stalled or trained
 differently. Before the fix this loop, beside the hog, aborted in each of its first runs.
 
-Each run is the real training loop (``model.train.train``) in a fresh process, the ``cpu``
+Each run is the real training loop (``model.loop.train``) in a fresh process, the ``cpu``
 preset's shape on TinyShakespeare (or generated text), validating on the whole split every
 ``--eval-every`` steps: evaluation is where dozens of programs were once launched back to
 back, which could wedge XLA:CPU's client between the two devices until its 40 s rendezvous
@@ -42,8 +42,11 @@ def train_once(steps: int, eval_every: int) -> dict:
     import numpy as np
 
     from bardflow.model.config import build_config
-    from bardflow.model.settings import CPU_TOKENS_PER_PASS, resolve
-    from bardflow.model.train import Placement, init_state, train, val_batches
+    from bardflow.model.evaluation import val_batches
+    from bardflow.model.loop import train
+    from bardflow.model.placement import Placement
+    from bardflow.model.step import init_state
+    from bardflow.model.step_settings import CPU_TOKENS_PER_PASS, resolve
 
     cfg = build_config("cpu", {"train.steps": steps, "train.single_device_steps": 0, "train.log_every": eval_every,
                                "train.eval_every": 0, "train.warmup_steps": min(20, steps // 2)})
@@ -59,7 +62,7 @@ def train_once(steps: int, eval_every: int) -> dict:
     train_cfg, step = cfg.train, resolve(cfg.model, cfg.train, seq, "cpu")  # the CPU's defaults
     graphdef, state = init_state(step.model(cfg.model), train_cfg)
     batch = train_cfg.per_device_batch * len(devices)
-    # The evaluation batches the training stage uses on a CPU (runtime/training.py).
+    # The evaluation batches the training stage uses on a CPU (runtime/training_run.py).
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
     result = train(graphdef, state, lambda step: train_rows[(step * batch) % (len(train_rows) - batch):][:batch]

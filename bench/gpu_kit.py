@@ -166,8 +166,8 @@ def verify(out: Path) -> str:
             raise KitError(f"the kit does not install with --no-index:\n{install.stderr[-2000:]}")
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "PYTHONNOUSERSITE": "1"}
         env.pop("PREFECT_API_URL", None)
-        probe = ("import prefect, pydantic, s3fs, bardflow.flows.cli, bardflow.flows.settings, bardflow.model.config, "
-                 "bardflow.artifacts.store; print(prefect.__version__)")
+        probe = ("import prefect, pydantic, s3fs, bardflow.cli.main, bardflow.flows.environment, "
+                 "bardflow.model.config, bardflow.artifacts.store; print(prefect.__version__)")
         for command in ([python, "-c", probe], [python, "-m", "bardflow", "--help"],
                         [python, "-m", "bardflow", "presets", "tiny"]):
             done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

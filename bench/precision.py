@@ -25,7 +25,7 @@ class CompiledStep(NamedTuple):
     program: Any  # (state, batch) -> (state, loss), compiled
     state: Any  # the start state, placed
     rows: int  # the global batch
-    settings: Any  # model/settings.StepSettings
+    settings: Any  # model/step_settings.StepSettings
 
 
 def compiled_step(cfg, precision: str, placement, seq_len: int) -> CompiledStep:
@@ -34,8 +34,8 @@ def compiled_step(cfg, precision: str, placement, seq_len: int) -> CompiledStep:
     import jax.numpy as jnp
     import numpy as np
 
-    from bardflow.model.settings import resolve
-    from bardflow.model.train import init_state, make_train_step
+    from bardflow.model.step import init_state, make_train_step
+    from bardflow.model.step_settings import resolve
 
     train_cfg = cfg.train.model_copy(update={"precision": precision})
     step = resolve(cfg.model, train_cfg, seq_len, placement.devices[0].platform)
@@ -71,7 +71,7 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
 
     from bardflow.model.config import build_config
     from bardflow.model.data import Batches, encode
-    from bardflow.model.train import Placement
+    from bardflow.model.placement import Placement
 
     cfg = build_config(preset)
     devices = jax.devices()
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    from bardflow.flows.settings import prepare_environment
+    from bardflow.flows.environment import prepare_environment
 
     prepare_environment()  # one emulated device per core on a CPU, as a run has
     quick = args.quick

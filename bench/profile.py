@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from bardflow.model.config import build_config
-    from bardflow.model.settings import resolve
-    from bardflow.model.train import init_state, make_train_step
+    from bardflow.model.step import init_state, make_train_step
+    from bardflow.model.step_settings import resolve
 
     cfg = build_config("codelab")
     backend = jax.default_backend()

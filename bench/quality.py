@@ -37,7 +37,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
 
     from bardflow.model.config import TrainingRequest, build_config
     from bardflow.model.data import encode, write_sequences
-    from bardflow.runtime.training import RunFiles, run_training
+    from bardflow.runtime.training_run import RunFiles, run_training
 
     cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
     split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
               "TinyShakespeare", file=sys.stderr)
         return 2
 
-    from bardflow.flows.settings import prepare_environment
+    from bardflow.flows.environment import prepare_environment
 
     prepare_environment()  # the pipeline's device defaults: one emulated device per core on a CPU
-    from bardflow.flows.arguments import parse_assignment
+    from bardflow.flows.config_file import parse_assignment
 
     overrides = dict(parse_assignment(item) for item in args.set)
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)

@@ -81,8 +81,8 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     import optax
     from flax import nnx
 
-    from bardflow.model.settings import resolve
-    from bardflow.model.train import init_state, make_train_step
+    from bardflow.model.step import init_state, make_train_step
+    from bardflow.model.step_settings import resolve
     from bardflow.model.transformer import build_model
     from bench.codelab import codelab_train_step
 

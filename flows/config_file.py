@@ -10,6 +10,7 @@ long they are. A key given twice is refused rather than the last one silently wi
 
 from __future__ import annotations
 
+import json
 import reprlib
 from collections.abc import Hashable
 from pathlib import Path
@@ -73,7 +74,7 @@ def parse(text: str, source: str) -> Any:
 def _loader_class():
     import yaml
 
-    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    base: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
     class BoundedLoader(base):
         def __init__(self, text: str, source: str):
@@ -187,3 +188,19 @@ def as_yaml(preset: str) -> str:
     header = (f"# bardflow run --config FILE: the {preset} preset in full. Edit what you need, or delete\n"
               "# sections to keep the preset's values; --set still applies on top.\n" + note)
     return header + yaml.safe_dump({"preset": preset, **body}, sort_keys=False)
+
+
+def parse_value(raw: str) -> Any:
+    """A value from the command line: JSON when it parses as JSON, else the text itself."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``key=value`` from the command line."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got {text!r}; e.g. --set train.steps=100")
+    return key.strip(), parse_value(raw)

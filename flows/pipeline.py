@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from functools import partial
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -33,38 +32,37 @@ from ..model.config import (
     GenerateConfig,
     PipelineConfig,
     Prompt,
-    TrackConfig,
     TrainingRequest,
-    build_config,
 )
 from ..model.errors import BardflowError
 from ..runtime import stopping
 from ..runtime.distributed import hardware
+from ..server import notify
+from ..server.slots import training_slot
 from ..tasks.compare import overfitting
-from ..tasks.fetch import pin
-from ..tasks.registry import HISTORY, NAMES, STAGES
+from ..tasks.registry import HISTORY, STAGES
 from ..tasks.stage import RunPlan, Stage, produce
-from . import config_file, notify
-from .settings import (
-    PRESET_NAMES,
+from .environment import (
     STORE_CREDENTIALS,
     debugging,
-    empty_corpus,
-    pick_preset,
     prepare_environment,
     store_credentials,
     store_location,
 )
-from .slots import training_slot
-from .tracking import RunTracking, track_settings
+from .records import RunSummary, StageRow
+from .run_config import resolve_run_config
+from .tracking import RunTracking
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 SAME = "Unchanged"  # a task that built again what the store held already
 # A stage's state in the summary: the store answered, or it ran; a run whose output the store
 # already held shows that version's figures, not its own, so the summary says so.
 STATES = {"Cached": "cached", SAME: "ran (unchanged)"}
-StageName = Literal[NAMES]  # typed parameters: the UI's form offers exactly these
-Preset = Literal[PRESET_NAMES]
+# Typed parameters: the UI's form offers exactly these (the registry's stages and the presets,
+# written out for type checkers; tests/test_config.py holds them to the registry and presets).
+StageName = Literal["fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "export", "verify",
+                    "generate"]
+Preset = Literal["auto", "codelab", "cpu", "quality", "tiny"]
 
 
 class ExplainedErrorFilter(logging.Filter):
@@ -154,7 +152,7 @@ def _ended(tracked: RunTracking | None, error: BaseException | None = None, stag
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
         logger = get_run_logger()
-        # One training at a time on a host (flows/slots.py).
+        # One training at a time on a host (server/slots.py).
         around = partial(training_slot, stage.name, logger.info, flow_run.id,
                          say=partial(logger.info, extra=ui.TERMINAL)) if isinstance(settings, TrainingRequest) else None
         try:
@@ -173,7 +171,7 @@ def _stage_task(stage: Stage):
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
 
     # Nothing is persisted or pickled: the store is the cache, and the version is its record.
-    return task(run_stage, name=stage.name, cache_policy=NO_CACHE, persist_result=False)
+    return task(name=stage.name, cache_policy=NO_CACHE, persist_result=False)(run_stage)
 
 
 STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
@@ -181,21 +179,13 @@ STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
                refresh: list[str], processes: int = 1, settings: dict[str, Any] | None = None,
-               track: list[str] | None = None) -> dict[str, Any]:
+               track: list[str] | None = None) -> RunSummary:
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
     stopping.on_force(abandon_unfinished)  # an end at once still leaves no build folder or lock file
     logger = get_run_logger()
-    overrides: dict[str, Any] = {}
-    if settings is not None:
-        if config is not None:
-            raise ConfigError("give either config (a whole configuration) or settings (a config file's content), "
-                              "not both")
-        named, overrides = config_file.settings(settings, "the settings parameter")
-        preset = named or preset  # the file's own preset, over a deployment's default one
-    chosen = pick_preset(preset)
-    config = _with_inputs(config or build_config(chosen, overrides), track, corpus)
+    chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
     devices, platform = hardware()
     logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform,
                 extra=ui.TERMINAL)
@@ -205,7 +195,7 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     opened(root)  # an unreachable bucket or wrong credentials: one line, before any work
     tracked = RunTracking.start(config, chosen, root, logger.warning)  # None: not asked for
     versions: dict[str, Version] = {}
-    summary: dict[str, dict[str, Any]] = {}
+    summary: dict[str, StageRow] = {}
     current = STAGES[0].name
     try:
         for stage in STAGES:
@@ -218,44 +208,24 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
                 stage_settings = stage_settings.model_copy(update={"report": tracked.target(stage.name)})
             state = STAGE_TASKS[stage.name](stage_settings, {name: versions[name] for name in stage.reads},
                                             root, stage.name in refresh, return_state=True)
-            versions[stage.name] = version = state.result()  # raises the stage's own error if it failed
-            summary[stage.name] = {"state": STATES.get(state.name, "ran"), "key": version.key,
-                                   "path": version.location, "metrics": version.metrics,
-                                   "seconds": round(time.perf_counter() - started, 3)}
-            logger.info("%s: %s in %.1f s (version %s)", stage.name, summary[stage.name]["state"],
-                        summary[stage.name]["seconds"], version.key[:12], extra=ui.TERMINAL)
+            versions[stage.name] = version = cast(Version, state.result())  # raises the stage's error if it failed
+            row = summary[stage.name] = StageRow(STATES.get(state.name or "", "ran"), version.key, version.location,
+                                                 version.metrics, round(time.perf_counter() - started, 3))
+            logger.info("%s: %s in %.1f s (version %s)", stage.name, row.state, row.seconds, version.key[:12],
+                        extra=ui.TERMINAL)
             if tracked is not None:
-                tracked.stage_done(stage.name, summary[stage.name]["state"], version)
+                tracked.stage_done(stage.name, row.state, version)
     except BaseException as error:
         _ended(tracked, error, current)
         raise
     _ended(tracked)
     # The run's summary in the UI, which is also how a sweep's parent learns, from another
     # machine, what a child it ran on a worker produced.
-    ui.table(RUN_ARTIFACT, [{"stage": name, "state": row["state"], "key": row["key"], "seconds": row["seconds"]}
+    ui.table(RUN_ARTIFACT, [{"stage": name, "state": row.state, "key": row.key, "seconds": row.seconds}
                             for name, row in summary.items()], description=f"bardflow run, preset {chosen}")
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
-    return {"preset": chosen, "store": root, "flow_run": flow_run.id, "stages": summary, "samples": samples,
-            "warnings": _warnings(versions, logger), **({"tracking": tracked.where()} if tracked is not None else {})}
-
-
-def _with_inputs(config: PipelineConfig, track: list[str] | None, corpus: str | None) -> PipelineConfig:
-    """``config`` with the flow's own ``track`` and ``corpus`` parameters (as the command line's
-    --track and --corpus; BARDFLOW_CORPUS where no corpus is given) and the corpus's md5 pinned:
-    computed for a local corpus, it keys the versions."""
-    if track:
-        fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
-        try:
-            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
-                                                                                   **fields})})
-        except ValidationError as error:
-            raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
-    if corpus is not None and not corpus.strip():
-        raise ConfigError(empty_corpus("corpus"))
-    corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
-    if corpus:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
-    return config.model_copy(update={"data": pin(config.data)})
+    return RunSummary(chosen, root, str(flow_run.id), summary, samples, _warnings(versions, logger),
+                      tracked.where() if tracked is not None else None)
 
 
 def _warnings(versions: dict[str, Version], logger) -> list[str]:
@@ -278,7 +248,7 @@ def pipeline(
     processes: int = 1,
     settings: dict[str, Any] | None = None,
     track: list[str] | None = None,
-) -> dict[str, Any]:
+) -> RunSummary:
     """Fetch, encode, train on one device and on all, compare, checkpoint, export, verify, generate.
 
     ``config`` overrides the preset entirely when given; ``settings`` is what a config file
@@ -303,12 +273,12 @@ def samples(
     corpus: str | None = None,
     store: str | None = None,
     processes: int = 1,
-) -> dict[str, Any]:
+) -> RunSummary:
     """New samples from the trained model. Every stage before ``generate`` comes from the
     cache when it is there (training runs only if nothing is cached); a setting left empty
     keeps the preset's value."""
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
-    base = build_config(pick_preset(preset))
+    base = resolve_run_config(preset, pin_corpus=False)[1]
     changes: dict[str, Any] = {}
     if prompts is not None:
         default_temperature = base.generate.prompts[0].temperature

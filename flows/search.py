@@ -12,27 +12,19 @@ study continues rather than repeats its first proposals. A diverging trial is a 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..artifacts.objects import ObjectStore, checked_store
 from ..model.errors import BardflowError
+from .records import StageRow, Trial
 
 FOLDER = ".searches"
 
 
 class SearchError(BardflowError, RuntimeError):
     """Optuna is missing, or the study cannot be read."""
-
-
-def study_name(preset: str, base: dict[str, Any], space: dict[str, dict[str, Any]], listed: list[dict[str, Any]],
-               seed: int) -> str:
-    """What defines a search, as a name: the same command, the same study."""
-    digest = hashlib.sha256(json.dumps([preset, base, space, listed, seed], sort_keys=True).encode()).hexdigest()
-    return f"search-{digest[:12]}"
 
 
 def _distribution(spec: dict[str, Any]):
@@ -60,12 +52,12 @@ class Search:
         self.spec, self.name = spec, spec["study"]
         self._object = f"{FOLDER}/{self.name}.journal"  # its name in the store (and the bucket)
         self.store = checked_store(root)
-        self.distributions = {key: _distribution(value) for key, value in spec["space"].items()}
-        remote = isinstance(self.store, ObjectStore)
-        self.path = Path(self.store.mirror.location if remote else root) / self._object
+        self.distributions: dict[str, Any] = {key: _distribution(value) for key, value in spec["space"].items()}
+        remote = self.store if isinstance(self.store, ObjectStore) else None
+        self.path = Path(remote.mirror.location if remote else root) / self._object
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if remote:  # the bucket's copy is the study; the mirror's, a working copy
-            kept = self.store.bucket.read(self._object)
+            kept = remote.bucket.read(self._object)
             if kept is not None:
                 self.path.write_bytes(kept)
             else:
@@ -99,30 +91,27 @@ class Search:
         self.save()
         return trial.number, dict(trial.params)
 
-    def tell(self, number: int, run: dict[str, Any]) -> None:
+    def tell(self, number: int, run: Trial) -> None:
         """A finished trial: its validation loss, or a failure; its row kept with it."""
         from optuna.trial import TrialState
 
-        stages = run.get("stages") or {}
-        kept = {"status": run["status"], "error": run.get("error"),
-                "flow_run": run.get("flow_run") or run.get("flow_run_id"),
-                "stages": {name: {"key": stages[name].get("key"), "state": stages[name].get("state"),
-                                  "metrics": stages[name].get("metrics", {})}
-                           for name in ("train_parallel", "generate") if name in stages}}
-        self.asked.pop(number).set_user_attr("run", kept)
-        value = ((stages.get("train_parallel") or {}).get("metrics") or {}).get("val_loss")
-        if run["status"] == "completed" and value is not None:
+        kept = Trial({}, run.status, flow_run=run.flow_run, error=run.error, stages={
+            name: StageRow(row.state, row.key, metrics=row.metrics)
+            for name, row in run.stages.items() if name in ("train_parallel", "generate")})
+        self.asked.pop(number).set_user_attr("run", kept.to_json())
+        value = run.metric("train_parallel", "val_loss")
+        if run.status == "completed" and value is not None:
             self.study.tell(number, value)
         else:
             self.study.tell(number, state=TrialState.FAIL)
         self.save()
 
-    def runs(self) -> list[dict[str, Any]]:
+    def runs(self) -> list[Trial]:
         """Every finished trial as a sweep run, in trial order, numbered 1, 2, 3… (Optuna's own
         number, which counts the trials a stop interrupted and asked again, is kept beside it)."""
         finished = [t for t in self.study.trials if "run" in t.user_attrs]
-        return [{**t.user_attrs["run"], "varying": dict(t.params), "trial": position, "optuna_trial": t.number}
-                for position, t in enumerate(finished, 1)]
+        return [Trial.from_json({**t.user_attrs["run"], "varying": dict(t.params), "trial": position,
+                                 "optuna_trial": t.number}) for position, t in enumerate(finished, 1)]
 
     def save(self) -> None:
         if isinstance(self.store, ObjectStore):

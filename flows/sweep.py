@@ -17,19 +17,24 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import flow
 from prefect.logging import get_run_logger
 
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
-from ..model.config import ConfigError, PipelineConfig, build_config
+from ..model.config import ConfigError, PipelineConfig
 from ..runtime import stopping
+from ..server import notify
 from ..tasks.compare import plot_validation_curves
-from . import notify
+from .environment import pick_preset, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline, quiet_explained_errors
-from .settings import pick_preset, store_location
+from .records import RunSummary, StageRow, Trial
+from .sweep_configs import run_configuration
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
 SWEEP = "sweep"
 DEPLOYMENT = "bardflow-pipeline/sweep"  # prefect.yaml's `sweep`: the pipeline, one configuration per run
@@ -40,21 +45,21 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def comparison_rows(runs: list[Trial]) -> list[dict[str, Any]]:
     """One row per run: the settings that vary first, then the figures, then the versions."""
-    keys = list(dict.fromkeys(key for run in runs for key in run["varying"]))
+    keys = list(dict.fromkeys(key for run in runs for key in run.varying))
     rows = []
     for number, run in enumerate(runs, 1):
-        row: dict[str, Any] = {"run": run.get("trial", number)}
-        row.update({key: _shown(run["varying"].get(key, "(preset)")) for key in keys})
-        stages = run.get("stages") or {}
-        metrics = stages.get("train_parallel", {}).get("metrics", {})
+        row: dict[str, Any] = {"run": run.trial or number}
+        row.update({key: _shown(run.varying.get(key, "(preset)")) for key in keys})
+        trained, generated = run.stages.get("train_parallel"), run.stages.get("generate")
+        metrics = trained.metrics if trained else {}
         row.update({
-            "status": run["status"],
+            "status": run.status,
             "val_loss": metrics.get("val_loss"), "val_bpb": metrics.get("val_bpb"),
             "tokens_per_s": metrics.get("tokens_per_s"), "training_s": metrics.get("elapsed_s"),
-            "train_parallel": stages.get("train_parallel", {}).get("key"),
-            "generate": stages.get("generate", {}).get("key"),
+            "train_parallel": trained.key if trained else None,
+            "generate": generated.key if generated else None,
         })
         rows.append(row)
     return rows
@@ -67,7 +72,7 @@ def set_line(varying: dict[str, Any]) -> str:
     return " ".join(f"--set {shlex.quote(f'{key}={_shown(value)}')}" for key, value in varying.items())
 
 
-def best_run(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+def best_run(rows: list[dict[str, Any]], runs: list[Trial]) -> dict[str, Any] | None:
     """The finished run with the lowest validation loss: its number, its loss and its ``--set``
     line (``rows`` as ``comparison_rows`` made them from ``runs``, in the same order)."""
     finished = [(row["val_loss"], row["run"], run) for row, run in zip(rows, runs, strict=True)
@@ -75,22 +80,22 @@ def best_run(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str
     if not finished:
         return None
     val_loss, number, run = min(finished, key=lambda entry: entry[:2])
-    line = set_line(run["varying"])
+    line = set_line(run.varying)
     return {"run": number, "val_loss": val_loss, "set": line,
             "line": f"run {number}, validation loss {val_loss:.4f}: {line}"}
 
 
-def _histories(runs: list[dict[str, Any]], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
+def _histories(runs: list[Trial], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
     """(label, train_parallel's history) of every run that finished."""
     store = checked_store(root)
     curves = []
     for number, run in enumerate(runs, 1):
-        stage = (run.get("stages") or {}).get("train_parallel")
-        version = stage and store.lookup("train_parallel", stage["key"])
+        stage = run.stages.get("train_parallel")
+        version = stage and store.lookup("train_parallel", stage.key)
         if version is None:
             continue
-        shown = ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run["varying"].items())
-        label = f"{run.get('trial', number)}: {shown}"
+        shown = ", ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in run.varying.items())
+        label = f"{run.trial or number}: {shown}"
         curves.append((label, json.loads(version.file("history.json").read_text())))
     return curves
 
@@ -128,14 +133,14 @@ def sweep(
     best = best_run(rows, runs)
     if search is not None:  # ranked: the best first
         rows.sort(key=lambda row: (row["status"] != "completed", row["val_loss"] is None, row["val_loss"] or 0))
-    publish(rows, _histories(runs, root), chosen, best, study=search and search["study"])
+    publish(rows, _histories(runs, root), chosen, best, study=search["study"] if search else None)
     failed = sum(row["status"] != "completed" for row in rows)
     notify.emit(notify.SWEEP_FINISHED, {"summary": f"{len(rows)} runs, {failed} failed",
                                         "best": best["line"] if best else "none: every run failed"})
     from prefect.runtime import flow_run
 
-    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows, "runs": runs,
-            "best": best, **({"study": search["study"]} if search else {})}
+    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows,
+            "runs": [run.to_json() for run in runs], "best": best, **({"study": search["study"]} if search else {})}
 
 
 class Place:
@@ -149,49 +154,50 @@ class Place:
             check_pool(pool)
 
     def config(self, varying: dict[str, Any]) -> PipelineConfig:
-        return _in_one_experiment(build_config(self.preset, {**self.settings, **varying}))
+        return _in_one_experiment(run_configuration(self.preset, self.settings, varying))
 
-    def run_here(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
+    def run_here(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> Trial:
         """A child flow run of this process, to its end."""
         child = pipeline.with_options(flow_run_name=_child_name(number, total))
         state = child(preset=self.preset, config=config, corpus=self.corpus, store=self.root,
                       processes=self.processes, return_state=True)
         stopping.check(f"during sweep run {number} of {total}")  # a stopped child stops the sweep
-        run = {"varying": varying, "status": "completed"}
+        run = Trial(varying, number=number)
         if state.is_completed():
-            run.update(state.result())
+            summary: RunSummary = state.result()
+            run.completed(summary.stages, summary.flow_run)
         else:
-            _failed(number, total, run, state.message or state.name)
+            _failed(number, total, run, str(state.message or state.name))
         return run
 
-    def submit(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
+    def submit(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> Trial:
         """A run of the ``sweep`` deployment on the pool, started; it runs when a worker takes it."""
         from prefect.deployments import run_deployment
 
         child = run_deployment(DEPLOYMENT, timeout=0, flow_run_name=_child_name(number, total), parameters={
             "preset": self.preset, "config": config.model_dump(mode="json"), "corpus": self.corpus,
             "store": self.root, "processes": self.processes})
-        return {"varying": varying, "status": "running", "flow_run_id": str(child.id), "number": number}
+        return Trial(varying, number=number, flow_run=str(cast("FlowRun", child).id))  # the synchronous call's result
 
-    def ended(self, client, run: dict[str, Any], total: int) -> bool:
+    def ended(self, client, run: Trial, total: int) -> bool:
         """Whether the submitted ``run`` has ended; if so, ``run`` now says how."""
-        state = client.read_flow_run(run["flow_run_id"]).state
+        state = client.read_flow_run(run.flow_run).state
         if state is None or not state.is_final():
             return False
         if state.is_completed():
-            run.update(status="completed", **_child_summary(client, run["flow_run_id"], self.root))
+            run.completed(_child_stages(client, run.flow_run, self.root), run.flow_run)
         else:
-            _failed(run["number"], total, run, state.message or state.name)
+            _failed(run.number or 0, total, run, state.message or state.name)
         return True
 
-    def cancel_if_stopped(self, client, running: list[dict[str, Any]], total: int) -> None:
+    def cancel_if_stopped(self, client, running: list[Trial], total: int) -> None:
         """A stopped sweep cancels its runs on the workers, then stops."""
         if stopping.requested() is None:
             return
         from prefect.states import Cancelling
 
         for run in running:
-            client.set_flow_run_state(run["flow_run_id"], Cancelling(message="the sweep was stopped"), force=True)
+            client.set_flow_run_state(run.flow_run, Cancelling(message="the sweep was stopped"), force=True)
         stopping.check(f"with {len(running)} of {total} sweep runs unfinished (cancelled)")
 
 
@@ -210,12 +216,12 @@ def _child_name(number: int, total: int) -> str:
     return f"sweep-run-{number}-of-{total}"
 
 
-def _failed(number: int, total: int, run: dict[str, Any], why: str) -> None:
-    run.update(status="failed", error=why)
+def _failed(number: int, total: int, run: Trial, why: str) -> None:
+    run.failed(why)
     get_run_logger().warning("sweep run %d of %d failed: %s", number, total, why)
 
 
-def _here(configurations, configs, place: Place, progress) -> list[dict[str, Any]]:
+def _here(configurations, configs, place: Place, progress) -> list[Trial]:
     """Each configuration in turn, as a child flow run of this process."""
     total, runs = len(configs), []
     for number, (varying, config) in enumerate(zip(configurations, configs, strict=True), 1):
@@ -248,7 +254,7 @@ def check_pool(pool: str) -> None:
                                  "(`prefect worker start --pool %s`)", pool, pool)
 
 
-def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, Any]]:
+def _on_pool(configurations, configs, place: Place, progress) -> list[Trial]:
     """Every configuration submitted at once as a run of the ``sweep`` deployment, then
     waited for: the workers that poll the pool take them as they free up."""
     from prefect.client.orchestration import get_client
@@ -261,17 +267,17 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[dict[str, 
     with get_client(sync_client=True) as client:
         while done < total:
             time.sleep(POLL_S)
-            place.cancel_if_stopped(client, [run for run in runs if run["status"] == "running"], total)
+            place.cancel_if_stopped(client, [run for run in runs if run.status == "running"], total)
             for run in runs:
-                if run["status"] == "running" and place.ended(client, run, total):
+                if run.status == "running" and place.ended(client, run, total):
                     done += 1
                     progress(done)
-                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run["number"], run["status"],
+                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run.number, run.status,
                                 extra=ui.TERMINAL)
     return runs
 
 
-def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, where: str) -> list[dict[str, Any]]:
+def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, where: str) -> list[Trial]:
     """Optuna's trials, ``spec["parallel"]`` at a time (on the pool; one at a time here), until
     the study has ``spec["trials"]`` finished ones; every finished trial of the study is a row."""
     from prefect.client.orchestration import get_client
@@ -291,7 +297,7 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
         try:
             return number, params, place.config(params)
         except ConfigError as error:  # a proposal the settings refuse: a failed trial, not a failed search
-            study.tell(number, {"status": "failed", "error": str(error)})
+            study.tell(number, Trial(params, "failed", error=str(error)))
             return number, params, None
 
     with ui.Progress(SWEEP, total, f"search of {total} trials, preset {place.preset}{where}") as progress:
@@ -303,27 +309,30 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
                     study.tell(number, place.run_here(study.finished() + 1, total, params, config))
                 progress(min(study.finished(), total))
             return study.runs()
-        running: list[dict[str, Any]] = []
+        running: list[Trial] = []
         with get_client(sync_client=True) as client:
             while study.finished() + len(running) < total or running:
                 while study.finished() + len(running) < total and len(running) < spec["parallel"]:
                     number, params, config = ask()
                     if config is not None:
                         shown = study.finished() + len(running) + 1  # the run's place in the table
-                        running.append({**place.submit(shown, total, params, config), "trial": number, "shown": shown})
+                        submitted = place.submit(shown, total, params, config)
+                        submitted.optuna_trial = number
+                        running.append(submitted)
                 time.sleep(POLL_S)
                 place.cancel_if_stopped(client, running, total)
                 for run in [run for run in running if place.ended(client, run, total)]:
                     running.remove(run)
-                    study.tell(run["trial"], run)
+                    assert run.optuna_trial is not None  # set when submitted
+                    study.tell(run.optuna_trial, run)
                     progress(min(study.finished(), total))
-                    logger.info("search: trial %d %s", run["shown"], run["status"], extra=ui.TERMINAL)
+                    logger.info("search: trial %d %s", run.number, run.status, extra=ui.TERMINAL)
     return study.runs()
 
 
-def _child_summary(client, run_id, root: str) -> dict[str, Any]:
-    """What a child run here returns, rebuilt from its ``bardflow-run`` artifact (stage,
-    state, version key, seconds) and the shared store (each version's metrics)."""
+def _child_stages(client, run_id, root: str) -> dict[str, StageRow]:
+    """The stage rows of a child run on a worker, rebuilt from its ``bardflow-run`` artifact
+    (stage, state, version key, seconds) and the shared store (each version's metrics)."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
     summary = ArtifactFilter(key=ArtifactFilterKey(any_=[ui.artifact_key(RUN_ARTIFACT)]))
@@ -334,10 +343,9 @@ def _child_summary(client, run_id, root: str) -> dict[str, Any]:
     stages = {}
     for row in rows:
         version = store.lookup(row["stage"], row["key"])
-        stages[row["stage"]] = {"state": row["state"], "key": row["key"], "seconds": row["seconds"],
-                                "path": version.location if version else None,
-                                "metrics": version.metrics if version else {}}
-    return {"stages": stages, "flow_run": str(run_id)}
+        stages[row["stage"]] = StageRow(row["state"], row["key"], version.location if version else "",
+                                        version.metrics if version else {}, row["seconds"])
+    return stages
 
 
 def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -158,14 +159,13 @@ class TrainingCheckpoints:
 
     def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None):
         self.directory, self.saved, self.manager = Path(directory).absolute(), saved, None
-        shared = {"create": True}
-        if jax.process_count() > 1:
-            shared = {"create": False, "multiprocessing_options": _leader_only()}
+        multi = jax.process_count() > 1
         if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
                 preservation_policy=ocp.checkpoint_managers.LatestN(keep), enable_async_checkpointing=True,
-                **shared))
+                create=not multi,
+                multiprocessing_options=_leader_only() if multi else ocp.options.MultiprocessingOptions()))
 
     @staticmethod
     def steps(directory: Path) -> list[int]:
@@ -215,6 +215,7 @@ class TrainingCheckpoints:
         if multi:
             state, record = _from_leader(pure, restored)
         else:
+            assert restored is not None  # one process: process 0, which holds the manager
             state, record = jax.tree.map(jax.numpy.asarray, restored["state"]), restored["record"]
         nnx.replace_by_pure_dict(template, state)
         return template, record
@@ -228,7 +229,7 @@ class TrainingCheckpoints:
             self.saved()
 
 
-def _from_leader(template: dict, restored: dict | None) -> tuple[dict, dict]:
+def _from_leader(template: dict, restored: Mapping[str, Any] | None) -> tuple[dict, dict]:
     """Process 0's restored state and record on every process, placed like ``template``."""
     from jax.experimental import multihost_utils
 

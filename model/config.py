@@ -4,7 +4,7 @@ CLI overrides them with ``--set section.field=value``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,54 +23,58 @@ class ConfigError(BardflowError, ValueError):
     """A configuration value is invalid; the message names the value and the fix."""
 
 
-class _Section(BaseModel):
+class _Section(BaseModel, frozen=True):
     # No NaN or infinity anywhere: a temperature or learning rate of Infinity is a typo.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Frozen, said by every section itself: a type checker then knows each hashable (a
+    # section is a cache key of the compiled step).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-SEED_RANGE = {"ge": 0, "lt": 2**32}  # what numpy's and JAX's generators take without complaint
+Seed = Annotated[int, Field(ge=0, lt=2**32)]  # what numpy's and JAX's generators take without complaint
 # A step count a run can mean: 10 M steps of the smallest preset take weeks on a GPU, and
 # counts past 2**31 overflow the int32 step counter of the optimizer state.
 MAX_STEPS = 10_000_000
 
 
-class DataConfig(_Section):
-    corpus: str = Field(TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local path")
+class DataConfig(_Section, frozen=True):
+    corpus: str = Field(default=TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local path")
     # None: computed from a local file or folder when the run starts, the known checksum of
     # the default download; any other download needs its own (it is checked against it).
-    md5: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="md5 of the corpus (a local one: computed)")
-    seq_len: int = Field(256, gt=1, description="bytes per training sequence")
+    md5: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{32}$", description="md5 of the corpus (a local one: computed)")
+    seq_len: int = Field(default=256, gt=1, description="bytes per training sequence")
     every_position: bool = Field(
-        False, description="store windows of seq_len + 1 bytes, so that each of the model's seq_len "
+        default=False, description="store windows of seq_len + 1 bytes, so that each of the model's seq_len "
         "positions learns to predict the next byte; the codelab's windows of seq_len bytes leave the last "
         "position without a target, and sampling from a full context suffers")
-    train_fraction: float = Field(0.9, gt=0.0, lt=1.0)
-    shuffle_seed: int = Field(0, **SEED_RANGE)
+    train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
+    shuffle_seed: Seed = 0
 
 
-class ModelConfig(_Section):
-    vocab_size: int = Field(256, gt=0)
-    d_model: int = Field(256, gt=0)
-    num_heads: int = Field(4, gt=0)
-    ffn_dim: int = Field(1024, gt=0)
-    num_layers: int = Field(4, gt=0)
-    max_seq_len: int = Field(256, gt=0)
+class ModelConfig(_Section, frozen=True):
+    vocab_size: int = Field(default=256, gt=0)
+    d_model: int = Field(default=256, gt=0)
+    num_heads: int = Field(default=4, gt=0)
+    ffn_dim: int = Field(default=1024, gt=0)
+    num_layers: int = Field(default=4, gt=0)
+    max_seq_len: int = Field(default=256, gt=0)
     # learned: a table of absolute positions (the codelab). rope: rotary embeddings of the
     # queries and keys, which see only relative positions, so a sampler's cached keys stay
     # valid when its window slides.
-    positions: Literal["learned", "rope"] = Field("learned", description="learned | rope")
+    positions: Literal["learned", "rope"] = Field(default="learned", description="learned | rope")
     # Which implementation computes attention and the dense layers. Both compute the same
     # function (tested against each other); they differ in speed, so neither enters a
     # version key. auto: the hand-written gradients of model/kernels.py on CPU, where they
     # were measured faster, jax.nn.dot_product_attention and x @ w + b elsewhere.
-    attention: Kernel = Field("auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
-    dense: Kernel = Field("auto", description="auto | xla (x @ w + b) | custom")
+    attention: Kernel = Field(default="auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
+    dense: Kernel = Field(default="auto", description="auto | xla (x @ w + b) | custom")
     # Small-model refinements from the modded-nanogpt speedrun records, each off by default
     # (the codelab's model) and measured alone on the cpu preset (docs/benchmarks.md).
-    mlp: Literal["gelu", "relu2"] = Field("gelu", description="the MLP's activation: gelu | relu2 (ReLU squared)")
-    qk_norm: bool = Field(False, description="RMS-normalise each head's queries and keys before attention")
-    zero_init: bool = Field(False, description="start the attention and MLP output projections at zero")
-    logit_cap: float | None = Field(None, gt=0, description="cap the logits softly: cap * tanh(logits / cap)")
+    mlp: Literal["gelu", "relu2"] = Field(
+        default="gelu", description="the MLP's activation: gelu | relu2 (ReLU squared)")
+    qk_norm: bool = Field(default=False, description="RMS-normalise each head's queries and keys before attention")
+    zero_init: bool = Field(default=False, description="start the attention and MLP output projections at zero")
+    logit_cap: float | None = Field(default=None, gt=0, description="cap the logits softly: cap * tanh(logits / cap)")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -87,41 +91,43 @@ class ModelConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
-    steps: int = Field(500, gt=0, le=MAX_STEPS, description="timed optimizer steps per training stage")
+class TrainConfig(_Section, frozen=True):
+    steps: int = Field(default=500, gt=0, le=MAX_STEPS, description="timed optimizer steps per training stage")
     single_device_steps: int = Field(
-        0, ge=0, description="steps train_single runs, of the same schedule: it measures one device's "
+        default=0, ge=0, description="steps train_single runs, of the same schedule: it measures one device's "
         "throughput for the comparison, which needs far fewer steps than training does. 0 = all of steps")
-    per_device_batch: int = Field(32, gt=0)
-    learning_rate: float = Field(3e-4, gt=0.0, description="the peak learning rate")
+    per_device_batch: int = Field(default=32, gt=0)
+    learning_rate: float = Field(default=3e-4, gt=0.0, description="the peak learning rate")
     schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
+        default="constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
         "min_learning_rate_fraction of the peak at the last step")
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate")
-    min_learning_rate_fraction: float = Field(0.1, ge=0.0, le=1.0,
+    warmup_steps: int = Field(
+        default=0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate")
+    min_learning_rate_fraction: float = Field(default=0.1, ge=0.0, le=1.0,
                                               description="cosine's floor, as a fraction of the peak")
-    grad_clip: float = Field(0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
-    weight_decay: float = Field(1e-4, ge=0.0)
+    grad_clip: float = Field(default=0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
+    weight_decay: float = Field(default=1e-4, ge=0.0)
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) for "
-        "the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
-    muon_learning_rate: float = Field(0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
-    muon_ns_steps: int = Field(5, ge=1, le=10,
+        default="adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) "
+        "for the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
+    muon_learning_rate: float = Field(default=0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
+    muon_ns_steps: int = Field(default=5, ge=1, le=10,
                                description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's update; "
                                            "fewer make a step cheaper and the update less orthogonal")
-    beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
+    beta2: float = Field(default=0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
-    log_every: int = Field(100, gt=0, le=MAX_STEPS, description="record loss every N steps")
-    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="evaluate the whole validation split every N "
+    log_every: int = Field(default=100, gt=0, le=MAX_STEPS, description="record loss every N steps")
+    eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="evaluate the whole validation split every N "
                             "steps (from step 0) and after the last; 0 = at every record (log_every)")
-    init_seed: int = Field(1, **SEED_RANGE)
-    checkpoint_every: int = Field(100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
-    keep_checkpoints: int = Field(2, gt=0, description="resumable checkpoints kept while training")
+    init_seed: Seed = 1
+    checkpoint_every: int = Field(
+        default=100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
+    keep_checkpoints: int = Field(default=2, gt=0, description="resumable checkpoints kept while training")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="compute dtype; parameters and optimizer state stay float32. "
+        default="auto", description="compute dtype; parameters and optimizer state stay float32. "
         "auto: bfloat16 on GPU/TPU, float32 on CPU (measured no faster in bfloat16, even with avx512_bf16)")
     micro_batch: int = Field(
-        0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
+        default=0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
         "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
         "on CPU, the whole per-device batch on GPU/TPU")
 
@@ -148,37 +154,38 @@ class TrainConfig(_Section):
 MAX_PROMPTS, MAX_PROMPT_CHARS = 1_000, 10_000  # a config file cannot make a run sample for days
 
 
-class Prompt(_Section):
+class Prompt(_Section, frozen=True):
     text: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     # Logits divided by more than 10 are all but equal (sampling is uniform noise), and a
     # temperature near float32's range overflows it.
-    temperature: float = Field(0.8, ge=0.0, le=10.0, description="0 means greedy; at most 10")
+    temperature: float = Field(default=0.8, ge=0.0, le=10.0, description="0 means greedy; at most 10")
 
 
-class GenerateConfig(_Section):
+class GenerateConfig(_Section, frozen=True):
     prompts: tuple[Prompt, ...] = Field(min_length=1, max_length=MAX_PROMPTS, default=(
         Prompt(text="ROMEO:", temperature=0.8),
         Prompt(text="To be, or not", temperature=0.6),
     ))
-    max_new_bytes: int = Field(300, gt=0, le=1_000_000)
-    seed: int = Field(42, **SEED_RANGE)
+    max_new_bytes: int = Field(default=300, gt=0, le=1_000_000)
+    seed: Seed = 42
 
 
-class VerifyConfig(_Section):
-    tolerance: float = Field(1e-5, gt=0, description="largest |trained - restored| logit difference that passes")
-    init_seed: int = Field(99, **SEED_RANGE, description="seed of the fresh model; differs from training's")
-    probe_sequences: int = Field(4, gt=0, description="validation sequences in the probe batch")
+class VerifyConfig(_Section, frozen=True):
+    tolerance: float = Field(
+        default=1e-5, gt=0, description="largest |trained - restored| logit difference that passes")
+    init_seed: Seed = Field(default=99, description="seed of the fresh model; differs from training's")
+    probe_sequences: int = Field(default=4, gt=0, description="validation sequences in the probe batch")
 
 
-class TrackConfig(_Section):
+class TrackConfig(_Section, frozen=True):
     """Where a run reports its configuration and curves while it trains: nowhere by default.
     Never part of a version key: where a run is watched does not change what it builds."""
 
-    mlflow: str | None = Field(None, min_length=1, description="MLflow tracking URI (sqlite:///path.db, "
+    mlflow: str | None = Field(default=None, min_length=1, description="MLflow tracking URI (sqlite:///path.db, "
                                "http://host:5000, ...); the run is one MLflow run")
-    tensorboard: str | None = Field(None, min_length=1, description="folder for TensorBoard event files, "
+    tensorboard: str | None = Field(default=None, min_length=1, description="folder for TensorBoard event files, "
                                     "one subfolder per run and training stage")
-    experiment: str | None = Field(None, min_length=1, description="MLflow experiment (default bardflow; "
+    experiment: str | None = Field(default=None, min_length=1, description="MLflow experiment (default bardflow; "
                                    "a sweep's children: the sweep's own)")
 
     @field_validator("tensorboard")
@@ -190,7 +197,7 @@ class TrackConfig(_Section):
         return value
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(_Section, frozen=True):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
@@ -218,8 +225,8 @@ class PipelineConfig(_Section):
         return self
 
 
-class TrackingTarget(_Section):
-    """Where one training stage writes its records as they happen (runtime/tracking.py)."""
+class TrackingTarget(_Section, frozen=True):
+    """Where one training stage writes its records as they happen (runtime/trackers.py)."""
 
     stage: str
     mlflow: str | None = None  # tracking URI
@@ -227,7 +234,7 @@ class TrackingTarget(_Section):
     tensorboard: str | None = None  # this stage's event folder
 
 
-class TrainingRequest(_Section):
+class TrainingRequest(_Section, frozen=True):
     """What a training stage trains, and on what: ``devices`` (of all processes together),
     ``platform`` and ``processes`` are part of the version key, since the same recipe on
     other hardware is another measurement."""
@@ -236,8 +243,8 @@ class TrainingRequest(_Section):
     train: TrainConfig
     devices: int = Field(gt=0)
     platform: str
-    processes: int = Field(1, gt=0)
-    stop_after: int | None = Field(None, gt=0, description="run only the first N steps of train.steps' "
+    processes: int = Field(default=1, gt=0)
+    stop_after: int | None = Field(default=None, gt=0, description="run only the first N steps of train.steps' "
                                    "schedule (train_single's throughput measurement); None = all")
     report: TrackingTarget | None = None  # where its records go as it trains; not part of the recipe
 
@@ -327,7 +334,8 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None) -> Pipeli
     for dotted, value in (overrides or {}).items():
         section, _, field = dotted.partition(".")
         known = PipelineConfig.model_fields.get(section)
-        if not field or known is None or field not in known.annotation.model_fields:
+        fields = getattr(known.annotation, "model_fields", {}) if known is not None else {}
+        if not field or field not in fields:
             raise ConfigError(
                 f"unknown setting {dotted!r}; settings are section.field with section in "
                 f"{', '.join(PipelineConfig.model_fields)} (see `bardflow presets`)"

@@ -24,7 +24,7 @@ FREE_SPACE_FIX = ("free some space or put the store on a larger disk, then rerun
                   "and saved checkpoints are kept")
 
 
-def is_disk_full(error: BaseException) -> bool:
+def is_disk_full(error: BaseException | None) -> bool:
     """Whether ``error`` (or what caused it) is a write that found the disk full: an OSError
     ENOSPC or EDQUOT, or TensorStore's RESOURCE_EXHAUSTED from Orbax's writers."""
     import errno

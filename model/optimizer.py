@@ -21,7 +21,7 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
 from .config import TrainConfig
 
-DATA_AXIS = "data"  # the data-parallel mesh axis (model/train.py, Placement)
+DATA_AXIS = "data"  # the data-parallel mesh axis (model/placement.py)
 
 # Muon orthogonalises the update of a weight matrix that maps features to features; the
 # embedding tables and the head map ids to features and back, and stay with AdamW.
@@ -93,7 +93,7 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
     orthogonalisations there). Without such a mesh, or with one device on it, one device
     computes them all."""
 
-    def update(updates, state: MuonState, params=None):
+    def update(updates, state, params=None):  # state: a MuonState
         del params
         mesh = jax.sharding.get_abstract_mesh()
         devices = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
@@ -147,7 +147,7 @@ def muon(learning_rate, adam_learning_rate, ns_steps: int, beta2: float, weight_
         muon_labels)
 
 
-@lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (model/train.py, _creator)
+@lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (model/step.py, _creator)
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
     gradient's global norm if asked. The peak learning rates are values in the optimizer's
@@ -155,16 +155,17 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     sweep or search over them compile one step; the schedule's shape (warmup, cosine) then
     scales the update."""
     if cfg.optimizer == "muon":
-        def peaks(learning_rate, adam_learning_rate):
+        def muon_at(learning_rate, adam_learning_rate):
             return muon(learning_rate, adam_learning_rate, cfg.muon_ns_steps, cfg.beta2, cfg.weight_decay)
 
-        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.muon_learning_rate,
+        tx = optax.inject_hyperparams(muon_at)(learning_rate=cfg.muon_learning_rate,
                                              adam_learning_rate=cfg.learning_rate)
     else:
-        def peaks(learning_rate):
+        def adamw_at(learning_rate):
             return optax.adamw(learning_rate, b2=cfg.beta2, weight_decay=cfg.weight_decay)
 
-        tx = optax.inject_hyperparams(peaks)(learning_rate=cfg.learning_rate)
-    if cfg.schedule != "constant" or cfg.warmup_steps:
-        tx = optax.chain(tx, optax.scale_by_schedule(learning_rate(cfg, peak=1.0)))
+        tx = optax.inject_hyperparams(adamw_at)(learning_rate=cfg.learning_rate)
+    shape = learning_rate(cfg, peak=1.0)
+    if callable(shape):  # a schedule (warmup, cosine), not a constant
+        tx = optax.chain(tx, optax.scale_by_schedule(shape))
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx

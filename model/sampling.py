@@ -135,7 +135,7 @@ def generate_batch(
     context[:, : len(kept)] = np.frombuffer(kept, np.uint8)
     graphdef, params = nnx.split(model)
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
-    length, temperature = np.int32(len(kept)), np.float32(temperature)
+    length, scale = np.int32(len(kept)), np.float32(temperature)
     # While the context has room, or always with rotary positions, each new byte costs one
     # position (a KV cache); past that, every learned position embedding shifts, and each
     # byte needs a forward pass over the whole window (only the last position in the top layer).
@@ -148,12 +148,12 @@ def generate_batch(
         for done in range(0, cached, size):
             count = min(size, cached - done)
             window, cache, keys, new = _cached_loop(graphdef, params, window, cache, np.int32(start), length,
-                                                    np.int32(done), np.int32(count), temperature, keys, size)
+                                                    np.int32(done), np.int32(count), scale, keys, size)
             pieces.append(np.asarray(new)[:, :count])
             start = len(kept) - 1 + done + count
     if max_new_bytes > cached:
         rest = max_new_bytes - cached
-        new = _sliding_loop(graphdef, params, window, temperature, keys, np.int32(rest), max_new_bytes)
+        new = _sliding_loop(graphdef, params, window, scale, keys, np.int32(rest), max_new_bytes)
         pieces.append(np.asarray(new)[:, :rest])
     rows = np.concatenate(pieces, axis=1).astype(np.uint8)
     return [encoded + row.tobytes() for row in rows]

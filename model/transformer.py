@@ -21,7 +21,7 @@ from .kernels import attend, causal_attention, dense
 
 def use_custom(setting: Kernel) -> bool:
     """Whether the hand-written gradient serves. A training run builds its model from
-    resolved settings (``model/settings.py``: the hand-written kernels where they were
+    resolved settings (``model/step_settings.py``: the hand-written kernels where they were
     measured faster); left to ``auto`` here, the model takes the plain JAX operations."""
     return setting == "custom"
 
@@ -40,6 +40,7 @@ class Linear(nnx.Linear):
         self.custom = custom
 
     def __call__(self, x):
+        assert self.bias is not None  # every dense layer of the model has one
         if self.custom:
             return dense(x, self.kernel[...], self.bias[...])  # same result, a faster CPU gradient
         return x @ self.kernel[...] + self.bias[...]
@@ -174,7 +175,9 @@ class Transformer(nnx.Module):
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
-        x = self.token_embed(tokens) if self.rotary else self.token_embed(tokens) + self.pos_embed(positions)
+        x = self.token_embed(tokens)
+        if self.pos_embed is not None:  # learned positions; rotary ones act in attention
+            x = x + self.pos_embed(positions)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
         for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):

@@ -101,7 +101,8 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
                                                 start_new_session=True))
             log.with_suffix(".pid").write_text(str(running[-1].pid))
             stopping.track(running[-1])
-        seen, forwarded, reached = 0, False, [None]
+        seen, forwarded = 0, False
+        reached: list[tuple[int, int] | None] = [None]
 
         def progress(done: int, total: int) -> None:
             reached[0] = (done, total)
@@ -111,7 +112,8 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
         while True:
             codes = [p.poll() for p in running]
             seen = _follow_progress(logs[0], seen, progress, on_warning, on_note)
-            if stopping.requested() is not None:
+            signum = stopping.requested()
+            if signum is not None:
                 # Each process has a session of its own, out of reach of a terminal's Ctrl-C:
                 # told here, they agree on a step, save its checkpoint together and exit.
                 if not forwarded:
@@ -120,7 +122,6 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
                             os.killpg(process.pid, signal.SIGTERM)
                     forwarded = True
                 if all(code is not None for code in codes):
-                    signum = stopping.requested()
                     raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)}")
                 time.sleep(poll_s)
                 continue

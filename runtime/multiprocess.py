@@ -2,7 +2,7 @@
 ``tasks/train_process.py``, which knows where the files come from).
 
 Who is who comes from the environment (``runtime/distributed.py``). Every process trains the
-same replicated model on its own rows of each global batch (``runtime/training.py``); process 0
+same replicated model on its own rows of each global batch (``runtime/training_run.py``); process 0
 alone writes and reads checkpoints (``model.checkpoint``), and writes the run's summary,
 from which the stage writes the version.
 """
@@ -20,7 +20,7 @@ from .distributed import DistributedError, ProcessGroup, initialize
 from .launch import NOTE, PROGRESS, WARNING
 
 if TYPE_CHECKING:
-    from .training import RunFiles
+    from .training_run import RunFiles
 
 
 def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[[dict, bool], RunFiles]) -> None:
@@ -33,15 +33,16 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     leader = group is None or group.leader  # no group: one supervised process, with every device
     if leader and spec_path is None:
         raise DistributedError("process 0 describes the run: pass the spec file it was launched with")
-    spec = json.loads(spec_path.read_text()) if leader else None
+    spec = json.loads(spec_path.read_text()) if leader and spec_path is not None else None
     if group is not None:
         initialize(group, timeout_s=join_timeout_s)
         spec = broadcast_json(spec)
+    assert spec is not None  # process 0's, read or received
 
     import jax
 
-    from ..model.train import TrainingError
-    from .training import run_training
+    from ..model.step import TrainingError
+    from .training_run import run_training
 
     request = TrainingRequest.model_validate(spec["request"])
     devices = jax.devices()

@@ -56,7 +56,7 @@ def comparison(single: dict[str, Any], parallel: dict[str, Any], single_history:
     their records share no window, over each whole run (said in the note)."""
     devices = parallel["devices"]
     window = timed_window(single_history, parallel_history) if single_history and parallel_history else None
-    if window is not None:
+    if window is not None and single_history and parallel_history:
         one, many = _speed(single_history, window), _speed(parallel_history, window)
         timed = [f"{window[0] + 1} to {window[1]}"] * 2 + ["same"]
         how = (f"Both runs are timed on the same steps, {window[0] + 1} to {window[1]} (the first step, which warms "

@@ -1,17 +1,23 @@
 """Stage: the checkpointed model in formats that leave bardflow (``model/export.py``): the
 weights as safetensors by path name, the config, and the forward pass serialized with
-``jax.export``. The stage checks itself: a fresh interpreter that imports only jax, numpy
-and safetensors loads the folder and its logits must match the restored model's, for two
-batch sizes and lengths, or the stage fails."""
+``jax.export``; and in ``hf/``, the model as Hugging Face ``transformers`` loads it
+(``model/hf.py``: GPT-2 or GPT-NeoX, a byte-level tokenizer). The stage checks itself: a
+fresh interpreter that imports only jax, numpy and safetensors loads the folder and its
+logits must match the restored model's, for two batch sizes and lengths; another, with torch
+and transformers and no bardflow, loads ``hf/`` and its logits must match too and its greedy
+continuation of a prompt be the same bytes; or the stage fails. Without torch and
+transformers (``pip install 'bardflow[hf]'``), ``hf/`` is written and said to be unchecked."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,6 +28,8 @@ from ..model.checkpoint import load_config, load_model
 from ..model.config import ModelConfig
 from ..model.errors import BardflowError
 from ..model.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
+from ..model.hf import byte_alphabet, hf_config, hf_tensors, unmappable
+from ..model.sampling import generate
 from ..model.transformer import Transformer
 from .checkpoint import MODEL
 from .registry import EXPORT
@@ -32,6 +40,11 @@ CHECK = Path(__file__).with_name("export_check.py")
 
 
 WEIGHTS, CONFIG, FORWARD, CHECKSUMS = "model.safetensors", "config.json", "forward.jax", "checksums.json"
+HF = "hf"  # the transformers folder, inside the export
+HF_CHECK = Path(__file__).with_name("hf_check.py")
+HF_TOLERANCE = 1e-4
+HF_CHECKING = "BARDFLOW_HF_CHECK"  # off: hf/ is written but not loaded with transformers
+PROMPT, GREEDY_BYTES = b"ROMEO:", 200  # the greedy continuation both must agree on (within the context)
 
 
 def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str, int]:
@@ -51,6 +64,38 @@ def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str
     sums = {name: file_digest(folder / name) for name in (WEIGHTS, CONFIG, FORWARD)}
     (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
     return {"parameters": int(sum(v.size for v in params.values())), "tensors": len(params)}
+
+
+def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """``hf/``: config, weights under the architecture's names, the byte-level tokenizer and
+    the generation settings, as ``from_pretrained`` reads them."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(hf_tensors(params, cfg), str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / CONFIG).write_text(json.dumps(hf_config(cfg), indent=1))
+    tokenizer = Tokenizer(models.BPE(vocab={char: byte for byte, char in enumerate(byte_alphabet())}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+        "clean_up_tokenization_spaces": False}, indent=1))
+    (folder / "generation_config.json").write_text(json.dumps({
+        "max_length": cfg.max_seq_len, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}, indent=1))
+
+
+def hf_checking() -> str | None:
+    """Why ``hf/`` cannot be checked here, or None."""
+    from importlib.util import find_spec
+
+    if os.environ.get(HF_CHECKING, "").lower() == "off":
+        return f"not checked ({HF_CHECKING}=off)"
+    if find_spec("torch") is None or find_spec("transformers") is None:
+        return ("not checked: torch and transformers are not installed (pip install 'bardflow[hf]', then "
+                "--refresh export)")
+    return None
 
 
 class ExportError(BardflowError, RuntimeError):
@@ -76,22 +121,99 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
         expected[name] = tokens
         expected[name.replace("tokens", "logits")] = np.asarray(forward(params, tokens))
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bardflow-export-check-") as scratch:
-        np.savez(Path(scratch) / "probes.npz", **expected)
-        done = subprocess.run([sys.executable, "-I", str(CHECK), str(folder), str(Path(scratch) / "probes.npz")],
-                              capture_output=True, text=True, timeout=600, check=False)
+    (result,) = _in_fresh_interpreter(CHECK, [(folder, expected)], "the export could not be loaded without bardflow")
     check_s = time.perf_counter() - started
-    if done.returncode != 0:
-        raise ExportError(f"the export could not be loaded without bardflow: {done.stderr.strip().splitlines()[-1:]}; "
-                          "rerun with --refresh export")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["bardflow_imported"] or not result["max_abs_diff"] <= TOLERANCE:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
                           f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export")
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
+    hf = _hf(folder / HF, model, cfg, params, expected)
+    ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     out.metrics.update({"parameters": held["parameters"], "bytes": sum(files.values()),
                         "max_abs_diff": result["max_abs_diff"], "platforms": ",".join(PLATFORMS),
-                        "export_s": round(export_s, 3), "check_s": round(check_s, 3)})
-    ui.table(EXPORT.name, [{"file": name, "bytes": size} for name, size in files.items()],
+                        "export_s": round(export_s, 3), "check_s": round(check_s, 3),
+                        **{f"hf_{name}": value for name, value in hf.items() if name in HF_METRICS}})
+    out.record["hf"] = hf
+    rows = [{"file": name, "bytes": size} for name, size in files.items()]
+    rows += ([{"file": f"{HF}/{p.name}", "bytes": p.stat().st_size} for p in sorted((folder / HF).iterdir())]
+             if (folder / HF).is_dir() else [])
+    rows.append({"file": f"{HF}/ (transformers)", "bytes": hf["status"]})
+    ui.table(EXPORT.name, rows,
              description=f"Export: safetensors + jax.export forward ({', '.join(PLATFORMS)}), checked without "
-                         f"bardflow on {result['platform']}: max |diff| {result['max_abs_diff']:.1e}")
+                         f"bardflow on {result['platform']}: max |diff| {result['max_abs_diff']:.1e}; "
+                         f"transformers folder: {hf['status']}")
+
+
+HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")
+
+
+def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: dict[str, np.ndarray]) -> dict:
+    """Writes and checks ``hf/``; what became of it, for the manifest and the UI."""
+    why = unmappable(cfg)
+    if why is not None:
+        return {"status": f"not written: {why}", "checked": False}
+    write_hf(folder, params, cfg)
+    # The weights are the float32 values training kept, whatever precision it computed in.
+    found = {"architecture": hf_config(cfg)["architectures"][0], "weights": "float32", "checked": False}
+    unchecked = hf_checking()
+    if unchecked is not None:
+        return {**found, "status": unchecked}
+    started = time.perf_counter()
+    (result,) = check_hf([(folder, hf_reference(model, cfg, expected))])
+    return {**found, "checked": True, "max_abs_diff": result["max_abs_diff"], "greedy_bytes": result["greedy_bytes"],
+            "check_s": round(time.perf_counter() - started, 3), "transformers": result["transformers"],
+            "torch": result["torch"],
+            "status": f"checked with transformers {result['transformers']}: max |diff| {result['max_abs_diff']:.1e}, "
+                      f"{result['greedy_bytes']} greedy bytes the same"}
+
+
+def hf_reference(model: Transformer, cfg: ModelConfig, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What ``hf/`` must reproduce: the probes' logits and bardflow's own greedy continuation
+    of the prompt (the sampler at temperature 0), as long as the context allows (at most
+    ``GREEDY_BYTES``)."""
+    new = min(GREEDY_BYTES, cfg.max_seq_len - len(PROMPT))
+    sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT):]
+    return {**expected, "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
+            "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32)}
+
+
+def check_hf(folders: list[tuple[Path, dict[str, Any]]]) -> list[dict]:
+    """Each ``hf/`` folder loaded by transformers (``run_hf_check``) and held to its reference;
+    ExportError names the first that fails."""
+    results = run_hf_check(folders)
+    for result in results:
+        hf_verdict(result)
+    return results
+
+
+def run_hf_check(folders: list[tuple[Path, dict[str, Any]]]) -> list[dict]:
+    """What transformers computes for each (folder, reference), in one fresh interpreter with
+    torch and transformers and without bardflow (``hf_check.py``)."""
+    return _in_fresh_interpreter(HF_CHECK, folders, f"transformers could not load the export's {HF}/ folder")
+
+
+def _in_fresh_interpreter(script: Path, folders: list[tuple[Path, dict[str, Any]]], failed: str) -> list[dict]:
+    """``python -I script FOLDER PROBES.npz …``: a check that must not see bardflow, one JSON
+    line per folder; ExportError (``failed`` and the script's last error line) if it fails."""
+    with tempfile.TemporaryDirectory(prefix="bardflow-export-check-") as scratch:
+        arguments = []
+        for number, (folder, reference) in enumerate(folders):
+            np.savez(Path(scratch) / f"probes-{number}.npz", **reference)
+            arguments += [str(folder), str(Path(scratch) / f"probes-{number}.npz")]
+        done = subprocess.run([sys.executable, "-I", str(script), *arguments], capture_output=True, text=True,
+                              timeout=900, check=False)
+    if done.returncode != 0:
+        raise ExportError(f"{failed}: {done.stderr.strip().splitlines()[-1:]}; rerun with --refresh export")
+    return [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def hf_verdict(result: dict) -> None:
+    """ExportError unless transformers computed what the checkpoint does."""
+    if result["bardflow_imported"] or not result["max_abs_diff"] <= HF_TOLERANCE:
+        raise ExportError(f"transformers' {result['architecture']} computes logits that differ from the "
+                          f"checkpoint's by {result['max_abs_diff']:.3e} (tolerance {HF_TOLERANCE:.0e}); rerun "
+                          "with --refresh export")
+    if not result["greedy_equal"] or not result["tokenizer_exact"]:
+        what = "greedy continuation" if not result["greedy_equal"] else "tokenizer's ids"
+        raise ExportError(f"transformers' {what} differs from bardflow's for the export's {HF}/ folder; "
+                          "rerun with --refresh export")

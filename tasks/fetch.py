@@ -121,7 +121,8 @@ def build(settings: DataConfig, out: Builder) -> None:
         os.chmod(target, source_mode(files))
     out.metrics.update({"bytes": size, "md5": actual})
     out.record["source"] = settings.corpus
-    if files is not None and (path := local_path(settings.corpus)).is_dir():  # a folder: which files, in order
+    path = local_path(settings.corpus)
+    if files is not None and path is not None and path.is_dir():  # a folder: which files, in order
         out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size}
                                       for f in files]
     ui.table(

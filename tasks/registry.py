@@ -55,9 +55,9 @@ CHECKPOINT = Stage(
     builds=("model",), headline=("parameters", "bytes"))
 # "2": the folder holds checksums.json, the sha256 of its other files.
 EXPORT = Stage(
-    "export", "2", reads=("checkpoint",),
+    "export", "3", reads=("checkpoint",),
     settings=lambda run: {},
-    builds=("export",), headline=("bytes", "max_abs_diff"))
+    builds=("export",), headline=("bytes", "max_abs_diff", "hf_checked"))
 VERIFY = Stage(
     "verify", "1", reads=("checkpoint", "train_parallel", "encode"),
     settings=lambda run: run.config.verify,

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts.store import Builder, Store, Version, version_key
+from ..artifacts.store import Builder, Version, VersionStore, version_key
 from ..model.config import ConfigError, PipelineConfig, TrainingRequest
 from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
 from ..runtime.distributed import ProcessGroup
@@ -102,7 +102,7 @@ class Stage:
         return getattr(importlib.import_module(self.module), self.function.partition(":")[2] or "build")
 
 
-def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: Store, force: bool = False,
+def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: VersionStore, force: bool = False,
             notice: Callable[[str], None] | None = None,
             around: Callable[[], AbstractContextManager] | None = None) -> tuple[Version, bool]:
     """``stage``'s version for these settings and upstream versions: the one in the store if

@@ -1,6 +1,6 @@
 """Stages 3 and 4: train on the first device, then data-parallel on every device.
 
-Both run the same compiled step and loop (``runtime/training.py``); only the placement
+Both run the same compiled step and loop (``runtime/training_run.py``); only the placement
 differs. The version holds the final training state (Orbax), the loss history and
 the throughput figures. ``train_parallel`` may run as several processes (``runtime/launch.py``).
 """
@@ -19,11 +19,12 @@ from ..artifacts import ui
 from ..artifacts.store import Builder, Version, canonical_json
 from ..model.checkpoint import TrainingCheckpoints, load_train_state
 from ..model.config import TrainingRequest
-from ..model.train import TrainingError, init_state, model_from_state
-from ..runtime import stopping, tracking
+from ..model.step import TrainingError, init_state, model_from_state
+from ..runtime import stopping
+from ..runtime import trackers as tracking
 from ..runtime.distributed import ProcessGroup, hardware
 from ..runtime.launch import ProcessFailure, launch_leader, launch_local
-from ..runtime.training import RunFiles, run_training
+from ..runtime.training_run import RunFiles, run_training
 from . import train_process
 from .encode import TRAIN, VAL
 from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE

@@ -24,14 +24,14 @@ from ..model.errors import BardflowError
 from .registry import ENCODE
 
 if TYPE_CHECKING:
-    from ..runtime.training import RunFiles
+    from ..runtime.training_run import RunFiles
 
 TRAIN, VAL = ENCODE.builds
 
 
 def files_of(spec: dict, leader: bool) -> RunFiles:
     """Where this process finds the run's files (see the module doc)."""
-    from ..runtime.training import RunFiles  # JAX only now: the group joins first
+    from ..runtime.training_run import RunFiles  # JAX only now: the group joins first
 
     local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
     saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None

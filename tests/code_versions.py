@@ -13,23 +13,31 @@ import ast
 import hashlib
 import json
 import sys
-from importlib.util import resolve_name
+from importlib.util import find_spec, resolve_name
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("code_versions.json")
-ROOMS = ("model", "runtime", "tasks", "artifacts", "flows")
+ROOMS = ("model", "runtime", "tasks", "artifacts", "server", "flows", "cli")
 # The list of stages and their code versions: bumping one stage must not flag the others.
 REGISTRY = "bardflow.tasks.registry"
+OWN_PACKAGES = {"bardflow"}  # what source_of looks up
 
 
 def source_of(module: str) -> Path | None:
-    parts = module.split(".")
-    if parts[0] != "bardflow" or len(parts) < 2 or parts[1] not in ROOMS:
+    """The file Python would import for ``module`` (``importlib``'s own finders), when it is
+    one of this repository's; None for the standard library and third-party packages (not
+    looked up: finding ``a.b`` imports ``a``)."""
+    if module.split(".")[0] not in OWN_PACKAGES:
         return None
-    path = REPO.joinpath(*parts[1:])
-    return path.with_suffix(".py") if path.with_suffix(".py").exists() else (
-        path / "__init__.py" if (path / "__init__.py").exists() else None)
+    try:
+        spec = find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.has_location:
+        return None
+    path = Path(spec.origin).resolve()
+    return path if path.is_relative_to(REPO.resolve()) and path.suffix == ".py" else None
 
 
 def package_of(path: Path) -> str | None:

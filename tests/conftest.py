@@ -55,7 +55,10 @@ for name, value in {
     # The CPU step's settings are measured once per machine and shape (runtime/cpu_tuning.py):
     # the suite's many shapes would each pay for it; tests/test_cpu_tuning.py turns it on.
     "BARDFLOW_CPU_TUNING": "off",
-    # One training per host (flows/slots.py) would queue the suite's runs, which train beside
+    # The export's transformers folder is written by every run but loaded with torch and
+    # transformers (seconds a run) only by the tests about it: tests/test_hf_export.py.
+    "BARDFLOW_HF_CHECK": "off",
+    # One training per host (server/slots.py) would queue the suite's runs, which train beside
     # each other on this one machine on purpose, and a run a test kills would hold its slot
     # until it is noticed; the tests of the slot name one of their own.
     "BARDFLOW_TRAINING_SLOT": "off",
@@ -109,9 +112,10 @@ def pytest_configure(config):
 # session's server (its database made from scratch), instead of waiting for it.
 LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_signals", "test_distributed",
                  "test_object_store_flow", "test_flow", "test_bench_baselines", "test_pool_server",
-                 "test_reliability", "test_cpu_tuning", "test_tracking", "test_resume", "test_kernels", "test_model",
-                 "test_stages", "test_checkpoint_and_sampling", "test_object_store", "test_bench_quality", "test_cli",
-                 "test_slots", "test_layers", "test_code_versions", "test_config")
+                 "test_reliability", "test_hf_export", "test_cpu_tuning", "test_tracking", "test_resume",
+                 "test_kernels", "test_model", "test_stages", "test_checkpoint_and_sampling", "test_object_store",
+                 "test_bench_quality", "test_cli", "test_slots", "test_layers", "test_navigation",
+                 "test_prefect_private", "test_code_versions", "test_config")
 
 
 def pytest_collection_modifyitems(items):

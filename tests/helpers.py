@@ -73,7 +73,7 @@ def bardflow(*args, env=None, check=True):
 
 
 def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    """``bardflow ARGS`` called in this process (``bardflow.flows.cli.main``), its output
+    """``bardflow ARGS`` called in this process (``bardflow.cli.main.main``), its output
     captured: what a test that is not about the process itself (its signals, its exit, its
     start-up) runs, without a new interpreter's imports and compilations. ``env`` is the
     command's whole environment, as for ``bardflow``; it must name a Prefect server, so that
@@ -84,7 +84,7 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.flows.cli import main, settle_reports
+    from bardflow.cli.main import main, settle_reports
     from bardflow.runtime import stopping
 
     env = dict(env or os.environ)

@@ -7,8 +7,8 @@ from flax import nnx
 
 from bardflow.model.config import build_config
 from bardflow.model.sampling import generate
-from bardflow.model.settings import XLA_CPU_TUNED, default_rows_per_pass
-from bardflow.model.train import init_state, make_train_step
+from bardflow.model.step import init_state, make_train_step
+from bardflow.model.step_settings import XLA_CPU_TUNED, default_rows_per_pass
 from bardflow.model.transformer import build_model
 from bench.codelab import codelab_generate, codelab_train_step
 

@@ -30,7 +30,7 @@ def test_cli_refuses_bad_input_before_any_work(common, tmp_path):
 
 
 def test_servers_bind_to_this_machine_by_default():
-    from bardflow.flows.arguments import parser
+    from bardflow.cli.arguments import parser
 
     assert parser().parse_args(["ui"]).host == "127.0.0.1"
 
@@ -46,7 +46,7 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
     --cpu-devices or a flag already set wins."""
     import os
 
-    from bardflow.flows.settings import prepare_environment
+    from bardflow.flows.environment import prepare_environment
 
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
@@ -65,7 +65,7 @@ def test_a_cpu_host_emulates_a_device_per_core_unless_told(monkeypatch):
 def test_compiled_programs_are_kept_in_the_machine_s_cache_unless_the_user_says_otherwise(tmp_path, monkeypatch):
     import os
 
-    from bardflow.flows.settings import prepare_environment
+    from bardflow.flows.environment import prepare_environment
 
     monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path))
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
@@ -79,7 +79,7 @@ def test_compiled_programs_are_kept_in_the_machine_s_cache_unless_the_user_says_
 
 
 def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
-    from bardflow.flows import server
+    from bardflow.server import process as server
 
     monkeypatch.setenv("BARDFLOW_SERVER_FILE", str(tmp_path / "server.json"))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -104,7 +104,7 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
 ])
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
     """Checked in the CLI before anything heavy: refused in well under a second of work."""
-    code = ("import sys; from bardflow.flows.cli import main; "
+    code = ("import sys; from bardflow.cli.main import main; "
             "rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
             "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
             "print('imported:', heavy); sys.exit(rc)")
@@ -117,7 +117,7 @@ def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, t
 
 
 def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypatch):
-    from bardflow.flows.printing import print_summary
+    from bardflow.cli.printing import print_summary
 
     monkeypatch.setenv("COLUMNS", "80")
     metrics = {"fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
@@ -154,9 +154,9 @@ def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
 
 def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_server_starts(tmp_path):
     """The only refusal that needs JAX (to count the devices): still one line, before any server."""
-    code = ("import sys; from bardflow.flows.cli import main; "
+    code = ("import sys; from bardflow.cli.main import main; "
             "rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', '--processes', '3']); "
-            " import bardflow.flows.cli as cli; print('server:', cli._embedded); sys.exit(rc)")
+            " import bardflow.cli.main as cli; print('server:', cli._embedded); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr
@@ -171,8 +171,8 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
     value shown is whole on one line, and a caption names what was left out."""
     from rich.console import Console
 
-    from bardflow.flows.printing import print_sweep
-    from bardflow.flows.tables import Column, fitted, short_time
+    from bardflow.cli.printing import print_sweep
+    from bardflow.cli.tables import Column, fitted, short_time
 
     monkeypatch.setenv("COLUMNS", "80")
     rows = [{"run": n, "train.learning_rate": lr, "train.steps": 380, "status": "completed", "val_loss": 1.68691,
@@ -201,7 +201,7 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
 def test_a_sweep_table_keeps_the_setting_its_runs_differ_in(capsys, monkeypatch):
     """At 80 columns, settings that every run shares go before the one the runs differ in
     (which, being rightmost, used to be the first setting left out)."""
-    from bardflow.flows.printing import print_sweep
+    from bardflow.cli.printing import print_sweep
 
     monkeypatch.setenv("COLUMNS", "80")
     rows = [{"run": n, "model.d_model": 64, "train.warmup_steps": 10, "generate.max_new_bytes": 300,
@@ -286,9 +286,26 @@ def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_proce
     """A fully cached run needs no JAX in the command's process (a second of a cached run's
     four): the flow's modules load without it, and the device count comes from a process that
     started while Prefect loaded."""
-    code = ("import sys; import bardflow.flows.cli, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
+    code = ("import sys; import bardflow.cli.main, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
             "from bardflow.runtime.distributed import hardware, probe_devices; probe_devices(); "
             "print(loaded, hardware(), hardware(), 'jax' in sys.modules)")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[0] == "False (3, 'cpu') (3, 'cpu') False", done.stdout + done.stderr
+
+
+def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
+    """A sweep's runs as --json has them (flows/records.py, Trial): ``trial`` is None but for a
+    search's, and the failure line names the run's place then."""
+    from bardflow.cli.printing import print_sweep
+    from bardflow.flows.records import Trial
+
+    failed = Trial({"train.learning_rate": 10.0}, number=2)
+    failed.failed("loss became nan at step 3")
+    searched = Trial({"train.learning_rate": 9.0}, trial=5)
+    searched.failed("loss became nan at step 4")
+    rows = [{"run": n, "status": "failed", "val_loss": None} for n in (1, 2)]
+    print_sweep({"rows": rows, "runs": [Trial({}).to_json() | {"status": "completed"}, failed.to_json(),
+                                        searched.to_json()], "preset": "tiny", "store": "s"})
+    err = capsys.readouterr().err
+    assert "run 2 failed: loss became nan at step 3" in err and "run 5 failed: loss became nan at step 4" in err

@@ -29,12 +29,17 @@ def test_every_stage_code_change_comes_with_a_decision_about_its_code_version():
 def test_the_digest_ignores_comments_and_docstrings_but_not_code(tmp_path, monkeypatch):
     from tests import code_versions
 
-    source = tmp_path / "model" / "thing.py"
-    source.parent.mkdir()
+    package = tmp_path / "thingpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    source = package / "thing.py"
     monkeypatch.setattr(code_versions, "REPO", tmp_path)
+    monkeypatch.setattr(code_versions, "OWN_PACKAGES", {"thingpkg"})
+    monkeypatch.syspath_prepend(str(tmp_path))
     source.write_text('"""A docstring."""\n\ndef f(x):\n    return x + 1  # a comment\n')
-    first = code_versions.digests("bardflow.model.thing")
+    first = code_versions.digests("thingpkg.thing")
+    assert list(first) == ["thingpkg.thing"]  # found where Python finds it
     source.write_text('"""Another docstring."""\n\n\ndef f(x):\n    """Adds one."""\n    return x + 1\n')
-    assert code_versions.digests("bardflow.model.thing") == first
+    assert code_versions.digests("thingpkg.thing") == first
     source.write_text('def f(x):\n    return x + 2\n')
-    assert code_versions.digests("bardflow.model.thing") != first
+    assert code_versions.digests("thingpkg.thing") != first

@@ -1,6 +1,6 @@
 import pytest
 
-from bardflow.flows.arguments import parse_assignment
+from bardflow.flows.config_file import parse_assignment
 from bardflow.model.config import ConfigError, build_config
 
 
@@ -226,7 +226,7 @@ def test_the_command_takes_a_config_file_under_set_and_refuses_a_bad_one_before_
 
     bad = tmp_path / "run.yaml"
     bad.write_text("preset: tiny\ntrain:\n  steps: -2\n")
-    code = ("import sys; from bardflow.flows.cli import main; rc = main(['run', '--store', sys.argv[1], '--config', "
+    code = ("import sys; from bardflow.cli.main import main; rc = main(['run', '--store', sys.argv[1], '--config', "
             "sys.argv[2]]); print('imported:', [m for m in ('jax', 'prefect') if m in sys.modules]); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(bad)], cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False)
@@ -237,3 +237,13 @@ def test_the_command_takes_a_config_file_under_set_and_refuses_a_bad_one_before_
     printed = subprocess.run([sys.executable, "-m", "bardflow", "presets", "--yaml", "tiny"], cwd=REPO,
                              capture_output=True, text=True, timeout=60, check=True).stdout
     assert printed.startswith("# bardflow run --config FILE") and "\npreset: tiny\n" in printed
+
+
+def test_the_flows_typed_parameters_offer_exactly_the_stages_and_the_presets():
+    from typing import get_args
+
+    from bardflow.flows.environment import PRESET_NAMES
+    from bardflow.flows.pipeline import Preset, StageName
+    from bardflow.tasks.registry import NAMES
+
+    assert get_args(StageName) == NAMES and get_args(Preset) == PRESET_NAMES

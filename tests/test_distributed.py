@@ -18,8 +18,11 @@ import pytest
 from bardflow.model.checkpoint import load_train_state
 from bardflow.model.config import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.data import Batches, encode, write_sequences
-from bardflow.model.settings import resolve
-from bardflow.model.train import Placement, init_state, train, val_batches
+from bardflow.model.evaluation import val_batches
+from bardflow.model.loop import train
+from bardflow.model.placement import Placement
+from bardflow.model.step import init_state
+from bardflow.model.step_settings import resolve
 from bardflow.runtime.distributed import DistributedError, ProcessGroup
 from bardflow.runtime.launch import launch_local, process_command, process_env
 from bardflow.tasks import train_process
@@ -86,7 +89,7 @@ def test_every_process_gets_its_share_of_the_devices_and_no_gpu_preallocation():
     cpu = process_env(1, 2, 1234, 3, "cpu", base)
     assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3" and cpu["JAX_PLATFORMS"] == "cpu"
 
-    from bardflow.flows.settings import prepare_environment
+    from bardflow.flows.environment import prepare_environment
 
     saved = os.environ.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     try:

@@ -53,7 +53,7 @@ def test_the_model_computes_the_same_with_either_kernel():
     from flax import nnx
 
     from bardflow.model.config import build_config
-    from bardflow.model.train import next_byte_loss
+    from bardflow.model.step import next_byte_loss
     from bardflow.model.transformer import build_model
 
     base = build_config("tiny").model.model_copy(update={"num_layers": 2})
@@ -70,7 +70,7 @@ def test_the_model_computes_the_same_with_either_kernel():
     # The model never asks JAX for the platform: left to auto it takes the plain operations,
     # and a training run builds it from the settings resolved for this CPU (the hand-written ones).
     assert not build_model(base, seed=0).blocks[0].attn.custom
-    from bardflow.model.settings import resolve
+    from bardflow.model.step_settings import resolve
 
     resolved = resolve(base, build_config("tiny").train, base.max_seq_len, "cpu").model(base)
     assert build_model(resolved, seed=0).blocks[0].attn.custom

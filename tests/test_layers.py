@@ -1,6 +1,7 @@
-"""The house rules: imports point down (flows -> tasks -> runtime -> model; artifacts beside
-runtime, under tasks), model/ is pure ML, a training process is started through a module the
-launcher's caller imports, and a training process never imports Prefect."""
+"""The house rules: imports point down (cli -> flows -> tasks -> runtime -> model; artifacts
+beside runtime, under tasks; server operations under flows, over runtime), model/ is pure ML,
+a training process is started through a module the launcher's caller imports, and a training
+process never imports Prefect."""
 
 import ast
 import subprocess
@@ -13,8 +14,9 @@ from tests.code_versions import imports as imports_of
 from tests.helpers import REPO
 
 # What each room may import of bardflow's own rooms.
-ALLOWED = {"flows": set(ROOMS), "tasks": {"tasks", "runtime", "model", "artifacts"},
-           "runtime": {"runtime", "model"}, "model": {"model"}, "artifacts": {"artifacts", "model"}}
+ALLOWED = {"cli": set(ROOMS), "flows": set(ROOMS) - {"cli"}, "server": {"server", "runtime", "model"},
+           "tasks": {"tasks", "runtime", "model", "artifacts"}, "runtime": {"runtime", "model"}, "model": {"model"},
+           "artifacts": {"artifacts", "model"}}
 # Beside the standard library, model/ imports the numerical stack and what its data and
 # configuration are made of (Arrow files, validated pydantic models): no Prefect, no store.
 MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
@@ -73,6 +75,18 @@ def test_a_training_process_is_started_from_the_module_its_caller_imports():
     assert train.train_process is train_process  # tasks.train imports what it launches
     assert process_command(train_process, None)[1:3] == ["-m", "bardflow.tasks.train_process"]
     assert "bardflow.tasks.train_process" in own_imports(REPO / "tasks" / "train.py")
+
+
+def test_no_two_modules_share_a_file_name_but_a_stage_and_the_model_code_it_wraps():
+    """A name leads to one module; ``tasks/export.py`` beside ``model/export.py`` is a stage
+    and the model code it runs, on purpose."""
+    rooms_of: dict[str, set[str]] = {}
+    for module in modules():
+        rooms_of.setdefault(module.rpartition(".")[2], set()).add(module.split(".")[1])
+    for name, rooms in rooms_of.items():
+        if len(rooms) > 1:
+            assert rooms == {"tasks", "model"}, f"{name}.py is in {sorted(rooms)}"
+            assert f"bardflow.model.{name}" in own_imports(REPO / "tasks" / f"{name}.py"), name
 
 
 def test_no_import_cycle_among_modules():

@@ -9,7 +9,9 @@ from flax import nnx
 from bardflow.model.checkpoint import TrainingCheckpoints
 from bardflow.model.config import build_config
 from bardflow.model.data import Batches, encode
-from bardflow.model.train import Placement, TrainingError, init_state, train
+from bardflow.model.loop import train
+from bardflow.model.placement import Placement
+from bardflow.model.step import TrainingError, init_state
 from tests.helpers import play_text, without_seconds
 
 TINY = build_config("tiny")

@@ -152,7 +152,13 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     exported, _ = make(EXPORT, {}, store, checkpoint=saved)
     folder = exported.file("export")
     assert sorted(p.name for p in folder.iterdir()) == \
-        ["checksums.json", "config.json", "forward.jax", "model.safetensors"]
+        ["checksums.json", "config.json", "forward.jax", "hf", "model.safetensors"]
+    # The transformers folder beside it (tests/test_hf_export.py loads such folders with
+    # transformers; this session leaves that check off, BARDFLOW_HF_CHECK): said so.
+    assert sorted(p.name for p in (folder / "hf").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert exported.manifest["hf"]["status"].startswith("not checked") and \
+        exported.metrics["hf_checked"] is False
     weights = load_file(str(folder / "model.safetensors"))
     ours = flat_params(trained_model(Store(store).require(trained))[0])
     assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights

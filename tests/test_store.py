@@ -133,7 +133,7 @@ def test_versions_lists_newest_first(tmp_path):
 def test_runs_tell_versions_apart_by_their_corpus(tmp_path):
     """`bardflow runs` compared two trainings on different text by a 64-digit encode hash;
     it names each corpus by its source, size and md5."""
-    from bardflow.flows.runs import describe, listing, manifests_of
+    from bardflow.cli.runs import describe, listing, manifests_of
     from bardflow.model.config import DataConfig
     from bardflow.tasks.fetch import pin
     from bardflow.tasks.registry import ENCODE, FETCH

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bardflow.flows.arguments import sweep_configurations
+from bardflow.flows.sweep_configs import grid_configurations
 from bardflow.model.config import ConfigError
 from tests.helpers import OUTPUT, Webhook, bardflow, call
 
@@ -29,13 +29,13 @@ from tests.helpers import OUTPUT, Webhook, bardflow, call
 ])
 def test_a_bad_sweep_is_refused_with_what_and_how(grid, listed, max_runs, words):
     with pytest.raises(ConfigError) as error:
-        sweep_configurations("tiny", {}, grid, listed, max_runs)
+        grid_configurations("tiny", {}, grid, listed, max_runs)
     for word in words:
         assert word in str(error.value)
 
 
 def test_a_grid_is_every_combination_then_the_listed_ones():
-    runs = sweep_configurations("tiny", {"train.steps": 8}, ["train.learning_rate=0.001,0.01", "model.num_layers=1,2"],
+    runs = grid_configurations("tiny", {"train.steps": 8}, ["train.learning_rate=0.001,0.01", "model.num_layers=1,2"],
                                 ['{"train.per_device_batch": 2}'])
     assert runs == [{"train.learning_rate": 0.001, "model.num_layers": 1},
                     {"train.learning_rate": 0.001, "model.num_layers": 2},
@@ -191,7 +191,7 @@ def hold_the_slot_until(server, name: str, waiting: threading.Event, timeout_s: 
     """Holds the training slot ``name`` until a run logs that it waits for it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.flows.slots import training_slot
+    from bardflow.server.slots import training_slot
 
     with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}), \
             training_slot("another run", lambda line: None, name=name):
@@ -217,7 +217,7 @@ def pool_workers(prefect_server):
             done = prefect_server.run(prefect, *command)
             assert done.returncode == 0, done.stdout + done.stderr
         # Two workers of one host with one device: their runs take turns at the host's training
-        # slot (flows/slots.py), and train_parallel takes over train_single's version.
+        # slot (server/slots.py), and train_parallel takes over train_single's version.
         one_device = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"
         env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME, "XLA_FLAGS": one_device}
         workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,

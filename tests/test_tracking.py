@@ -17,7 +17,7 @@ import pytest
 from bardflow.flows.tracking import track_settings
 from bardflow.model.config import ConfigError
 from bardflow.runtime.launch import free_port
-from bardflow.runtime.tracking import scalars
+from bardflow.runtime.trackers import scalars
 from tests.helpers import base_args, finish, logged, play_text, start
 from tests.servers import stop
 

@@ -9,14 +9,10 @@ from jax.sharding import NamedSharding
 
 from bardflow.model.config import build_config
 from bardflow.model.data import Batches, encode
-from bardflow.model.train import (
-    Placement,
-    TrainingError,
-    init_state,
-    make_train_step,
-    train,
-    val_batches,
-)
+from bardflow.model.evaluation import val_batches
+from bardflow.model.loop import train
+from bardflow.model.placement import Placement
+from bardflow.model.step import TrainingError, init_state, make_train_step
 
 TINY = build_config("tiny")
 
@@ -42,7 +38,7 @@ def test_loss_falls_on_tiny(split):
     # (here 6 does not divide it); the records between have the training loss alone.
     assert [h["step"] for h in result.history if h["val_loss"] is not None] == [0, 20, 40, 59]
     assert all(h["val_bpb"] is None for h in result.history if h["val_loss"] is None)
-    from bardflow.model.train import model_from_state, target_losses
+    from bardflow.model.step import model_from_state, target_losses
 
     assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
     trained = model_from_state(graphdef, result.state)
@@ -77,7 +73,7 @@ def test_data_parallel_step_really_shards_and_matches_one_device(split):
 
 
 def passes(micro_batch: int, per_device_batch: int, seq_len: int, platform: str) -> int:
-    from bardflow.model.settings import resolve
+    from bardflow.model.step_settings import resolve
 
     train_cfg = TINY.train.model_copy(update={"micro_batch": micro_batch, "per_device_batch": per_device_batch})
     return resolve(TINY.model, train_cfg, seq_len, platform).passes(per_device_batch)
@@ -161,7 +157,7 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
 
 
 def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
-    from bardflow.model.settings import XLA_CPU_TUNED, resolve
+    from bardflow.model.step_settings import XLA_CPU_TUNED, resolve
 
     cpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu")
     gpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "gpu")
@@ -249,7 +245,7 @@ def test_with_every_position_the_last_position_learns_too():
     so the last position's embedding gets a gradient; the codelab's rows leave it at zero."""
     from flax import nnx
 
-    from bardflow.model.train import next_byte_loss
+    from bardflow.model.step import next_byte_loss
     from bardflow.model.transformer import build_model
     from tests.helpers import play_text
 

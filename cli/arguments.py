@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
-from ..model.config import ConfigError, build_config
+from ..flows.environment import DEBUG, PRESET_NAMES
 from ..model.errors import BardflowError
 from ..tasks.registry import NAMES
-from .settings import DEBUG, PRESET_NAMES
 
 
 class UsageError(BardflowError, ValueError):
@@ -147,121 +144,3 @@ def _pool_commands(commands) -> None:
     notify.add_argument("--block", metavar="TYPE/NAME",
                         help="add: send through this notification block instead of a URL, e.g. slack-webhook/alerts")
     notify.add_argument("--json", action="store_true", help="list: print JSON")
-
-
-def parse_value(raw: str) -> Any:
-    """A value from the command line: JSON when it parses as JSON, else the text itself."""
-    import json
-
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def parse_assignment(text: str) -> tuple[str, Any]:
-    """``key=value`` from the command line."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set expects key=value, got {text!r}; e.g. --set train.steps=100")
-    return key.strip(), parse_value(raw)
-
-
-MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
-
-
-def sweep_configurations(preset: str, base: dict[str, Any], grid: list[str], listed: list[str],
-                         max_runs: int = MAX_SWEEP_RUNS) -> list[dict[str, Any]]:
-    """The settings that vary between a sweep's runs, one dict per run: every combination of
-    the ``grid`` (``key=v1,v2,…``, each value JSON when it parses as JSON), then each ``listed``
-    configuration (a JSON object of ``key: value``). Each is validated together with the
-    preset and ``base`` (the sweep's ``--set``), so a bad one is refused before any work."""
-    import itertools
-    import json
-
-    axes: dict[str, list[Any]] = {}
-    for text in grid:
-        key, values = parse_assignment(text)
-        raw = text.partition("=")[2]
-        if not raw.strip():
-            raise ConfigError(f"--grid {key}= lists no values; give them comma-separated, e.g. --grid {key}=1,2")
-        if key in axes:
-            raise ConfigError(f"--grid names {key} twice; give all its values in one --grid {key}=a,b,c")
-        axes[key] = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
-        if not axes[key]:
-            raise ConfigError(f"--grid {key} lists no values; give at least one")
-    combinations = itertools.product(*axes.values()) if axes else ()
-    runs = [dict(zip(axes, combination, strict=True)) for combination in combinations]
-    for text in listed:
-        try:
-            entry = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--list expects a JSON object of settings, e.g. '{{\"train.steps\": 100}}'; "
-                              f"got {text!r} ({error.msg})") from error
-        if not isinstance(entry, dict) or not entry:
-            raise ConfigError(f"--list expects a non-empty JSON object of settings, got {text!r}")
-        runs.append(entry)
-    if not runs:
-        raise ConfigError("a sweep needs at least one --grid key=v1,v2 or --list '{\"key\": value}'")
-    if len(runs) > max_runs:
-        raise ConfigError(f"the sweep has {len(runs)} runs, more than the maximum of {max_runs}; "
-                          f"narrow the grid, or raise the limit with --max-runs {len(runs)}")
-    seen: dict[str, int] = {}
-    for number, varying in enumerate(runs, 1):
-        try:
-            config = build_config(preset, {**base, **varying})
-        except ConfigError as error:
-            shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in varying.items())
-            raise ConfigError(f"sweep run {number} ({shown}): {error}") from error
-        digest = config.model_dump_json()
-        if digest in seen:
-            raise ConfigError(f"sweep runs {seen[digest]} and {number} are the same configuration; drop one")
-        seen[digest] = number
-    return runs
-
-
-def parse_range(key: str, raw: str) -> dict[str, Any] | None:
-    """``LOW..HIGH`` or ``LOW..HIGH:log`` as a search dimension (int when both ends are
-    integers), None when ``raw`` is no range."""
-    text, _, scale = raw.partition(":")
-    low_text, sep, high_text = text.partition("..")
-    if not sep:
-        return None
-    if scale not in ("", "log"):
-        raise ConfigError(f"--set {key}={raw}: a range ends in :log or nothing, e.g. {key}=1e-3..3e-2:log")
-    try:
-        low, high = json.loads(low_text), json.loads(high_text)
-    except json.JSONDecodeError:
-        raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH of two numbers, e.g. {key}=1e-3..3e-2:log") \
-            from None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low < high:
-        raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH with LOW < HIGH, e.g. {key}=1e-3..3e-2:log")
-    if scale and low <= 0:
-        raise ConfigError(f"--set {key}={raw}: a :log range needs LOW > 0")
-    kind = "int" if isinstance(low, int) and isinstance(high, int) else "float"
-    return {"type": kind, "low": low, "high": high, "log": bool(scale)}
-
-
-def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid: list[str]) -> dict[str, dict]:
-    """A search's dimensions: each ``--set KEY=LOW..HIGH[:log]`` a range, each ``--grid
-    KEY=V1,V2`` a choice. Both ends of every range and every choice are validated with the
-    preset and ``base``, so a bad one is refused before any work."""
-    import json
-
-    space = {key: parse_range(key, raw) for key, raw in ranges.items()}
-    for text in grid:
-        key, values = parse_assignment(text)
-        raw = text.partition("=")[2]
-        choices = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
-        if key in space or len(choices) < 2:
-            raise ConfigError(f"--grid {text}: a search choice names a setting once, with two values or more")
-        space[key] = {"type": "categorical", "choices": choices}
-    if not space:
-        raise ConfigError("--search needs a range to search, e.g. --set train.learning_rate=1e-3..3e-2:log")
-    for key, spec in space.items():
-        for value in spec["choices"] if spec["type"] == "categorical" else (spec["low"], spec["high"]):
-            try:
-                build_config(preset, {**base, key: value})
-            except ConfigError as error:
-                raise ConfigError(f"search range {key} ({json.dumps(value)}): {error}") from error
-    return space

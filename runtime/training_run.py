@@ -14,17 +14,12 @@ import jax
 from ..model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from ..model.config import TrainingRequest
 from ..model.data import Batches, read_sequences
-from ..model.settings import CPU_TOKENS_PER_PASS, resolve
-from ..model.train import (
-    Hook,
-    Placement,
-    StepInfo,
-    init_state,
-    model_from_state,
-    train,
-    val_batches,
-)
-from . import stopping, tracking
+from ..model.evaluation import val_batches
+from ..model.loop import Hook, StepInfo, train
+from ..model.placement import Placement
+from ..model.step import init_state, model_from_state
+from ..model.step_settings import CPU_TOKENS_PER_PASS, resolve
+from . import stopping, trackers
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -68,7 +63,7 @@ def stop_hook() -> Hook:
 
 def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
                  on_step: Callable[[int, int], None] | None = None,
-                 warn: tracking.Warn = tracking.warn_on_stderr,
+                 warn: trackers.Warn = trackers.warn_on_stderr,
                  note: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
@@ -101,14 +96,14 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
     hooks = [stop_hook()]
     if request.report is not None and jax.process_index() == 0:  # process 0 alone writes
-        hooks.append(tracking.history_hook(request.report, warn))
+        hooks.append(trackers.history_hook(request.report, warn))
     try:
         result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
                        request.train, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
                        step=step, hooks=hooks)
     finally:
         checkpoints.close()
-        tracking.close(request.report)
+        trackers.close(request.report)
     save_train_state(files.state, result.state)
     metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
                "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,

@@ -179,7 +179,7 @@ class _Holding:
             while not done.wait(RENEW_S):
                 try:
                     if not self.lease_lost:
-                        client.renew_concurrency_lease(self.lease, LEASE_S)
+                        client.renew_concurrency_lease(uuid.UUID(self.lease), LEASE_S)
                 except Exception as error:  # noqa: BLE001 - retried at the next turn; a dead server is the run's watch's news
                     self.lease_lost = _status(error) == LEASE_GONE
                 try:
@@ -195,14 +195,14 @@ class _Holding:
         if stopping.failure() is not None:
             return False
         try:
-            client.renew_concurrency_lease(self.lease, LEASE_S)  # does the server still know it?
+            client.renew_concurrency_lease(uuid.UUID(self.lease), LEASE_S)  # does the server still know it?
         except Exception as error:  # noqa: BLE001 - any other failure: the release below says the same
             self.lease_lost = self.lease_lost or _status(error) == LEASE_GONE
         try:
             if self.lease_lost:
                 client.release_concurrency_slots([self.name], 1, max(time.time() - self.holder["since"], 1.0))
             else:
-                client.release_concurrency_slots_with_lease(self.lease)
+                client.release_concurrency_slots_with_lease(uuid.UUID(self.lease))
         except Exception:  # noqa: BLE001 - a server gone mid-run is reported by its watch; a waiter settles the count
             return False  # the record stays: the next waiter finds this process gone and frees the slot
         return True
@@ -319,7 +319,7 @@ def _take(client, name: str, flow_run_id: str | None) -> str | None:
     import httpx
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run_id) if flow_run_id else None
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=uuid.UUID(str(flow_run_id))) if flow_run_id else None
     try:
         response = client.increment_concurrency_slots_with_lease([name], 1, "concurrency", LEASE_S, holder)
     except httpx.HTTPStatusError as error:

@@ -14,7 +14,8 @@ killed process can report, so the server's automation is the one that notices.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from ..model.errors import BardflowError
 
@@ -49,14 +50,15 @@ def _block_for(url: str, name: str):
     else a JSON body with the subject, the body and both as ``text`` (Slack, Mattermost and
     most chat webhooks show that field)."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock, SlackWebhook
+    from pydantic import SecretStr
 
     if re.match(r"https://hooks\.slack\.com/", url):
-        return SlackWebhook(url=url)
+        return SlackWebhook(url=SecretStr(url))
     if not re.match(r"https?://[^/\s]+", url):
         raise NotifyError(f"{url!r} is not an http(s) webhook URL; for e-mail, Teams, PagerDuty and the other "
                           "services make a notification block in the Prefect UI (Blocks) and pass "
                           "--block TYPE/NAME")
-    return CustomWebhookNotificationBlock(name=name, url=url, json_data={
+    return CustomWebhookNotificationBlock(name=name, url=url, headers=None, cookies=None, json_data={
         "subject": "{{subject}}", "body": "{{body}}", "text": "{{subject}}\n{{body}}"})
 
 
@@ -78,15 +80,17 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
         from prefect.blocks.abstract import NotificationBlock
 
         try:
-            document = Block.load(f"{kind}/{saved}")
+            document = cast(Block, Block.load(f"{kind}/{saved}"))  # the synchronous call's result
         except ValueError as error:
             raise NotifyError(f"no block {block} on this server ({error}); make it in the UI (Blocks)") from None
         if not isinstance(document, NotificationBlock):
             raise NotifyError(f"block {block} sends no notifications; name a notification block (Slack, Teams, "
                               "e-mail, a custom webhook, …)")
         block_id = document._block_document_id
+        if block_id is None:
+            raise NotifyError(f"block {block} has no saved document on this server; save it in the UI (Blocks)")
     else:
-        block_id = _block_for(url or "", name).save(f"{PREFIX}-{name}", overwrite=True)
+        block_id = cast(UUID, _block_for(url or "", name).save(f"{PREFIX}-{name}", overwrite=True))  # synchronous
     created = []
     with get_client(sync_client=True) as client:
         for what, (event, subject, body) in MESSAGES.items():
@@ -95,8 +99,8 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
             trigger = EventTrigger(expect={event}, posture=Posture.Reactive, threshold=1,
                                    match_related=related if event.startswith("prefect.") else {})
             automation = AutomationCore(name=f"{PREFIX}-{name}-{what}", description=f"bardflow notify: {what} runs",
-                                    trigger=trigger, actions=[SendNotification(block_document_id=block_id,
-                                                                               subject=subject, body=body)])
+                                    trigger=trigger, actions=cast(list[Any], [SendNotification(
+                                        block_document_id=block_id, subject=subject, body=body)]))
             client.create_automation(automation)
             created.append(automation.name)
     return created
@@ -131,10 +135,11 @@ def remove(name: str, missing_ok: bool = False) -> int:
                 removed += 1
         for kind in ("custom-webhook", "slack-webhook"):
             try:
-                made = Block.load(f"{kind}/{PREFIX}-{name}")
+                made = cast(Block, Block.load(f"{kind}/{PREFIX}-{name}"))
             except ValueError:
                 continue
-            client.delete_block_document(made._block_document_id)
+            if made._block_document_id is not None:
+                client.delete_block_document(made._block_document_id)
     if not removed and not missing_ok:
         raise NotifyError(f"no notification named {name!r}; `bardflow notify list` shows them")
     return removed

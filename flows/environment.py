@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 from ..model.config import PRESETS
 from ..model.errors import BardflowError
@@ -115,17 +116,18 @@ def store_credentials() -> str | None:
         raise ConfigError(f"{STORE_CREDENTIALS}={named}: name an AWS Credentials block as aws-credentials/NAME")
     try:
         from prefect_aws import AwsCredentials
+        from pydantic import SecretStr
     except ImportError:
         raise ConfigError(f"{STORE_CREDENTIALS} needs prefect-aws: pip install 'bardflow[aws]'") from None
     try:
-        found = AwsCredentials.load(block)
+        found = cast("AwsCredentials", AwsCredentials.load(block))  # the synchronous call's result
     except ValueError:
         raise ConfigError(f"{STORE_CREDENTIALS}={named}: the Prefect server has no such block; make it in the UI "
                           "(Blocks, AWS Credentials) or with AwsCredentials(...).save(NAME)") from None
-    secret = found.aws_secret_access_key
+    secret, token = found.aws_secret_access_key, found.aws_session_token  # token: plain text, a secret in some releases
     values = {"AWS_ACCESS_KEY_ID": found.aws_access_key_id,
               "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
-              "AWS_SESSION_TOKEN": found.aws_session_token.get_secret_value() if found.aws_session_token else None,
+              "AWS_SESSION_TOKEN": token.get_secret_value() if isinstance(token, SecretStr) else token,
               "AWS_REGION": found.region_name, "AWS_PROFILE": found.profile_name,
               "AWS_ENDPOINT_URL": found.aws_client_parameters.endpoint_url}
     os.environ.update({name: str(value) for name, value in values.items() if value})

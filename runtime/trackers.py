@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..model.config import TrackingTarget
 
 if TYPE_CHECKING:
-    from ..model.train import Hook, StepInfo
+    from ..model.loop import Hook, StepInfo
 
 Warn = Callable[[str], None]
 SCALARS = ("loss", "val_loss", "val_bpb", "tokens_per_s")
@@ -54,6 +54,10 @@ class Backend:
     def __init__(self, where: str, warn: Warn, name: str | None = None):
         self.where, self.warn, self.off = where, warn, False
         self.name = name or self.name
+
+    def scalars(self, stage: str, records: Iterable[tuple[int, dict]]) -> None:
+        """Writes ``records`` (step, {name: value}) of training stage ``stage``."""
+        raise NotImplementedError
 
     def call(self, what: str, operation: Callable[[], Any]) -> Any:
         if self.off:
@@ -175,8 +179,9 @@ class EventFiles(Backend):
         self.call("writing event files", lambda: self._write(records))
 
     def _write(self, records: Iterable[tuple[int, dict]]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        # Generated protobuf modules, without type stubs: a checker cannot see their classes.
+        from tensorboard.compat.proto.event_pb2 import Event  # pyright: ignore[reportAttributeAccessIssue]
+        from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
 
         if self.writer is None:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -214,11 +219,11 @@ def backends(target: TrackingTarget | None, warn: Warn = warn_on_stderr) -> list
     if target is None:
         return []
     wanted = []
-    if target.mlflow is not None and target.mlflow_run is not None:
-        wanted.append((_mlflow_key(target.mlflow, target.mlflow_run),
-                       lambda: MlflowRun(target.mlflow, target.mlflow_run, warn)))
-    if target.tensorboard is not None:
-        wanted.append((("tensorboard", target.tensorboard), lambda: EventFiles(target.tensorboard, warn)))
+    uri, run, folder = target.mlflow, target.mlflow_run, target.tensorboard
+    if uri is not None and run is not None:
+        wanted.append((_mlflow_key(uri, run), lambda: MlflowRun(uri, run, warn)))
+    if folder is not None:
+        wanted.append((("tensorboard", folder), lambda: EventFiles(folder, warn)))
     found = []
     for key, make in wanted:
         if key not in _backends:
@@ -233,6 +238,8 @@ def backends(target: TrackingTarget | None, warn: Warn = warn_on_stderr) -> list
 
 def write_history(target: TrackingTarget | None, history: list[dict[str, Any]], warn: Warn = warn_on_stderr) -> None:
     """A whole recorded history at once (a stage that came from the store)."""
+    if target is None:
+        return
     records = scalars(history)
     for backend in backends(target, warn):
         backend.scalars(target.stage, records)
@@ -257,7 +264,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     """After each new history record (every ``train.log_every`` steps, and the last), that
     record, to each destination of ``target``. A resumed run's earlier records come from
     its checkpoint and are written first, so the curves are whole."""
-    from ..model.train import Hook
+    from ..model.loop import Hook
 
     written: list[dict[str, Any]] = []
 

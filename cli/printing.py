@@ -86,7 +86,7 @@ def print_sweep(result: dict[str, Any]) -> None:
     console.print(fitted(title, columns, cells))
     for number, run in enumerate(result["runs"], 1):
         if run.get("error"):
-            print(f"run {run.get('trial', number)} failed: {run['error']}", file=sys.stderr)
+            print(f"run {run.get('trial') or number} failed: {run['error']}", file=sys.stderr)
     if "best" in result:  # last, whole and unwrapped: the line to paste into the next `bardflow run`
         best = result["best"]
         console.print(f"best: {best['line']}" if best else "best: none (every run failed)", soft_wrap=True,

@@ -8,16 +8,11 @@ import json
 import os
 import sys
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from ..model.errors import BardflowError
-from ..runtime import stopping
-from ..runtime.distributed import probe_devices
-from ..tasks.registry import NAMES
-from . import config_file, printing
-from .arguments import UsageError, parse_assignment, parser
-from .server import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
-from .settings import (
+from ..flows import config_file
+from ..flows.config_file import parse_assignment
+from ..flows.environment import (
     AUTO_CHOICES,
     DEBUG,
     STORE_CREDENTIALS,
@@ -28,13 +23,24 @@ from .settings import (
     prepare_environment,
     store_location,
 )
-from .tracking import check_installed, track_settings
+from ..flows.tracking import check_installed, track_settings
+from ..model.errors import BardflowError
+from ..runtime import stopping
+from ..runtime.distributed import probe_devices
+from ..server.process import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
+from ..tasks.registry import NAMES
+from . import printing
+from .arguments import UsageError, parser
+
+if TYPE_CHECKING:
+    from ..flows.pipeline import Preset
+    from ..flows.records import RunSummary
 
 _embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from .server import healthy, running
+    from ..server.process import healthy, running
 
     prepare_environment()
     url = f"http://{args.host}:{args.port}"
@@ -46,7 +52,7 @@ def _ui(args: argparse.Namespace) -> int:
         return 0
     # The UI's browser code asks the server where its API is; tell it this port, not 4200.
     os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
-    os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (flows/notify.py)
+    os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (server/notify.py)
     os.environ.setdefault("PREFECT_SERVER_API_HOST", args.host)
     os.environ.setdefault("PREFECT_SERVER_API_PORT", str(args.port))
     print(f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\n"
@@ -79,7 +85,8 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
         raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
-    from ..model.config import ConfigError, build_config
+    from ..flows.run_config import resolve_run_config
+    from ..model.config import ConfigError
 
     named, overrides = config_file.read(args.config) if args.config else (None, {})
     args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
@@ -91,7 +98,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     errors, accepted = [], []
     for candidate in candidates:
         try:
-            accepted.append(build_config(candidate, overrides))
+            accepted.append(resolve_run_config(candidate, overrides, corpus=args.corpus, pin_corpus=False)[1])
         except ConfigError as error:
             errors.append(error)
     if not accepted:
@@ -108,7 +115,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
 
     # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
     # folder) is refused now; reading /dev/zero or a FIFO would never end.
-    check_local(args.corpus or os.environ.get("BARDFLOW_CORPUS") or accepted[0].data.corpus)
+    check_local(accepted[0].data.corpus)
     if start_server:
         _start_server()
     return root, overrides
@@ -130,7 +137,7 @@ def _terminal_run(verbose: bool):
     keep Prefect's default."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from .pipeline import ExplainedErrorFilter, quiet_explained_errors
+    from ..flows.pipeline import ExplainedErrorFilter, quiet_explained_errors
 
     ExplainedErrorFilter.quiet = not verbose
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
@@ -148,7 +155,7 @@ def _terminal_run(verbose: bool):
         _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         _embedded.watch()
     elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
-        from .server import watch_chosen
+        from ..server.process import watch_chosen
 
         watch = watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
     asked = any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
@@ -161,18 +168,18 @@ def _terminal_run(verbose: bool):
             watch.set()
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _run(args: argparse.Namespace) -> RunSummary:
     unknown = [s for s in args.refresh if s not in NAMES]
     if unknown:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
     root, overrides = _prepare(args)
     from ..artifacts.objects import checked_store
-    from ..model.config import build_config
+    from ..flows.run_config import resolve_run_config
 
-    config = build_config(pick_preset(args.preset), overrides)  # refused here, before Prefect starts
+    config = resolve_run_config(args.preset, overrides, pin_corpus=False)[1]  # refused here, before Prefect starts
     if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
-    from .pipeline import pipeline
+    from ..flows.pipeline import pipeline
 
     with _terminal_run(args.verbose):
         return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
@@ -180,16 +187,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from .arguments import MAX_SWEEP_RUNS, parse_range, search_space, sweep_configurations
+    from ..flows.sweep_configs import MAX_SWEEP_RUNS, plan, split_ranges
 
-    ranges = {}
-    for text in list(args.settings):  # a search's ranges are --set KEY=LOW..HIGH[:log]
-        key, _, raw = text.partition("=")
-        if parse_range(key.strip(), raw) is not None:
-            if args.search is None:
-                raise UsageError(f"--set {text} is a range: search it with --search N, or give one value")
-            ranges[key.strip()] = raw
-            args.settings.remove(text)
+    args.settings, ranges = split_ranges(args.settings)
+    if ranges and args.search is None:
+        key, raw = next(iter(ranges.items()))
+        raise UsageError(f"--set {key}={raw} is a range: search it with --search N, or give one value")
     if args.search is not None:
         from importlib.util import find_spec
 
@@ -205,26 +208,16 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     from ..artifacts.objects import checked_store
 
     preset = pick_preset(args.preset)
-    search = None
-    if args.search is not None:
-        from .search import study_name
-
-        space = search_space(preset, base, ranges, args.grid)
-        configurations = [json.loads(text) for text in args.listed]
-        if configurations:
-            sweep_configurations(preset, base, [], args.listed, args.max_runs or MAX_SWEEP_RUNS)  # each checked
-        search = {"trials": args.search, "parallel": args.parallel, "space": space, "seed": args.seed,
-                  "study": study_name(preset, base, space, configurations, args.seed)}
-    else:
-        configurations = sweep_configurations(preset, base, args.grid, args.listed, args.max_runs or MAX_SWEEP_RUNS)
+    planned = plan(preset, base, args.grid, args.listed, ranges, args.search, args.parallel, args.seed,
+                   args.max_runs or MAX_SWEEP_RUNS)
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
     _start_server()
-    from .sweep import sweep
+    from ..flows.sweep import sweep
 
     with _terminal_run(args.verbose):
-        return sweep(configurations=configurations, preset=preset, settings=base, corpus=args.corpus, store=root,
-                     processes=args.processes, pool=args.pool, search=search)
+        return sweep(configurations=planned.configurations, preset=cast("Preset", preset), settings=base,
+                     corpus=args.corpus, store=root, processes=args.processes, pool=args.pool, search=planned.search)
 
 
 def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
@@ -298,7 +291,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from .server import command
+    from ..server.process import command
 
     command(args.action, args.port, args.database)
     return 0
@@ -314,7 +307,7 @@ def _notify(args: argparse.Namespace) -> int:
         raise UsageError("notifications live on the Prefect server that runs report to: start one "
                          "(`bardflow server start`) or set PREFECT_API_URL")
     check_chosen_server()
-    from . import notify
+    from ..server import notify
 
     if args.action == "add":
         created = notify.add(args.url, args.name, args.block)
@@ -337,7 +330,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if follower is not None:
         _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
     else:
-        result = _run(args)
+        result = _run(args).to_json()
         ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
         if ui and result.get("flow_run"):
             result["ui"] = f"{ui.rstrip('/')}/runs/flow-run/{result['flow_run']}"
@@ -405,14 +398,9 @@ def settle_reports(timeout_s: float = 5.0) -> None:
     before that line rather than after it."""
     if "prefect" not in sys.modules or stopping.failure():
         return
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    from ..server.prefect_private import drain_reports
 
-    for worker in (APILogWorker, EventsWorker):
-        try:
-            worker.drain_all(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - reports are a courtesy here: the error line matters
-            pass
+    drain_reports(timeout_s)
 
 
 def entry() -> None:

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from ..model.errors import BardflowError
+from .prefect_private import ephemeral_server_command
 
 
 class ServerError(BardflowError, RuntimeError):
@@ -177,13 +178,7 @@ class EmbeddedServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        from importlib.util import find_spec
-
-        app_dir = str(Path(find_spec("prefect").origin).parent.parent)  # found, not imported (that takes a second)
-        command = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory",
-                   "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--log-level", "error", "--lifespan", "on"]
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        command, env = ephemeral_server_command(self.port)
         home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
         home.mkdir(parents=True, exist_ok=True)  # its database lives there; Prefect's client would make it
         self.log = home / "bardflow-embedded-server.log"

@@ -115,8 +115,8 @@ def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]
     figures = {}
     for name in FIGURES:
         x, y = a.metrics.get(name), b.metrics.get(name)
-        numbers = isinstance(x, (int, float)) and isinstance(y, (int, float))
-        figures[name] = {"a": x, "b": y, "b_minus_a": (y - x) if numbers else None}
+        change = y - x if isinstance(x, (int, float)) and isinstance(y, (int, float)) else None
+        figures[name] = {"a": x, "b": y, "b_minus_a": change}
     return {"a": f"{a.stage}/{a.key}", "b": f"{b.stage}/{b.key}",
             "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
             "figures": figures}

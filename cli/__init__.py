@@ -1,0 +1,2 @@
+"""The ``bardflow`` command line: its arguments, what it prints, and the runs it reads.
+"""

@@ -1,0 +1,63 @@
+"""A run's configuration, resolved in one function for every way a run starts: the command
+line (``--preset``, ``--config``, ``--set``, ``--track``, ``--corpus``), a deployment's
+parameters (``preset``, ``config`` or ``settings``, ``track``, ``corpus``) and a sweep's runs
+(their settings over the sweep's). Whatever comes in, the same rules decide what wins: a whole
+``config`` or a config file's ``settings`` (its own preset over the default one), the
+overrides on top, then the run's ``track`` and ``corpus``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..model.config import ConfigError, PipelineConfig, TrackConfig, build_config
+from . import config_file
+from .environment import empty_corpus, pick_preset
+from .tracking import track_settings
+
+
+def resolve_run_config(preset: str, overrides: dict[str, Any] | None = None, *, config: PipelineConfig | None = None,
+                       settings: Any = None, track: list[str] | None = None, corpus: str | None = None,
+                       pin_corpus: bool = True) -> tuple[str, PipelineConfig]:
+    """The preset a run uses (``auto`` decided) and its whole configuration, validated.
+
+    ``settings`` is a config file's content (its own preset, if it names one, over ``preset``);
+    ``overrides`` (``section.field``: value) apply on top of it. ``pin_corpus`` records a local
+    corpus's md5 in the configuration (it keys the versions; the flow pins it, a check before
+    the flow need not read the corpus)."""
+    overrides = dict(overrides or {})
+    if settings is not None:
+        if config is not None:
+            raise ConfigError("give either config (a whole configuration) or settings (a config file's content), "
+                              "not both")
+        named, from_file = config_file.settings(settings, "the settings parameter")
+        preset = named or preset  # the file's own preset, over a deployment's default one
+        overrides = {**from_file, **overrides}
+    chosen = pick_preset(preset)
+    return chosen, _with_inputs(config or build_config(chosen, overrides), track, corpus, pin_corpus)
+
+
+def _with_inputs(config: PipelineConfig, track: list[str] | None, corpus: str | None,
+                 pin_corpus: bool) -> PipelineConfig:
+    """``config`` with the flow's own ``track`` and ``corpus`` parameters (as the command line's
+    --track and --corpus; BARDFLOW_CORPUS where no corpus is given) and the corpus's md5 pinned:
+    computed for a local corpus, it keys the versions."""
+    if track:
+        fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
+        try:
+            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
+                                                                                   **fields})})
+        except ValidationError as error:
+            raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
+    if corpus is not None and not corpus.strip():
+        raise ConfigError(empty_corpus("corpus"))
+    corpus = corpus or os.environ.get("BARDFLOW_CORPUS")
+    if corpus:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
+    if not pin_corpus:
+        return config
+    from ..tasks.fetch import pin  # with the stage's Prefect artifacts: loaded by the flow, not before it
+
+    return config.model_copy(update={"data": pin(config.data)})

@@ -1,0 +1,265 @@
+"""The timed training loop and its hooks (progress, evaluation, checkpoints, a finite
+loss), each run every N steps."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import TrainConfig
+from .evaluation import make_evaluate
+from .placement import Placement
+from .step import TrainingError, configured_rates, make_train_step
+from .step_settings import StepSettings, resolve
+
+
+@dataclass
+class TrainResult:
+    state: Any
+    history: list[dict[str, float]]
+    compile_s: float
+    elapsed_s: float  # timed steps only, summed over every session of a resumed run
+    steps: int
+    global_batch: int
+    seq_len: int
+    val_loss: float = math.nan
+    devices: int = 1
+    resumed_from: int | None = None  # the step a checkpoint brought this run back to
+    resume_s: float = 0.0  # time to find and restore that checkpoint
+    precision: str = "float32"  # the compute dtype; parameters are always float32
+    rows_per_pass: int = 0  # rows of each device's batch per forward/backward pass
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.steps * self.global_batch * (self.seq_len - 1) / self.elapsed_s
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.elapsed_s / self.steps
+
+    def metrics(self) -> dict[str, Any]:
+        last = self.history[-1]
+        return {
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "ms_per_step": round(self.ms_per_step, 3),
+            "final_loss": round(last["loss"], 4),
+            "val_loss": round(self.val_loss, 4),  # the whole validation split
+            "val_bpb": round(self.val_loss / math.log(2), 4),  # bits per byte
+            "steps": self.steps,
+            "global_batch": self.global_batch,
+            "devices": self.devices,
+            "compile_s": round(self.compile_s, 3),
+            "elapsed_s": round(self.elapsed_s, 3),
+            "resumed_from_step": self.resumed_from,
+            "resume_s": round(self.resume_s, 3),
+            "precision": self.precision,
+            "rows_per_pass": self.rows_per_pass,
+        }
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves))
+
+
+@dataclass
+class RunRecord:
+    """What the hooks keep of a run: its history, its newest checkpoint and its training
+    clock (which leaves out the time the hooks spend evaluating)."""
+
+    history: list[dict[str, Any]]
+    checkpoints: Any = None  # TrainingCheckpoints, or None: nothing is saved
+    last_saved: int | None = None
+    prior_s: float = 0.0  # trained before this session (a resumed run)
+    started: float = 0.0
+    paused_s: float = 0.0
+
+    def trained_s(self) -> float:
+        return self.prior_s + time.perf_counter() - self.started - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - paused
+
+    def check_loss(self, step: int, loss: jax.Array) -> float:
+        value = float(loss)
+        if not math.isfinite(value):
+            kept = f"; the checkpoint of step {self.last_saved} is kept" if self.last_saved else ""
+            raise TrainingError(f"loss became {value} at step {step}{kept}; lower train.learning_rate")
+        return value
+
+    def save(self, info: StepInfo) -> int | None:
+        """The one way a checkpoint is written: of the state after ``info``'s step, once its
+        loss and parameters are known to be finite. Returns the newest saved step."""
+        if self.checkpoints is None or info.done <= (self.last_saved or 0):
+            return self.last_saved
+        self.check_loss(info.step, info.loss)
+        if not bool(_all_finite(info.state)):
+            raise TrainingError(f"parameters became non-finite at step {info.step}; the checkpoint of step "
+                                f"{self.last_saved} is kept; lower train.learning_rate")
+        # A copy of the history: the save is asynchronous and the loop keeps appending to it.
+        self.checkpoints.save(info.done, info.state, {"step": info.done, "history": list(self.history),
+                                                      "elapsed_s": self.trained_s(), "data_position": info.done})
+        self.last_saved = info.done
+        return self.last_saved
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step just taken, as every hook sees it."""
+
+    step: int  # 0-based
+    last: int  # the run ends after step last - 1
+    loss: jax.Array  # still on the device: reading it waits for the step
+    state: Any
+    tokens: int  # trained on so far
+    record: RunRecord
+
+    @property
+    def done(self) -> int:
+        return self.step + 1
+
+
+@dataclass(frozen=True)
+class Hook:
+    """``run(info)`` after every step for which ``when(info)`` holds."""
+
+    run: Callable[[StepInfo], object]  # what it returns is not used
+    when: Callable[[StepInfo], bool] = lambda info: True
+
+
+def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
+    """After steps 0, n, 2n, ... (and after the run's last step, with ``and_last``)."""
+    return lambda info: info.step % n == 0 or (and_last and info.done == info.last)
+
+
+def run_steps(step_fn, state, tokens_at: Callable[[int], jax.Array], steps: range, tokens_per_step: int,
+              hooks: Sequence[Hook], record: RunRecord):
+    """The training loop: a step, then each hook that is due, in order."""
+    for step in steps:
+        state, loss = step_fn(state, tokens_at(step))
+        info = StepInfo(step, steps.stop, loss, state, (step + 1) * tokens_per_step, record)
+        for hook in hooks:
+            if hook.when(info):
+                hook.run(info)
+    return state
+
+
+def finite_loss_hook() -> Hook:
+    """Each step's loss is read once the next step is queued, so that reading it never
+    leaves the device idle (the last step's is read by its evaluation)."""
+    pending: list[StepInfo] = []
+
+    def check(info: StepInfo) -> None:
+        if pending:
+            info.record.check_loss(pending[0].step, pending[0].loss)
+        pending[:] = [info]
+
+    return Hook(check)
+
+
+def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int, eval_every: int = 0) -> Hook:
+    """A history record every ``every_n`` steps and after the last, with the validation loss
+    on the whole split every ``eval_every`` steps (0: in every record) and after the last
+    (its time left out of the clock); a record between evaluations has none."""
+    recorded, evaluated = every(every_n, and_last=True), every(eval_every or every_n, and_last=True)
+
+    def record(info: StepInfo) -> None:
+        value = info.record.check_loss(info.step, info.loss)
+        trained_s = info.record.trained_s()
+        val_loss = None
+        if evaluated(info):
+            with info.record.paused():
+                val_loss = evaluate(info.state)
+        info.record.history.append({"step": info.step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
+                                    "tokens": info.tokens, "val_loss": val_loss,
+                                    "val_bpb": None if val_loss is None else val_loss / math.log(2),
+                                    "seconds": round(trained_s, 3)})
+
+    return Hook(record, lambda info: bool(recorded(info) or evaluated(info)))
+
+
+def checkpoint_hook(every_n: int) -> Hook:
+    """A resumable checkpoint after every ``every_n`` steps but the last (the stage saves that one)."""
+    return Hook(lambda info: info.record.save(info), lambda info: info.done % every_n == 0 and info.done < info.last)
+
+
+def progress_hook(on_step: Callable[[int, int], None]) -> Hook:
+    return Hook(lambda info: on_step(info.done, info.last))
+
+
+def train(
+    graphdef,
+    state,
+    batch_at: Callable[[int], np.ndarray],
+    val_batches: list[tuple[np.ndarray, np.ndarray]],
+    placement: Placement,
+    cfg: TrainConfig,
+    on_step: Callable[[int, int], None] | None = None,
+    checkpoints=None,
+    stop_after: int | None = None,
+    step: StepSettings | None = None,
+    hooks: Sequence[Hook] = (),
+) -> TrainResult:
+    """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
+    resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
+    the hooks run: the loss check, a history record every ``cfg.log_every`` steps (with the
+    validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
+    ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how
+    the step runs (``model/step_settings.py``; by default the platform's defaults for ``cfg``).
+
+    The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
+    so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
+    of time and is timed apart: it never counts against throughput or consumes a step.
+    """
+    last = min(stop_after or cfg.steps, cfg.steps)
+    record, start, resumed_from, resume_s = RunRecord([], checkpoints), 0, None, 0.0
+    state = placement.put_state(state)
+    if checkpoints is not None:
+        started = time.perf_counter()
+        configured = jax.tree.map(lambda leaf: leaf, state)  # the restore writes into ``state``'s variables
+        found = checkpoints.latest(state)  # restored straight into the placed state's shardings
+        if found is not None:
+            state, saved = configured_rates(found[0], configured), found[1]
+            start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
+            record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
+    first = placement.put_batch(batch_at(start))
+    global_batch, seq_len = first.shape
+    step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
+    dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
+    started = time.perf_counter()
+    compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes).lower(
+        state, first).compile(compiler_options=step.xla_options)
+    compile_s = time.perf_counter() - started
+
+    def tokens_at(step: int) -> jax.Array:
+        return first if step == start else placement.put_batch(batch_at(step))
+
+    builtin = [finite_loss_hook(), evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every,
+                                                   cfg.eval_every)]
+    builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
+    builtin += [progress_hook(on_step)] if on_step is not None else []
+    record.started = time.perf_counter()
+    state = run_steps(compiled, state, tokens_at, range(start, last), global_batch * (seq_len - 1),
+                      [*builtin, *hooks], record)
+    jax.block_until_ready(state)
+    return TrainResult(
+        state=state, history=record.history, compile_s=compile_s, elapsed_s=record.trained_s(), steps=last,
+        global_batch=global_batch, seq_len=seq_len,
+        val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
+        devices=len(placement.devices), resumed_from=resumed_from, resume_s=resume_s, precision=dtype.name,
+        rows_per_pass=step.rows_per_pass,
+    )

@@ -1,0 +1,142 @@
+"""The loss and the compiled train step: one device or data-parallel, with gradient
+accumulation. The step works on ``nnx.split`` state with plain ``jax.jit`` and donated
+buffers, so no NNX graph traversal happens per step."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from functools import lru_cache, partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import ModelConfig, TrainConfig
+from .errors import BardflowError
+from .optimizer import DATA_AXIS, make_optimizer
+from .transformer import Transformer, build_model
+
+
+class TrainingError(BardflowError, RuntimeError):
+    """Training cannot go on; the message names the step and the cause."""
+
+
+def target_losses(model: Transformer, tokens: jax.Array) -> jax.Array:
+    """(rows, length - 1): the loss of predicting each byte of the rows but the first from
+    those before it. A row one byte longer than the model's context (``data.every_position``)
+    is read without its last byte, which is only a target; otherwise the row is read whole
+    and the last position's prediction dropped (causal: the same function, one shape for both)."""
+    inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
+    logits, _ = model(inputs)
+    logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
+def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
+    return target_losses(model, tokens).mean()
+
+
+def in_dtype(model: Transformer, dtype) -> Transformer:
+    """The same model computing in ``dtype``: a cast of the float32 parameters, so the
+    gradient flows back to them through the cast (mixed precision)."""
+    if dtype == jnp.float32:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params), rest)
+
+
+def configured_rates(restored, configured):
+    """``restored`` with ``configured``'s peak learning rates (in the optimizer's state since
+    ``make_optimizer``): the configuration says how a run trains, its checkpoint where it stopped."""
+    def pick(path, saved, ours):
+        return ours if "'hyperparams'" in jax.tree_util.keystr(path) else saved
+
+    return jax.tree_util.tree_map_with_path(pick, restored, configured)
+
+
+def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
+    """(graphdef, state) of the model and its optimizer together, made in one compiled
+    program (op by op, each initialiser would compile on its own)."""
+    return nnx.split(_creator(model_cfg, train_cfg)())
+
+
+@lru_cache(maxsize=16)
+def _creator(model_cfg: ModelConfig, train_cfg: TrainConfig):
+    """The compiled ``init_state`` of one configuration. Kept for the process, with the
+    optimizer it builds, so that the runs of one process (a local sweep's, a resumed stage's)
+    get equal graphdefs, and with them the same compiled step and evaluation, traced once
+    (``make_train_step``, ``make_eval_sum``)."""
+    @nnx.jit
+    def create():
+        model = build_model(model_cfg, train_cfg.init_seed)
+        return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
+
+    return create
+
+
+def model_from_state(graphdef, state) -> Transformer:
+    model, _ = nnx.merge(graphdef, state)
+    return model
+
+
+def _accumulated(loss_fn, passes: int, mesh):
+    """``(model, tokens) -> (loss, grads)`` over ``passes`` equal slices of every
+    device's rows, summed in a ``lax.scan``: the mean loss and its gradient, exactly as
+    one pass would give them up to float rounding. With a mesh each device works on its
+    own rows and the gradients are averaged across devices once per step, not per pass."""
+
+    def local(graphdef, params, rest, tokens):
+        slices = tokens.reshape(passes, tokens.shape[0] // passes, tokens.shape[1])
+        if mesh is not None:
+            # Per-device copies: their gradients stay on the device (no all-reduce per pass).
+            params = jax.lax.pcast(params, (DATA_AXIS,), to="varying")
+
+        def one(rows):
+            return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), rows))(params)
+
+        # The first pass starts the sums (its values carry the right per-device types).
+        total, _ = jax.lax.scan(lambda total, rows: (jax.tree.map(jnp.add, total, one(rows)), None),
+                                one(slices[0]), slices[1:])
+        total = jax.tree.map(lambda x: x / passes, total)
+        return total if mesh is None else jax.lax.pmean(total, DATA_AXIS)
+
+    def loss_and_grads(model, tokens):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        run = partial(local, graphdef)
+        if mesh is not None:
+            run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)), out_specs=P())
+        return run(params, rest, tokens)
+
+    return loss_and_grads
+
+
+@lru_cache(maxsize=16)
+def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1):
+    def loss_fn(model, tokens):
+        return next_byte_loss(in_dtype(model, dtype), tokens)
+
+    mesh = None if batch_sharding is None else batch_sharding.mesh
+    if passes == 1:
+        loss_and_grads = nnx.value_and_grad(loss_fn)
+    else:
+        loss_and_grads = _accumulated(loss_fn, passes, mesh)
+
+    def step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = loss_and_grads(model, tokens)
+        # The optimizer sees the mesh, so that Muon shares its matrices out among the devices.
+        with nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    if state_sharding is None or mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )

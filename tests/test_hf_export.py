@@ -1,0 +1,104 @@
+"""The export's transformers folder (export/hf/) as transformers itself loads it: GPT-2 for
+learned positions, GPT-NeoX for rotary ones, at the `tiny` and `cpu` shapes, each against
+bardflow's logits and greedy text, in one fresh interpreter with torch and transformers and
+without bardflow; one changed weight fails the check."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from bardflow.model.config import build_config
+from bardflow.model.export import flat_params, forward_of
+from bardflow.model.hf import unmappable
+from bardflow.model.transformer import build_model
+from bardflow.tasks import export
+from tests.helpers import REPO
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def _model(cfg, seed: int):
+    """A model whose every parameter, biases and norms included, is off its initial value."""
+    from flax import nnx
+
+    model = build_model(cfg, seed)
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    nnx.update(model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                                for x, k in zip(leaves, keys, strict=True)]))
+    return model
+
+
+def _written(folder, cfg, seed: int):
+    model = _model(cfg, seed)
+    forward, params = jax.jit(forward_of(model)), flat_params(model)
+    expected = {}
+    for name, tokens in export.probes(cfg.max_seq_len).items():
+        expected[name] = tokens
+        expected[name.replace("tokens", "logits")] = np.asarray(forward(params, tokens))
+    export.write_hf(folder, params, cfg)
+    return export.hf_reference(model, cfg, expected)
+
+
+def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_in_bardflow(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    checks = []
+    for preset in ("tiny", "cpu"):
+        for positions in ("learned", "rope"):
+            cfg = build_config(preset, {"model.positions": positions}).model
+            folder = tmp_path / f"{preset}-{positions}"
+            checks.append((folder, _written(folder, cfg, seed=len(checks))))
+    # The same folder with one weight changed: the check must notice.
+    bad = tmp_path / "changed"
+    subprocess.run(["cp", "-r", str(checks[0][0]), str(bad)], check=True)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["lm_head.weight"][3, 5] += 0.05
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+
+    results = export.run_hf_check([*checks, (bad, checks[0][1])])
+    assert [r["architecture"] for r in results[:4]] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"] * 2
+    for (folder, reference), result in zip(checks, results[:4], strict=True):
+        export.hf_verdict(result)  # passes
+        assert result["max_abs_diff"] <= export.HF_TOLERANCE and result["greedy_equal"], folder.name
+        assert result["greedy_bytes"] == len(reference["greedy"]) > 0 and result["tokenizer_exact"]
+        assert not result["bardflow_imported"]
+    assert results[4]["max_abs_diff"] > export.HF_TOLERANCE
+    with pytest.raises(export.ExportError, match=r"differ from the checkpoint's by .* --refresh export"):
+        export.hf_verdict(results[4])
+
+    # Used as people use a Hub model: examples/generate_with_transformers.py, no bardflow.
+    source = (REPO / "examples" / "generate_with_transformers.py").read_text()
+    assert not [line for line in source.splitlines() if "bardflow" in line and "import" in line]
+    done = subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_with_transformers.py"),
+                           str(checks[0][0].parent / "tiny-learned"), "--prompt", "ROMEO:", "--bytes", "20",
+                           "--temperature", "0"], capture_output=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    greedy = checks[0][1]["greedy"][:20].astype(np.uint8).tobytes()
+    assert done.stdout.rstrip(b"\n") == b"ROMEO:" + greedy.decode("utf-8", "replace").encode()
+
+
+def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp_path, monkeypatch):
+    cfg = build_config("tiny", {"model.qk_norm": True}).model
+    assert "model.qk_norm" in unmappable(cfg)
+    found = export._hf(tmp_path / "hf", build_model(cfg, 0), cfg, {}, {})
+    assert found == {"status": f"not written: {unmappable(cfg)}", "checked": False}
+    assert not (tmp_path / "hf").exists()
+
+    # A mappable model where transformers is missing: written, and said to be unchecked.
+    cfg = build_config("tiny").model
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "transformers" else real(name, *rest))
+    monkeypatch.delenv(export.HF_CHECKING, raising=False)
+    model = build_model(cfg, 0)
+    found = export._hf(tmp_path / "hf", model, cfg, flat_params(model), {})
+    assert found["checked"] is False and "pip install 'bardflow[hf]'" in found["status"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
