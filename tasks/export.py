@@ -44,7 +44,7 @@ HF = "hf"  # the transformers folder, inside the export
 HF_CHECK = Path(__file__).with_name("hf_check.py")
 HF_TOLERANCE = 1e-4
 HF_CHECKING = "BARDFLOW_HF_CHECK"  # off: hf/ is written but not loaded with transformers
-PROMPT, GREEDY_BYTES = b"ROMEO:", 200  # the greedy continuation both must agree on (within the context)
+PROMPT, GREEDY_BYTES = b"ROMEO:", 200  # the greedy continuation both must agree on
 
 
 def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str, int]:
@@ -159,8 +159,10 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: di
     if unchecked is not None:
         return {**found, "status": unchecked}
     started = time.perf_counter()
-    (result,) = check_hf([(folder, hf_reference(model, cfg, expected))])
+    reference = hf_reference(model, cfg, expected)
+    (result,) = check_hf([(folder, reference)])
     return {**found, "checked": True, "max_abs_diff": result["max_abs_diff"], "greedy_bytes": result["greedy_bytes"],
+            "prompt": PROMPT.decode(), "greedy_ids": reference["greedy"].tolist(),  # what a server must say too
             "check_s": round(time.perf_counter() - started, 3), "transformers": result["transformers"],
             "torch": result["torch"],
             "status": f"checked with transformers {result['transformers']}: max |diff| {result['max_abs_diff']:.1e}, "
@@ -169,12 +171,17 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: di
 
 def hf_reference(model: Transformer, cfg: ModelConfig, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """What ``hf/`` must reproduce: the probes' logits and bardflow's own greedy continuation
-    of the prompt (the sampler at temperature 0), as long as the context allows (at most
-    ``GREEDY_BYTES``)."""
-    new = min(GREEDY_BYTES, cfg.max_seq_len - len(PROMPT))
+    of the prompt (the sampler at temperature 0), ``GREEDY_BYTES`` long. With learned positions
+    the sampler's window slides past the context, each byte from the last ``max_seq_len``
+    (``window``), which the check does too; a rotary model's sampler keeps a ring of keys
+    computed in earlier windows, which no stateless recomputation reproduces, so its
+    continuation stops where the context does (``window`` 0)."""
+    rotary = cfg.positions == "rope"
+    new = GREEDY_BYTES if not rotary else min(GREEDY_BYTES, cfg.max_seq_len - len(PROMPT))
     sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT):]
     return {**expected, "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
-            "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32)}
+            "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32),
+            "window": np.asarray(0 if rotary else cfg.max_seq_len, np.int32)}
 
 
 def check_hf(folders: list[tuple[Path, dict[str, Any]]]) -> list[dict]:

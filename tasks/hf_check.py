@@ -2,8 +2,8 @@
 (``python -I``) with torch and transformers and without bardflow: it loads ``export/hf/`` as
 anyone would (``AutoModelForCausalLM``, ``AutoTokenizer``), and prints, as JSON, the largest
 difference of its logits from the stage's on the probes, whether its greedy continuation of
-the prompt is byte for byte the stage's, whether the tokenizer's ids are the bytes, and which
-modules it needed.
+the prompt (past the context too, where the model's window slides) is byte for byte the
+stage's, whether the tokenizer's ids are the bytes, and which modules it needed.
 
     python -I hf_check.py HF_FOLDER PROBES.npz [HF_FOLDER PROBES.npz …]   # a JSON line each
 """
@@ -29,11 +29,8 @@ def main(folder: Path, probes: Path) -> dict:
             logits = model(torch.from_numpy(expected[name].astype(np.int64))).logits.numpy()
             reference = expected[name.replace("tokens", "logits")]
             diffs[name] = float(np.max(np.abs(logits - reference))) if logits.shape == reference.shape else float("inf")
-        prompt = expected["prompt"].astype(np.int64)
-        new = int(expected["greedy"].shape[0])
-        out = model.generate(torch.from_numpy(prompt)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=0)
-    continuation = out[0, prompt.shape[0]:].numpy()
+        continuation = greedy(model, expected["prompt"].astype(np.int64), int(expected["greedy"].shape[0]),
+                              int(expected["window"]))
     text = "ROMEO: What, art thou hurt? ¿Qué? Ω\n"
     ids = tokenizer(text)["input_ids"]
     return {"max_abs_diff": max(diffs.values()), "by_probe": diffs,
@@ -43,6 +40,20 @@ def main(folder: Path, probes: Path) -> dict:
             "architecture": type(model).__name__, "transformers": transformers.__version__,
             "torch": torch.__version__,
             "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules)}
+
+
+def greedy(model: Any, prompt: np.ndarray, new: int, window: int) -> np.ndarray:
+    """``new`` bytes at temperature 0: ``generate`` while the context has room; past it (a
+    ``window`` > 0), each byte from a forward pass over the last ``window`` bytes, as
+    bardflow's sampler slides a learned-position model's window."""
+    cached = new if window == 0 else max(0, min(new, window - prompt.shape[0]))
+    ids = torch.from_numpy(prompt)[None]
+    if cached:
+        ids = model.generate(ids, max_new_tokens=cached, min_new_tokens=cached, do_sample=False, pad_token_id=0)
+    for _ in range(new - cached):
+        next_id = model(ids[:, -window:]).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, prompt.shape[0]:].numpy()
 
 
 if __name__ == "__main__":
