@@ -106,10 +106,17 @@ def file_digest(path: Path, algorithm: str = "sha256") -> str:
         return hashlib.file_digest(handle, algorithm).hexdigest()
 
 
-def describe_files(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``."""
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``.
+    ``known``: digests a builder took as it wrote (a file of that size is not read again)."""
+    described = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            name, size = p.relative_to(folder).as_posix(), p.stat().st_size
+            entry = (known or {}).get(name)
+            described[name] = entry if entry is not None and entry["bytes"] == size else \
+                {"bytes": size, "sha256": file_digest(p)}
+    return described
 
 
 @functools.lru_cache(maxsize=1)
@@ -201,6 +208,7 @@ class Builder:
         self.resume = resume
         self.metrics: dict[str, Any] = {}
         self.record: dict[str, Any] = {}
+        self.digests: dict[str, dict[str, Any]] = {}  # {name: {"bytes", "sha256"}} taken while writing
         self.fingerprint: str | None = None
         self.same_as_stored = False  # the build's output was the stored version's: that one stays
 
@@ -431,7 +439,7 @@ class Store(VersionStore):
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _seal(self, builder: Builder, params: Any, inputs: Mapping[str, Version]) -> None:
-        files = describe_files(builder.dir)
+        files = describe_files(builder.dir, builder.digests)
         fingerprint = builder.fingerprint or hashlib.sha256(
             canonical_json({n: f["sha256"] for n, f in files.items()}).encode()
         ).hexdigest()

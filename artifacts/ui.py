@@ -94,11 +94,12 @@ class Progress:
 
     CLOSE_WAIT_S = 5.0  # the last value gets this long to reach the server
 
-    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0):
+    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0, in_bytes: bool = False):
         import contextvars
         import threading
 
-        self.total, self.every_s, self.label = total, every_s, label
+        self.total, self.every_s, self.label = max(1, total), every_s, label
+        self._logged, self._started = 0, time.monotonic()
         self._last = 0.0
         self._artifact = None
         self._pending: float | None = None
@@ -114,15 +115,24 @@ class Progress:
             self._sender.start()
         import shutil
 
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
         from rich.progress import Progress as Bar
 
         # The label, the count and the time left keep their room on a narrow terminal; the bar takes the rest.
-        room = shutil.get_terminal_size().columns - len(label) - 2 * len(str(total)) - 12
+        self.in_bytes = in_bytes
+        counted = [DownloadColumn(), TransferSpeedColumn()] if in_bytes else [MofNCompleteColumn()]
+        room = shutil.get_terminal_size().columns - len(label) - (30 if in_bytes else 2 * len(str(total))) - 12
         self._bar = Bar(
             TextColumn(f"[bold]{label}"),
             BarColumn(bar_width=max(5, min(40, room))),
-            MofNCompleteColumn(),
+            *counted,
             TimeRemainingColumn(),
             transient=False,
             disable=not sys.stderr.isatty(),
@@ -131,9 +141,19 @@ class Progress:
         self._bar.start()
 
     def __call__(self, done: int, total: int | None = None) -> None:
+        if total is not None and total != self.total:  # a download's size comes with its answer
+            self.total = max(1, total)
+            self._bar.update(self._task, total=self.total)
         self._bar.update(self._task, completed=done)
-        if self._bar.disable and done * 10 // self.total > (done - 1) * 10 // self.total:
-            say("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
+        seconds = max(time.monotonic() - self._started, 1e-9)
+        if self._bar.disable and done * 10 // self.total > self._logged * 10 // self.total and \
+                (not self.in_bytes or seconds > 2.0):  # bytes: a second's copy needs no account
+            if self.in_bytes:
+                say("%s: %.1f of %.1f MB (%d%%), %.1f MB/s", self.label, done / 1e6, self.total / 1e6,
+                    100 * done // self.total, done / 1e6 / seconds)
+            else:
+                say("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
+        self._logged = done
         now = time.monotonic()
         if self._artifact is not None and (now - self._last >= self.every_s or done == self.total):
             self._last = now

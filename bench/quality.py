@@ -36,7 +36,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     import jax
 
     from bardflow.model.config import TrainingRequest, build_config
-    from bardflow.model.data import encode, write_sequences
+    from bardflow.model.data import encode, write_split
     from bardflow.runtime.training_run import RunFiles, run_training
 
     cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
@@ -46,10 +46,10 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=len(devices), platform=devices[0].platform)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_sequences(folder / "train.arrow", split.train, {})
-        write_sequences(folder / "val.arrow", split.val, {})
+        write_split(folder / "train", split.train, {})
+        write_split(folder / "val", split.val, {})
         started = time.perf_counter()
-        summary = run_training(request, RunFiles(folder / "train.arrow", folder / "val.arrow", folder / "resume",
+        summary = run_training(request, RunFiles(folder / "train", folder / "val", folder / "resume",
                                                  folder / "state"), devices, parallel=True)
         wall = time.perf_counter() - started
     metrics, history = summary["metrics"], summary["history"]

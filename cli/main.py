@@ -115,7 +115,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
 
     # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
     # folder) is refused now; reading /dev/zero or a FIFO would never end.
-    check_local(accepted[0].data.corpus)
+    check_local(accepted[0].data.corpus, accepted[0].data.glob)
     if start_server:
         _start_server()
     return root, overrides

@@ -37,7 +37,11 @@ MAX_STEPS = 10_000_000
 
 
 class DataConfig(_Section, frozen=True):
-    corpus: str = Field(default=TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local path")
+    corpus: str = Field(default=TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local "
+                        "path: a file or a folder; .gz, .xz, .zst and .zip are decompressed as they are read")
+    glob: str | None = Field(default=None, min_length=1, max_length=1_000, description="which of a folder's files "
+                             "are the corpus (e.g. '**/*.md'; ** is any depth); default: .txt files, compressed "
+                             "or not")
     # None: computed from a local file or folder when the run starts, the known checksum of
     # the default download; any other download needs its own (it is checked against it).
     md5: str | None = Field(
@@ -117,8 +121,11 @@ class TrainConfig(_Section, frozen=True):
     beta2: float = Field(default=0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
                          "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
     log_every: int = Field(default=100, gt=0, le=MAX_STEPS, description="record loss every N steps")
-    eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="evaluate the whole validation split every N "
+    eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="evaluate the validation rows every N "
                             "steps (from step 0) and after the last; 0 = at every record (log_every)")
+    eval_rows: int = Field(default=0, ge=0, description="validation rows evaluated, a fixed seeded choice when the "
+                           "split has more; 0 = auto: the whole split up to 30 global batches (about ten steps' "
+                           "cost) or a MiB of tokens, whichever is more")
     init_seed: Seed = 1
     checkpoint_every: int = Field(
         default=100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
@@ -261,7 +268,7 @@ class TrainingRequest(_Section, frozen=True):
             "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
-        for field in ("muon_ns_steps", "eval_every"):  # at their defaults, keys from before them stay
+        for field in ("muon_ns_steps", "eval_every", "eval_rows"):  # at their defaults, keys from before them stay
             if getattr(self.train, field) == TrainConfig.model_fields[field].default:
                 del recipe["train"][field]
         return recipe

@@ -1,11 +1,19 @@
-"""Byte encoding, the train/val split, and the Arrow IPC files that hold them.
+"""Byte encoding, the train/val split, and the Arrow IPC shards that hold them.
 
-Sequences are stored as one ``fixed_size_list<uint8>[seq_len]`` column, so a file
-maps straight onto a ``(num_sequences, seq_len)`` array without copying.
+A split is a folder of shards (``00000.arrow``, …), each at most ``SHARD_BYTES`` of rows,
+each row one ``fixed_size_list<uint8>[row]`` value, in record batches of at most
+``BATCH_BYTES``: every batch maps straight onto a ``(rows, row)`` array without copying,
+and nothing is ever held whole. The corpus is read through a memory map, its windows are a
+strided view of it, and the shuffle is a seeded permutation of window numbers: writing a
+split gathers one record batch of rows at a time, so encoding a corpus of any size takes
+the memory of a permutation (8 bytes a window) and a batch.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +23,8 @@ import pyarrow as pa
 from .errors import BardflowError
 
 COLUMN = "tokens"
+SHARD_BYTES = 256 << 20  # a shard file, at most: a worker reads or fetches the shards it needs
+BATCH_BYTES = 8 << 20  # a record batch: what a writer gathers at once
 
 
 class DataError(BardflowError, ValueError):
@@ -27,59 +37,204 @@ class Split:
     val: np.ndarray  # (num_val, row) uint8, in corpus order
 
 
-def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_position: bool = False) -> Split:
-    """Bytes are token ids 0..255; cut into windows every ``seq_len`` bytes, split, shuffle
-    train. A window is ``seq_len`` bytes (the codelab: the last has no target), or with
-    ``every_position`` ``seq_len + 1`` (it overlaps the next by one byte: that byte is the
-    last position's target)."""
-    tokens = np.frombuffer(corpus, dtype=np.uint8)
+def windows(tokens: np.ndarray, seq_len: int, every_position: bool = False) -> np.ndarray:
+    """Bytes are token ids 0..255, cut into windows every ``seq_len`` bytes: a read-only view
+    of ``tokens`` (a memory map stays one). A window is ``seq_len`` bytes (the codelab: the
+    last has no target), or with ``every_position`` ``seq_len + 1`` (it overlaps the next by
+    one byte: that byte is the last position's target)."""
     extra = int(every_position)
-    num_sequences = (len(tokens) - extra) // seq_len
-    num_train = int(train_fraction * num_sequences)
-    if num_train < 1 or num_sequences - num_train < 1:
+    count = max(0, (len(tokens) - extra) // seq_len)
+    return np.lib.stride_tricks.as_strided(tokens, shape=(count, seq_len + extra), strides=(seq_len, 1),
+                                           writeable=False)
+
+
+def split_point(num_windows: int, corpus_bytes: int, seq_len: int, train_fraction: float) -> int:
+    """How many windows, from the corpus's start, are for training (the rest validate)."""
+    num_train = int(train_fraction * num_windows)
+    if num_train < 1 or num_windows - num_train < 1:
         raise DataError(
-            f"the corpus has {len(tokens):,} bytes, which makes {num_sequences} sequences of "
+            f"the corpus has {corpus_bytes:,} bytes, which makes {num_windows} sequences of "
             f"{seq_len} bytes: too few for a train and a validation split; use a longer "
             "corpus or a smaller data.seq_len"
         )
-    starts = np.arange(num_sequences)[:, None] * seq_len
-    windows = tokens[starts + np.arange(seq_len + extra)[None, :]]
-    train = windows[:num_train][np.random.default_rng(seed).permutation(num_train)]
-    return Split(train=train, val=windows[num_train:].copy())
+    return num_train
 
 
-def write_sequences(path: Path, sequences: np.ndarray, metadata: dict[str, str]) -> None:
-    seq_len = sequences.shape[1]
-    values = pa.array(np.ascontiguousarray(sequences).reshape(-1), type=pa.uint8())
-    column = pa.FixedSizeListArray.from_arrays(values, seq_len)
-    schema = pa.schema([pa.field(COLUMN, column.type)], metadata=metadata)
-    table = pa.Table.from_arrays([column], schema=schema)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        writer.write_table(table)
+def train_order(num_train: int, seed: int) -> np.ndarray:
+    """The seeded shuffle of the training windows: which window each training row is."""
+    return np.random.default_rng(seed).permutation(num_train)
 
 
-def read_sequences(path: Path) -> tuple[np.ndarray, dict[str, str]]:
-    """Memory-maps an Arrow file; returns a read-only ``(N, seq_len)`` uint8 view and its metadata."""
+def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_position: bool = False) -> Split:
+    """The splits of a corpus held in memory (tests and benchmarks; the encode stage streams
+    the same rows from a file with ``write_split``): train shuffled, val in corpus order."""
+    rows = windows(np.frombuffer(corpus, dtype=np.uint8), seq_len, every_position)
+    num_train = split_point(len(rows), len(corpus), seq_len, train_fraction)
+    return Split(train=rows[:num_train][train_order(num_train, seed)], val=rows[num_train:].copy())
+
+
+class _Hashing:
+    """A file that hashes what is written to it, so a shard's sha256 needs no second read. The
+    hash runs on a thread of its own, one write behind (hashlib lets go of the GIL), while the
+    next rows are gathered."""
+
+    def __init__(self, handle):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.handle, self._sha256, self.size = handle, hashlib.sha256(), 0
+        self.closed = False
+        self._pool, self._pending = ThreadPoolExecutor(1), None
+
+    def write(self, data) -> int:
+        data = bytes(data)  # Arrow may reuse its buffer once this returns
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._pool.submit(self._sha256.update, data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    @property
+    def sha256(self):
+        if self._pending is not None:
+            self._pending.result()
+        self._pool.shutdown()
+        return self._sha256
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.closed = True
+        self.handle.close()
+
+
+def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
+    rows = np.ascontiguousarray(rows)
+    values = pa.Array.from_buffers(pa.uint8(), rows.size, [None, pa.py_buffer(rows)])
+    return pa.record_batch([pa.FixedSizeListArray.from_arrays(values, rows.shape[1])], schema=schema)
+
+
+def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str], order: np.ndarray | None = None,
+                shard_bytes: int = SHARD_BYTES, progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Writes ``rows`` (in ``order``, if given: row ``i`` of the split is ``rows[order[i]]``)
+    as shards in ``folder``; returns each shard's file name, rows, bytes and sha256 (hashed
+    as written). ``progress`` hears the bytes of rows written so far."""
+    folder.mkdir(parents=True, exist_ok=True)
+    count, row = (len(rows) if order is None else len(order)), rows.shape[1]
+    per_shard = max(1, shard_bytes // row)
+    per_batch = max(1, min(per_shard, BATCH_BYTES // row))
+    shards = []
+    for number, first in enumerate(range(0, count, per_shard)):
+        last = min(count, first + per_shard)
+        schema = pa.schema([pa.field(COLUMN, pa.list_(pa.uint8(), row))],
+                           metadata={**metadata, "shard": str(number), "first_row": str(first)})
+        name = f"{number:05d}.arrow"
+        with open(folder / name, "wb") as handle:
+            sink = _Hashing(handle)
+            with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+                for start in range(first, last, per_batch):
+                    stop = min(last, start + per_batch)
+                    chosen = rows[start:stop] if order is None else np.take(rows, order[start:stop], axis=0)
+                    writer.write_batch(_batch(chosen, schema))
+                    if progress is not None:
+                        progress(stop * row)
+        shards.append({"file": name, "rows": last - first, "bytes": sink.size, "sha256": sink.sha256.hexdigest()})
+    return shards
+
+
+class Rows(Sequence):
+    """A split's rows across its shards' record batches, each memory-mapped, as one
+    read-only sequence: ``rows[a:b]`` reads only those rows (a copy of just them), ``take``
+    a sorted choice of rows; nothing is read whole."""
+
+    def __init__(self, pieces: list[np.ndarray], metadata: dict[str, str]):
+        self.pieces = [p for p in pieces if len(p)]
+        self.starts = [int(n) for n in np.cumsum([0] + [len(p) for p in self.pieces])]
+        self.metadata = metadata
+        self.shape = (self.starts[-1], pieces[0].shape[1] if pieces else 0)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):  # a slice of rows, or one row
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise IndexError("rows are read in runs: a slice with a step is not supported")
+            return self._run(start, max(start, stop))
+        at = range(len(self))[index]
+        piece = bisect.bisect_right(self.starts, at) - 1
+        return self.pieces[piece][at - self.starts[piece]]
+
+    def _run(self, start: int, stop: int) -> np.ndarray:
+        parts, at = [], start
+        while at < stop:
+            piece = bisect.bisect_right(self.starts, at) - 1
+            end = min(stop, self.starts[piece + 1])
+            parts.append(self.pieces[piece][at - self.starts[piece]: end - self.starts[piece]])
+            at = end
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros((0, self.shape[1]), np.uint8)
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """The rows at sorted ``indices``, gathered piece by piece."""
+        pieces = np.searchsorted(self.starts, indices, side="right") - 1
+        out = np.empty((len(indices), self.shape[1]), np.uint8)
+        for piece in np.unique(pieces):
+            mine = pieces == piece
+            out[mine] = self.pieces[piece][indices[mine] - self.starts[piece]]
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._run(0, len(self))
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def _mapped(path: Path) -> tuple[list[np.ndarray], dict[str, str]]:
+    """A shard's record batches as read-only views of the mapped file, and its metadata."""
     try:
-        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except (OSError, pa.ArrowInvalid) as error:
         raise DataError(f"cannot read Arrow file {path}: {error}; rerun the encode stage") from error
-    column = table.column(COLUMN).combine_chunks()
-    seq_len = column.type.list_size
-    values = column.flatten()
-    # The bytes' buffer viewed in place (Array.to_numpy would import pandas, a fifth of a
-    # second of every training process's start, where it is installed).
-    tokens = np.frombuffer(values.buffers()[1], np.uint8, len(values), values.offset).reshape(-1, seq_len)
-    tokens.setflags(write=False)
-    metadata = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    return tokens, metadata
+    pieces = []
+    for batch in batches:
+        column = batch.column(0)
+        values = column.values if column.offset == 0 else column.flatten()
+        # The bytes' buffer viewed in place (Array.to_numpy would import pandas, a fifth of a
+        # second of every training process's start, where it is installed).
+        tokens = np.frombuffer(values.buffers()[1], np.uint8, len(values), values.offset)
+        pieces.append(tokens.reshape(-1, column.type.list_size))
+    if not pieces:
+        pieces = [np.zeros((0, reader.schema.field(COLUMN).type.list_size), np.uint8)]
+    metadata = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+    return pieces, metadata
+
+
+def read_split(folder: Path) -> Rows:
+    """A split's shards (a folder), or one Arrow file, as ``Rows``; the metadata is the
+    first shard's, less what differs between shards."""
+    files = sorted(folder.glob("*.arrow")) if folder.is_dir() else [folder]
+    if not files:
+        raise DataError(f"{folder} holds no Arrow shards; rerun the encode stage")
+    pieces, metadata = [], None
+    for file in files:
+        mine, found = _mapped(file)
+        pieces += mine
+        metadata = found if metadata is None else metadata
+    shared = {k: v for k, v in (metadata or {}).items() if k not in ("shard", "first_row")}
+    return Rows(pieces, shared)
 
 
 class Batches:
     """Step ``s`` reads batch ``s mod num_batches``: the data position is the step itself,
     so a run is reproducible and can restart from any step."""
 
-    def __init__(self, sequences: np.ndarray, batch_size: int, rows: tuple[int, int] | None = None):
+    def __init__(self, sequences: np.ndarray | Rows, batch_size: int, rows: tuple[int, int] | None = None):
         self.rows = rows or (0, batch_size)  # the part of each batch this process reads
         self.num_batches = len(sequences) // batch_size
         if self.num_batches < 1:

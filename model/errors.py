@@ -39,9 +39,10 @@ def is_disk_full(error: BaseException | None) -> bool:
     return False
 
 
-def require_space(folder, nbytes: int, what: str) -> None:
+def require_space(folder, nbytes: int, what: str, overhead: int = 1 << 18) -> None:
     """Refuses, before writing, a write of about ``nbytes`` that ``folder``'s disk cannot hold:
-    a full disk found midway by a checkpoint's background writers ends in pages of noise."""
+    a full disk found midway by a checkpoint's background writers ends in pages of noise.
+    ``overhead``: what the format adds beyond a tenth of ``nbytes``."""
     import shutil
     from pathlib import Path
 
@@ -49,7 +50,7 @@ def require_space(folder, nbytes: int, what: str) -> None:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
-    needed = int(nbytes * 1.1) + (1 << 18)  # the format's own files and metadata
+    needed = int(nbytes * 1.1) + overhead  # the format's own files and metadata
     if free < needed:
         raise DiskFullError(f"no room for {what} in {folder}: it needs about {needed / 2**20:.1f} MiB and "
                             f"{free / 2**20:.1f} MiB are free; {FREE_SPACE_FIX}")

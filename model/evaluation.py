@@ -12,6 +12,10 @@ import numpy as np
 from .placement import Placement
 from .step import model_from_state, target_losses
 
+GROUP_TOKENS = 1 << 24  # validation tokens placed on the devices at a time (64 MiB as int32)
+AUTO_EVAL_TOKENS = 1 << 20
+EVAL_SEED = 0
+
 
 @lru_cache(maxsize=16)
 def make_eval_sum(graphdef):
@@ -36,9 +40,12 @@ def make_eval_sum(graphdef):
     return eval_sum
 
 
-def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement):
-    """``state -> loss on the whole validation split`` (every row once; None without one):
-    the split placed once, the same rows every time, one program per evaluation."""
+def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement,
+                  group_tokens: int = GROUP_TOKENS):
+    """``state -> loss on the evaluated rows`` (every row once; None without one). Rows of at
+    most ``group_tokens`` are placed at a time: the usual case is one group, placed once and
+    kept, one program per evaluation; more (a large ``train.eval_rows``) are placed in turn
+    at each evaluation, each padded to the same batches so one program serves them all."""
     eval_sum = make_eval_sum(graphdef)
     count = sum(float(weights.sum()) for _, weights in val_batches)
     if jax.process_count() > 1:  # each process holds its own rows' weights
@@ -47,14 +54,42 @@ def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], pl
         count = float(multihost_utils.process_allgather(np.float32(count)).sum())
     if not count:
         return lambda state: None
-    rows = placement.put_batch(np.stack([rows for rows, _ in val_batches]), stacked=True)
-    weights = placement.put_batch(np.stack([weights for _, weights in val_batches]), stacked=True)
-    return lambda state: float(eval_sum(state, rows, weights)) / count
+    per_group = max(1, group_tokens // max(1, val_batches[0][0].size))
+    groups = [val_batches[at: at + per_group] for at in range(0, len(val_batches), per_group)]
+    if len(groups) > 1 and len(groups[-1]) < per_group:  # batches of weight 0: every group one shape
+        rows, weights = groups[-1][0]
+        groups[-1] = groups[-1] + [(np.zeros_like(rows), np.zeros_like(weights))] * (per_group - len(groups[-1]))
+
+    def place(group):
+        return (placement.put_batch(np.stack([rows for rows, _ in group]), stacked=True),
+                placement.put_batch(np.stack([weights for _, weights in group]), stacked=True))
+
+    if len(groups) == 1:
+        rows, weights = place(groups[0])
+        return lambda state: float(eval_sum(state, rows, weights)) / count
+    return lambda state: sum(float(eval_sum(state, *place(group))) for group in groups) / count
 
 
-def val_batches(val: np.ndarray, batch_size: int, multiple: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The whole validation split in batches of ``batch_size`` rows rounded to a multiple of
-    ``multiple`` (the device count, so they shard evenly): (rows, weights) pairs, the last
+def eval_choice(num_rows: int, limit: int, seed: int = EVAL_SEED) -> np.ndarray | None:
+    """Which validation rows are evaluated when the split has more than ``limit``: a fixed,
+    seeded choice, sorted (reads run forward through the shards); None for all of them. The
+    same for every run of the same data, so their losses compare."""
+    if num_rows <= limit:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(num_rows, size=limit, replace=False))
+
+
+def eval_limit(eval_rows: int, global_batch: int, row: int) -> int:
+    """``train.eval_rows``, or for 0 (auto) what one evaluation of about ten steps' cost holds:
+    a forward pass is about a third of a training step's forward and backward, so 30 global
+    batches, and never fewer rows than a MiB of tokens (TinyShakespeare's whole split)."""
+    return eval_rows or max(30 * global_batch, AUTO_EVAL_TOKENS // row)
+
+
+def val_batches(val, batch_size: int, multiple: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The validation rows (an array, or the split's ``Rows``) in batches of ``batch_size``
+    rows rounded to a multiple of ``multiple`` (the device count, so they shard evenly):
+    (rows, weights) pairs, the last
     batch padded with rows of weight 0, so every row counts exactly once."""
     size = max(multiple, batch_size // multiple * multiple)
     batches = []

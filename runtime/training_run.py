@@ -13,8 +13,8 @@ import jax
 
 from ..model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from ..model.config import TrainingRequest
-from ..model.data import Batches, read_sequences
-from ..model.evaluation import val_batches
+from ..model.data import Batches, read_split
+from ..model.evaluation import eval_choice, eval_limit, val_batches
 from ..model.loop import Hook, StepInfo, train
 from ..model.placement import Placement
 from ..model.step import init_state, model_from_state
@@ -26,7 +26,7 @@ EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
 @dataclass(frozen=True)
 class RunFiles:
-    train: Path  # Arrow files of the encode stage
+    train: Path  # the encode stage's split folders of Arrow shards
     val: Path
     resume: Path  # the resumable checkpoints, kept until the run is published
     state: Path  # where the final training state goes (must not exist)
@@ -73,15 +73,18 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
     global_batch = request.train.per_device_batch * len(devices)
-    train_rows, _ = read_sequences(files.train)
-    val_rows, _ = read_sequences(files.val)
-    # Only this process's rows of every batch are read (memory-mapped) and placed.
-    # The whole split is evaluated every train.eval_every steps. Accelerators want few large
-    # calls; a CPU wants cache-sized ones (docs/benchmarks.md, "Training step").
+    train_rows = read_split(files.train)
+    val_rows = read_split(files.val)
+    # Only this process's rows of every batch are read (memory-mapped) and placed. The
+    # validation rows (the whole split, or a fixed choice of a large one) are evaluated every
+    # train.eval_every steps. Accelerators want few large calls; a CPU wants cache-sized ones
+    # (docs/benchmarks.md, "Training step").
+    chosen = eval_choice(len(val_rows), eval_limit(request.train.eval_rows, global_batch, val_rows.shape[1]))
+    evaluated = val_rows if chosen is None else val_rows.take(chosen)
     per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
-    eval_rows = max(1, per_device // val_rows.shape[1]) * len(devices)
+    eval_batch = max(1, per_device // val_rows.shape[1]) * len(devices)
     val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
-           for rows, weights in val_batches(val_rows, eval_rows, multiple=len(devices))]
+           for rows, weights in val_batches(evaluated, eval_batch, multiple=len(devices))]
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
@@ -107,7 +110,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     save_train_state(files.state, result.state)
     metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
                "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
-               "platform": request.platform, "processes": request.processes}
+               "platform": request.platform, "processes": request.processes,
+               "eval_rows": len(evaluated), "val_split_rows": len(val_rows)}
     return {"metrics": metrics, "history": result.history,
             "params_digest": params_digest(model_from_state(graphdef, result.state)),
             "devices": [str(d) for d in devices]}

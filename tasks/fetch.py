@@ -1,17 +1,22 @@
 """Stage 1: fetch the corpus from an https URL, a file:// URL, a local path or a local
-folder of ``.txt`` files (one corpus: the files in sorted order), and check its md5. The
-version is keyed on the checksum alone: the same bytes from a mirror are the same corpus.
+folder (one corpus: its files in sorted order), decompressing ``.gz``, ``.xz``, ``.zst`` and
+``.zip`` sources as they stream, and check its md5. The version is keyed on the checksum
+alone: the same bytes from a mirror, or compressed another way, are the same corpus.
 
 A local corpus needs no checksum from the user: ``pin`` computes it when the run starts,
 so the version is keyed as if it had been given. A download is checked against a known
-checksum: the default corpus's own, or the one the user gives (``data.md5``)."""
+checksum: the default corpus's own, or the one the user gives (``data.md5``). The checksum
+is of the corpus, the text a compressed source holds (the one its publisher gives: enwik8's
+for the member of enwik8.zip), as are its sha256 and the count of byte values in it, each
+computed as the bytes stream: nothing is read twice, and memory does not grow with the
+corpus."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import http.client
 import os
-import shutil
 import socket
 import time
 import urllib.error
@@ -20,10 +25,21 @@ import urllib.request
 from pathlib import Path
 
 from ..artifacts import ui
-from ..artifacts.store import Builder, file_digest
+from ..artifacts.store import Builder
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
 from .registry import FETCH
-from .sources import FetchError, chunks, corpus_files, local_path, source_mode
+from .sources import (
+    COMPRESSED,
+    BucketCorpus,
+    FetchError,
+    corpus_files,
+    corpus_md5,
+    decoded_chunks,
+    decompressed,
+    is_bucket,
+    local_path,
+    source_mode,
+)
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
@@ -43,42 +59,128 @@ def pin(data: DataConfig) -> DataConfig:
         return data
     path = local_path(data.corpus)
     if path is not None:
-        digest = hashlib.md5()
-        for chunk in chunks(corpus_files(path)):
-            digest.update(chunk)
-        return data.model_copy(update={"md5": digest.hexdigest()})
+        return data.model_copy(update={"md5": corpus_md5(corpus_files(path, data.glob))})
+    if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
+        corpus = BucketCorpus(data.corpus, data.glob)
+        ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
+               data.corpus, len(corpus.objects), corpus.size / 1e6)
+        return data.model_copy(update={"md5": corpus.md5()})
     if data.corpus == TINYSHAKESPEARE_URL:
         return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
     raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
                       "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
 
 
-def _copy_local(path: Path, target: Path) -> list[Path]:
-    files = corpus_files(path)
-    with open(target, "wb") as out:
-        out.writelines(chunks(files))
-    return files
+class Background:
+    """A digest updated on a thread of its own, one chunk behind the caller: hashlib lets go
+    of the GIL, so the source's md5 costs no time beside the corpus's own figures."""
+
+    def __init__(self, digest):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.digest, self._pool, self._pending = digest, ThreadPoolExecutor(1), None
+
+    def update(self, chunk: bytes) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._pool.submit(self.digest.update, bytes(chunk))
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+        self._pool.shutdown()
+        return self.digest.hexdigest()
 
 
-def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float = TIMEOUT_S) -> None:
-    """Downloads with a per-request timeout and exponential backoff on transient errors."""
+class Digest:
+    """Figures of bytes as they stream: md5 (of a source as given), and for the corpus itself
+    sha256, size and which byte values occur. A download that starts over restarts it."""
+
+    def __init__(self, corpus: bool = True, md5: bool = True):
+        self.corpus, self.with_md5 = corpus, md5
+        self.restart()
+
+    def restart(self) -> None:
+        self.md5 = Background(hashlib.md5()) if self.with_md5 else None
+        self.sha256, self.size, self.seen = hashlib.sha256(), 0, b""
+
+    def update(self, chunk: bytes) -> None:
+        if self.md5 is not None:
+            self.md5.update(chunk)
+        if self.corpus:
+            self.sha256.update(chunk)
+            self.size += len(chunk)
+            # Which values occur: what is left of the chunk without those seen so far (C
+            # speed; soon nothing, as a text's alphabet is complete within its first pages).
+            new = bytes(chunk).translate(None, self.seen)
+            if new:
+                self.seen = bytes(sorted(set(self.seen) | set(new)))
+
+    def hexmd5(self) -> str:
+        if self.md5 is None:
+            raise ValueError("this digest takes no md5")
+        return self.md5.hexdigest()
+
+    @property
+    def distinct(self) -> int:
+        return len(self.seen)
+
+
+def _copy_local(path: Path, target: Path, pattern: str | None, progress) -> tuple[list[Path], Digest]:
+    files = corpus_files(path, pattern)
+    corpus = Digest()
+    with open(target, "wb") as handle:
+        for chunk in decoded_chunks(files, progress):
+            handle.write(chunk)
+            corpus.update(chunk)
+    return files, corpus
+
+
+def _compressed(name: str) -> bool:
+    return name.lower().endswith((*COMPRESSED, ".zip"))
+
+
+def _download(url: str, target: Path, digest, progress=None, attempts: int = ATTEMPTS,
+              timeout_s: float = TIMEOUT_S) -> None:
+    """Downloads ``url`` into ``target`` with ``digest`` hearing every byte once; a dropped
+    connection resumes where it stopped (an HTTP Range request; a server that answers with
+    the whole file again starts over), with exponential backoff on transient errors."""
     last: Exception | None = None
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(2 ** (attempt - 1))
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response, open(target, "wb") as out:
-                shutil.copyfileobj(response, out, 1 << 20)
-            return
-        except urllib.error.HTTPError as error:
-            last = error
-            if error.code < 500 and error.code != 429:
-                break  # the server said no; asking again will not change that
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-            last = error
-            cause = getattr(error, "reason", error)
-            if isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in NOT_RETRIED:
-                break
+    have = 0
+    with open(target, "wb") as out:
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(2 ** (attempt - 1))
+            request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                    if have and response.status != 206:  # the server sends it all again: start over
+                        out.seek(0)
+                        out.truncate()
+                        have = 0
+                        digest.restart()
+                    length = response.headers.get("Content-Length")
+                    total = have + int(length) if length is not None else None
+                    while chunk := response.read(1 << 20):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        have += len(chunk)
+                        if progress is not None:
+                            progress(have, total)
+                    if total is not None and have < total:
+                        raise http.client.IncompleteRead(b"", total - have)
+                return
+            except urllib.error.HTTPError as error:
+                last = error
+                if error.code == 416 and have:  # nothing past what we have: it was all there
+                    return
+                if error.code < 500 and error.code != 429:
+                    break  # the server said no; asking again will not change that
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as error:
+                last = error
+                cause = getattr(error, "reason", error)
+                if isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in NOT_RETRIED:
+                    break
     reason = getattr(last, "reason", last)
     raise FetchError(
         f"could not download {url} ({reason}) after {attempt + 1} attempt(s); check the network, "
@@ -86,26 +188,60 @@ def _download(url: str, target: Path, attempts: int = ATTEMPTS, timeout_s: float
     ) from last
 
 
-def fetch_to(source: str, target: Path) -> list[Path] | None:
-    """Writes the corpus to ``target``; returns the local files it was made of (None for a download)."""
+def fetch_to(source: str, target: Path, pattern: str | None = None,
+             progress=None) -> tuple[list[Path] | None, Digest]:
+    """Writes the corpus to ``target``: the local files it was made of (None for a
+    download), and the figures of what went into ``target`` (its md5 among them).
+    ``progress(done, total)`` hears the source's bytes read so far."""
     path = local_path(source)
     if path is not None:
-        return _copy_local(path, target)
-    if urllib.parse.urlparse(source).scheme in ("http", "https"):
-        _download(source, target)
-        return None
-    raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL or a path")
+        return _copy_local(path, target, pattern, progress)
+    if is_bucket(source):
+        corpus, objects = Digest(), BucketCorpus(source, pattern)
+        if progress is not None:
+            progress(0, objects.size)
+        with open(target, "wb") as handle:
+            for chunk in objects.chunks(progress):
+                handle.write(chunk)
+                corpus.update(chunk)
+        return None, corpus
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme not in ("http", "https"):
+        raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// "
+                         "prefix, or a path")
+    name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1])
+    corpus = Digest()
+    if not _compressed(name):  # the download is the corpus: every figure as it arrives
+        _download(source, target, corpus, progress)
+        return None, corpus
+    download = target.with_name(f".download-{name}")  # an archive is read whole (a zip's index is at its end)
+    try:
+        # Checked by what it holds: the corpus's md5, after decompression (a damaged archive
+        # fails that, or the decompression itself).
+        _download(source, download, Digest(corpus=False, md5=False), progress)
+        with open(download, "rb") as handle, open(target, "wb") as out:
+            for chunk in decompressed(Path(source), handle, name):
+                out.write(chunk)
+                corpus.update(chunk)
+    finally:
+        download.unlink(missing_ok=True)
+    return None, corpus
 
 
 def build(settings: DataConfig, out: Builder) -> None:
     if settings.md5 is None:
         raise ConfigError("the corpus's md5 is not known: a run computes or checks it before its first stage (pin)")
     target = out.path(CORPUS)
-    files = fetch_to(settings.corpus, target)
-    size = target.stat().st_size
+    started = time.monotonic()
+    with ui.Progress(FETCH.name, KNOWN_SIZES.get(settings.md5) or _source_size(settings), "fetch",
+                     in_bytes=True) as progress:
+        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress)
+        progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
+    actual = corpus.hexmd5()
+    seconds = time.monotonic() - started
+    size = corpus.size
     if size == 0:
         raise FetchError(f"the corpus at {settings.corpus} is empty (0 bytes); point --corpus at the text file")
-    actual = file_digest(target, "md5")
     if actual != settings.md5:
         expected_size = KNOWN_SIZES.get(settings.md5)
         truncated = (
@@ -117,17 +253,35 @@ def build(settings: DataConfig, out: Builder) -> None:
             "fetch it again or fix the source, or if this is the corpus you want, "
             f"pass its checksum: --set data.md5={actual}"
         )
+    out.digests[CORPUS] = {"bytes": size, "sha256": corpus.sha256.hexdigest()}
     if files is not None:  # no wider permissions than its source's
         os.chmod(target, source_mode(files))
-    out.metrics.update({"bytes": size, "md5": actual})
+    distinct = corpus.distinct
+    out.metrics.update({"bytes": size, "md5": actual, "sha256": corpus.sha256.hexdigest(),
+                        "distinct_bytes": distinct, "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 1)})
     out.record["source"] = settings.corpus
+    if files is not None:
+        out.record["source_files"] = len(files)
     path = local_path(settings.corpus)
     if files is not None and path is not None and path.is_dir():  # a folder: which files, in order
         out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size}
                                       for f in files]
+    text = "" if distinct > 100 or 0 in corpus.seen else "; text"  # ASCII text holds about 60 to 100 values
+    read = f" from {len(files):,} files" if files is not None and len(files) > 1 else ""
+    ui.say("fetch: %s bytes%s, %d distinct byte values%s, %.0f MB/s", f"{size:,}", read, distinct, text,
+           size / 1e6 / max(seconds, 1e-9))
     ui.table(
         FETCH.name,
-        [{"source": settings.corpus, "bytes": size, "md5": actual}],
-        description=f"Corpus fetched: {size:,} bytes, md5 "
+        [{"source": settings.corpus, "bytes": size, "md5": actual, "distinct byte values": distinct,
+          **({"files": len(files)} if files is not None else {})}],
+        description=f"Corpus fetched: {size:,} bytes{read}, {distinct} distinct byte values, md5 "
                     + ("verified against the known checksum" if files is None else "computed from its files"),
     )
+
+
+def _source_size(settings: DataConfig) -> int:
+    """The source's bytes on disk (a download's comes with its answer)."""
+    path = local_path(settings.corpus)
+    if path is None:
+        return 1
+    return sum(f.stat().st_size for f in corpus_files(path, settings.glob))

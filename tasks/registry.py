@@ -15,14 +15,16 @@ FETCH = Stage(
     "fetch", "1", reads=(),
     settings=lambda run: run.config.data,
     recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
-    builds=("corpus.txt",), headline=("bytes", "md5"))
+    builds=("corpus.txt",), headline=("bytes", "md5", "distinct_bytes"))
+# "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
+# as the one file of "1" each.
 ENCODE = Stage(
-    "encode", "1", reads=("fetch",),
+    "encode", "2", reads=("fetch",),
     settings=lambda run: run.config.data,
     recipe=lambda data: {"seq_len": data.seq_len, "train_fraction": data.train_fraction,
                          "shuffle_seed": data.shuffle_seed,
                          **({"every_position": True} if data.every_position else {})},  # codelab keys unchanged
-    builds=("train.arrow", "val.arrow"), headline=("train_sequences", "val_sequences", "seq_len"))
+    builds=("train", "val"), headline=("train_sequences", "val_sequences", "seq_len"))
 # "4": the model and its optimizer state are made in one compiled program, whose initial
 # values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
 # its own, mlp.up and mlp.down, so a state of "2" has other names.)

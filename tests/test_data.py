@@ -1,8 +1,10 @@
+import hashlib
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from bardflow.model.data import Batches, DataError, encode, read_sequences, write_sequences
+from bardflow.model.data import Batches, DataError, encode, read_split, train_order, windows, write_split
 
 
 def test_encoding_is_the_bytes_cut_into_windows(small_corpus):
@@ -35,24 +37,49 @@ def test_too_short_a_corpus_is_refused_with_the_fix():
         encode(b"short text", seq_len=256, train_fraction=0.9, seed=0)
 
 
-def test_arrow_files_keep_shape_schema_and_metadata(tmp_path, small_corpus):
+def test_arrow_shards_keep_shape_schema_and_metadata(tmp_path, small_corpus):
     split = encode(small_corpus[0].read_bytes(), 32, 0.9, 0)
-    path = tmp_path / "train.arrow"
-    write_sequences(path, split.train, {"seq_len": "32", "shuffle_seed": "0", "split": "train"})
-    schema = pa.ipc.open_file(pa.memory_map(str(path))).schema
+    folder = tmp_path / "train"
+    write_split(folder, split.train, {"seq_len": "32", "shuffle_seed": "0", "split": "train"})
+    schema = pa.ipc.open_file(pa.memory_map(str(folder / "00000.arrow"))).schema
     assert schema.field("tokens").type == pa.list_(pa.uint8(), 32)
-    rows, metadata = read_sequences(path)
-    np.testing.assert_array_equal(rows, split.train)
-    assert metadata == {"seq_len": "32", "shuffle_seed": "0", "split": "train"}
-    assert not rows.flags.writeable  # a view of the mapped file, not a copy
+    rows = read_split(folder)
+    np.testing.assert_array_equal(np.asarray(rows), split.train)
+    assert rows.metadata == {"seq_len": "32", "shuffle_seed": "0", "split": "train"}
+    assert not rows[0:5].flags.writeable  # a view of the mapped file, not a copy
+
+
+def test_a_split_is_bounded_shards_hashed_as_written_and_read_as_one(tmp_path, small_corpus):
+    raw = small_corpus[0].read_bytes()
+    split = encode(raw, 32, 0.9, 0)
+    # The stage's way: windows of a memory map, written in the seeded order, a batch at a time.
+    (tmp_path / "corpus").write_bytes(raw)
+    mapped = windows(np.memmap(tmp_path / "corpus", np.uint8, mode="r"), 32)
+    written = []
+    shards = write_split(tmp_path / "train", mapped[: len(split.train)], {}, order=train_order(len(split.train), 0),
+                         shard_bytes=20_000, progress=written.append)
+    assert len(shards) == 3 and all(s["bytes"] <= 20_000 + 2_000 for s in shards)  # rows, plus Arrow's framing
+    assert sum(s["rows"] for s in shards) == len(split.train) and written[-1] == split.train.size
+    for shard in shards:
+        data = (tmp_path / "train" / shard["file"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (shard["bytes"], shard["sha256"])
+    rows = read_split(tmp_path / "train")
+    np.testing.assert_array_equal(np.asarray(rows), split.train)  # the in-memory encode's rows, in its order
+    boundary = shards[0]["rows"]
+    np.testing.assert_array_equal(rows[boundary - 3: boundary + 4], split.train[boundary - 3: boundary + 4])
+    np.testing.assert_array_equal(rows[boundary], split.train[boundary])
+    chosen = np.array([0, boundary - 1, boundary, len(split.train) - 1])
+    np.testing.assert_array_equal(rows.take(chosen), split.train[chosen])
+    assert len(rows[len(rows) - 2: len(rows) + 5]) == 2
 
 
 def test_a_truncated_arrow_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "train.arrow"
-    write_sequences(path, np.zeros((10, 8), np.uint8), {})
-    path.write_bytes(path.read_bytes()[:-40])
+    folder = tmp_path / "train"
+    write_split(folder, np.zeros((10, 8), np.uint8), {})
+    shard = folder / "00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:-40])
     with pytest.raises(DataError, match="rerun the encode stage"):
-        read_sequences(path)
+        read_split(folder)
 
 
 def test_batches_cycle_by_step():

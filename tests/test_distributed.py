@@ -17,7 +17,7 @@ import pytest
 
 from bardflow.model.checkpoint import load_train_state
 from bardflow.model.config import TrackingTarget, TrainingRequest, build_config
-from bardflow.model.data import Batches, encode, write_sequences
+from bardflow.model.data import Batches, encode, write_split
 from bardflow.model.evaluation import val_batches
 from bardflow.model.loop import train
 from bardflow.model.placement import Placement
@@ -104,12 +104,12 @@ def test_every_process_gets_its_share_of_the_devices_and_no_gpu_preallocation():
 def describe_run(folder: Path, cfg, report: TrackingTarget | None = None) -> object:
     """Arrow files of a generated corpus and the description process 0 gets: ``spec.json``."""
     split = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0)
-    write_sequences(folder / "train.arrow", split.train, {})
-    write_sequences(folder / "val.arrow", split.val, {})
+    write_split(folder / "train", split.train, {})
+    write_split(folder / "val", split.val, {})
     request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2, report=report)
     (folder / "out").mkdir()
-    spec = {"request": request.model_dump(mode="json"), "train": str(folder / "train.arrow"),
-            "val": str(folder / "val.arrow"), "state": str(folder / "out" / "state"),
+    spec = {"request": request.model_dump(mode="json"), "train": str(folder / "train"),
+            "val": str(folder / "val"), "state": str(folder / "out" / "state"),
             "resume": str(folder / "resume"), "result": str(folder / "result.json")}
     (folder / "spec.json").write_text(json.dumps(spec))
     return split

@@ -108,7 +108,7 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     # A version folder deleted by hand is rebuilt, and so is one with a damaged file (caught
     # by its checksum); the rebuilt data is identical, so what reads it stays cached.
     shutil.rmtree(store / "compare" / stages["compare"]["key"])
-    arrow = store / "encode" / stages["encode"]["key"] / "train.arrow"
+    arrow = store / "encode" / stages["encode"]["key"] / "train" / "00000.arrow"
     data = bytearray(arrow.read_bytes())
     data[len(data) // 2] ^= 0xFF
     arrow.write_bytes(bytes(data))
@@ -126,12 +126,13 @@ def test_every_stage_left_artifacts_for_the_ui(first_run, prefect_server):
         by_key.setdefault(artifact["key"], []).append(artifact)
     expected = {f"bardflow-{s.replace('_', '-')}" for s in STAGES} | {
         "bardflow-compare-plots", "bardflow-encode-sample", "bardflow-train-single-progress",
-        "bardflow-train-parallel-progress", "bardflow-run",
+        "bardflow-train-parallel-progress", "bardflow-fetch-progress", "bardflow-encode-progress", "bardflow-run",
         "bardflow-train-single-cpu-step", "bardflow-train-parallel-cpu-step"}
     assert set(by_key) == expected
     assert by_key["bardflow-compare-plots"][0]["data"].count("data:image/png;base64,") == 2
     assert "Tokens/s" in json.dumps(by_key["bardflow-compare"][0]["data"])
-    assert by_key["bardflow-train-parallel-progress"][0]["data"] == 100.0
+    for stage in ("train-parallel", "fetch", "encode"):  # fetch and encode count bytes
+        assert by_key[f"bardflow-{stage}-progress"][0]["data"] == 100.0
     runs = prefect_server.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [first_run["flow_run"]]}}})
     assert sorted(r["name"].rsplit("-", 1)[0] for r in runs) == sorted(STAGES)
     assert {r["state"]["name"] for r in runs} == {"Completed"}

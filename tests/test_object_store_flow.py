@@ -99,7 +99,7 @@ def test_two_machines_building_at_once_share_one_version_of_each_stage(shared_bu
     assert len(build_prefixes(object_server, store)) == sum(len(keys) for keys in versions.values())
     assert cluster["train_parallel"]["path"].startswith(store + "/train_parallel/")
     # The follower had no store of its own: it read the data from the bucket into its own folder.
-    assert list((root / "host-1").rglob("train.arrow"))
+    assert list((root / "host-1").rglob("train/00000.arrow"))
     assert not list((root / "host-1").rglob("corpus.txt")), "the follower reads only what it trains on"
     # Two processes, no shared filesystem: the same parameters to the last bit as one
     # process driving both devices.
@@ -201,7 +201,7 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     version = bucket.lookup("train_single", single["key"])
     assert version.manifest["resumed_from_step"] == saved
     data = bucket.lookup("encode", resumed["stages"]["encode"]["key"])
-    files = RunFiles(train=data.file("train.arrow"), val=data.file("val.arrow"), resume=tmp_path / "ref-resume",
+    files = RunFiles(train=data.file("train"), val=data.file("val"), resume=tmp_path / "ref-resume",
                      state=tmp_path / "ref-state")
     reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
                              [jax.devices()[0]], parallel=False)

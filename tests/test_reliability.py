@@ -159,7 +159,7 @@ def small_disk(tmp_path, request):
 
 @pytest.mark.flow
 @pytest.mark.parametrize("small_disk, line", [
-    ("100k", "bardflow: error: the disk is full: encode could not write to the store"),  # a version's files
+    ("100k", "bardflow: error: no room for the encoded splits (train/, val/)"),  # refused before writing
     ("300k", "bardflow: error: no room for the checkpoint of step"),  # a training checkpoint
 ], indirect=["small_disk"], ids=["version", "checkpoint"])
 def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, line, corpus, run_env):

@@ -1,6 +1,7 @@
 """Stages run through the stage contract (``tasks.stage.produce``) over a real store:
 no Prefect server."""
 
+import hashlib
 import json
 import socket
 import time
@@ -14,7 +15,7 @@ from bardflow.artifacts.store import Store
 from bardflow.model.checkpoint import save_model
 from bardflow.model.config import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.fetch import FetchError, _download, pin
+from bardflow.tasks.fetch import Digest, FetchError, _download, pin
 from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model
@@ -66,7 +67,10 @@ def test_a_fetched_corpus_is_not_fetched_again(tmp_path, small_corpus):
 
 def test_the_real_corpus_matches_the_default_checksum(tmp_path, shakespeare):
     out = fetch(DataConfig(corpus=str(shakespeare), md5="6fb458f1232090904fb40fe944165e91"), tmp_path)
-    assert out.metrics == {"bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91"}
+    assert {k: out.metrics[k] for k in ("bytes", "md5", "sha256", "distinct_bytes")} == {
+        "bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91", "distinct_bytes": 65,
+        "sha256": hashlib.sha256(shakespeare.read_bytes()).hexdigest()}
+    assert out.manifest["files"]["corpus.txt"]["sha256"] == out.metrics["sha256"]  # taken as it streamed
     assert pin(DataConfig()).md5 == "6fb458f1232090904fb40fe944165e91"  # the default download's known sum
 
 
@@ -112,7 +116,7 @@ def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
     for url in (f"http://127.0.0.1:{port}/input.txt", "http://bardflow-test.invalid/input.txt"):
         started = time.monotonic()
         with pytest.raises(FetchError, match=r"after 1 attempt\(s\); check the network"):
-            _download(url, tmp_path / "x", timeout_s=2)
+            _download(url, tmp_path / "x", Digest(), timeout_s=2)
         assert time.monotonic() - started < 5
 
 
@@ -205,7 +209,7 @@ def test_a_damaged_input_is_refused_before_use(tmp_path, small_corpus):
     cfg = build_config("tiny")
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
     data, _ = make(ENCODE, cfg.data, store, fetch=corpus)
-    arrow = Store(store).require(data).file("train.arrow")
+    arrow = Store(store).require(data).file("train/00000.arrow")
     raw = bytearray(arrow.read_bytes())
     raw[-100] ^= 0x01  # one flipped bit, same size
     arrow.write_bytes(bytes(raw))
@@ -224,17 +228,17 @@ def test_a_write_that_fails_midway_publishes_nothing(tmp_path, small_corpus, mon
     store = tmp_path / "store"
     cfg = build_config("tiny")
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), store)
-    real_write = encode_stage.write_sequences
+    real_write = encode_stage.write_split
 
-    def disk_full(target, rows, metadata):
-        real_write(target, rows[: len(rows) // 2], metadata)  # half a file is on disk...
+    def disk_full(target, rows, metadata, **kwargs):
+        real_write(target, rows[: len(rows) // 2], metadata)  # half a split is on disk...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...when the disk fills up
 
-    monkeypatch.setattr(encode_stage, "write_sequences", disk_full)
+    monkeypatch.setattr(encode_stage, "write_split", disk_full)
     with pytest.raises(OSError, match="No space left"):
         make(ENCODE, cfg.data, store, fetch=corpus)
     assert entries(Path(store) / "encode") == []  # no version, no half-built folder
-    monkeypatch.setattr(encode_stage, "write_sequences", real_write)
+    monkeypatch.setattr(encode_stage, "write_split", real_write)
     assert make(ENCODE, cfg.data, store, fetch=corpus)[1]
 
 
@@ -323,7 +327,8 @@ def test_a_corpus_folder_reads_only_its_own_regular_files_and_its_copies_keep_th
     assert fetched.file("corpus.txt").read_bytes() == 2 * play_text(40_000)
     assert fetched.file("corpus.txt").stat().st_mode & 0o777 == 0o640
     encoded, _ = make(ENCODE, data, tmp_path / "store", fetch=fetched)
-    assert {encoded.file(name).stat().st_mode & 0o777 for name in ENCODE.builds} == {0o640}
+    assert {p.stat().st_mode & 0o777 for name in ENCODE.builds for p in encoded.file(name).iterdir()} == {0o640}
+    assert {encoded.file(name).stat().st_mode & 0o777 for name in ENCODE.builds} == {0o750}
     os.chmod(books / "a.txt", 0o644)
 
 

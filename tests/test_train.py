@@ -12,7 +12,7 @@ from bardflow.model.data import Batches, encode
 from bardflow.model.evaluation import val_batches
 from bardflow.model.loop import train
 from bardflow.model.placement import Placement
-from bardflow.model.step import TrainingError, init_state, make_train_step
+from bardflow.model.step import TrainingError, init_state, make_train_step, model_from_state, target_losses
 
 TINY = build_config("tiny")
 
@@ -38,8 +38,6 @@ def test_loss_falls_on_tiny(split):
     # (here 6 does not divide it); the records between have the training loss alone.
     assert [h["step"] for h in result.history if h["val_loss"] is not None] == [0, 20, 40, 59]
     assert all(h["val_bpb"] is None for h in result.history if h["val_loss"] is None)
-    from bardflow.model.step import model_from_state, target_losses
-
     assert len(split.val) % 6 and [h["val_loss"] for h in result.history][-1] == result.val_loss
     trained = model_from_state(graphdef, result.state)
     whole = float(nnx.jit(target_losses)(trained, jnp.asarray(split.val, jnp.int32)).mean())
@@ -345,3 +343,33 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     costs = [19, 15, 6, 19, 19, 15, 6, 19]
     assert [sum(c for c, o in zip(costs, owners, strict=True) if o == d) for d in (0, 1)] == [59, 59]
     assert share_out([5, 1], 4) == [0, 1]
+
+
+def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_fixed_choice(split, tmp_path):
+    from bardflow.model.data import read_split, write_split
+    from bardflow.model.evaluation import eval_choice, eval_limit, make_evaluate
+
+    cfg = TINY.train.model_copy(update={"steps": 12, "log_every": 4})
+    placement = Placement.data_parallel(jax.devices())
+    write_split(tmp_path / "train", split.train, {}, shard_bytes=3_000)  # batches straddle the shards
+    sharded = read_split(tmp_path / "train")
+    assert len(list((tmp_path / "train").iterdir())) > 10
+    runs = []
+    for rows in (split.train, sharded):
+        graphdef, state = init_state(TINY.model, cfg)
+        runs.append(train(graphdef, state, Batches(rows, 8), val_batches(split.val, 6, 2), placement, cfg))
+    assert [h["loss"] for h in runs[0].history] == [h["loss"] for h in runs[1].history]  # bitwise
+
+    # A fixed, seeded choice of rows, the same every time; all of a split within the limit.
+    assert eval_choice(len(split.val), len(split.val)) is None
+    chosen = eval_choice(len(split.val), 50)
+    assert len(chosen) == 50 and np.all(np.diff(chosen) > 0) and np.array_equal(chosen, eval_choice(len(split.val), 50))
+    assert eval_limit(0, 16, 256) == 4096 and eval_limit(0, 1024, 256) == 30 * 1024 and eval_limit(7, 16, 256) == 7
+    # Placed a group at a time, the loss is the one of the rows placed at once.
+    subset = split.val[chosen].astype(np.int32)
+    batches = val_batches(subset, 6, 2)
+    at_once = make_evaluate(graphdef, batches, placement)(runs[1].state)
+    in_groups = make_evaluate(graphdef, batches, placement, group_tokens=2 * batches[0][0].size)(runs[1].state)
+    assert len(batches) > 4 and in_groups == pytest.approx(at_once, rel=1e-6)
+    trained = model_from_state(graphdef, runs[1].state)
+    assert at_once == pytest.approx(float(nnx.jit(target_losses)(trained, jnp.asarray(subset)).mean()), rel=1e-5)
