@@ -4,9 +4,9 @@ A split is a folder of shards (``00000.arrow``, …), each at most ``SHARD_BYTES
 each row one ``fixed_size_list<uint8>[row]`` value, in record batches of at most
 ``BATCH_BYTES``: every batch maps straight onto a ``(rows, row)`` array without copying,
 and nothing is ever held whole. The corpus is read through a memory map, its windows are a
-strided view of it, and the shuffle is a seeded permutation of window numbers: writing a
-split gathers one record batch of rows at a time, so encoding a corpus of any size takes
-the memory of a permutation (8 bytes a window) and a batch.
+strided view of it, and the shuffle is a seeded permutation of window numbers (an array up
+to 16 M windows, computed a slice at a time beyond): writing a split gathers one record
+batch of rows at a time, so encoding a corpus of any size takes at most 128 MiB and a batch.
 """
 
 from __future__ import annotations
@@ -60,9 +60,55 @@ def split_point(num_windows: int, corpus_bytes: int, seq_len: int, train_fractio
     return num_train
 
 
-def train_order(num_train: int, seed: int) -> np.ndarray:
-    """The seeded shuffle of the training windows: which window each training row is."""
-    return np.random.default_rng(seed).permutation(num_train)
+PERMUTED_IN_MEMORY = 1 << 24  # windows: up to here a permutation array (128 MiB at most)
+
+
+def train_order(num_train: int, seed: int) -> np.ndarray | FeistelOrder:
+    """The seeded shuffle of the training windows: which window each training row is, sliced
+    ``order[a:b]``. Up to ``PERMUTED_IN_MEMORY`` windows (TinyShakespeare has 3,921 to 34,856)
+    numpy's seeded permutation, as ever; beyond, a permutation computed a slice at a time."""
+    if num_train <= PERMUTED_IN_MEMORY:
+        return np.random.default_rng(seed).permutation(num_train)
+    return FeistelOrder(num_train, seed)
+
+
+class FeistelOrder:
+    """A seeded permutation of ``range(n)`` in constant memory: a four-round Feistel network
+    over the smallest even number of bits that holds ``n`` (a bijection there), walked again
+    from any value of ``n`` or more until it lands below (a bijection on ``range(n)``; about
+    two rounds trips at most, on average). ``order[a:b]`` computes just those positions."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.default_rng(seed).integers(0, 1 << 62, size=self.ROUNDS, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @staticmethod
+    def _mix(z: np.ndarray) -> np.ndarray:  # splitmix64's finaliser
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def _permute(self, x: np.ndarray) -> np.ndarray:
+        half = np.uint64(self.half)
+        left, right = x >> half, x & self.mask
+        with np.errstate(over="ignore"):
+            for key in self.keys:
+                left, right = right, left ^ (self._mix(right ^ key) & self.mask)
+        return (left << half) | right
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self.n)
+        x = self._permute(np.arange(start, stop, step, dtype=np.uint64))
+        while (outside := x >= self.n).any():
+            x[outside] = self._permute(x[outside])
+        return x.astype(np.int64)
 
 
 def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_position: bool = False) -> Split:
@@ -70,7 +116,7 @@ def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_
     the same rows from a file with ``write_split``): train shuffled, val in corpus order."""
     rows = windows(np.frombuffer(corpus, dtype=np.uint8), seq_len, every_position)
     num_train = split_point(len(rows), len(corpus), seq_len, train_fraction)
-    return Split(train=rows[:num_train][train_order(num_train, seed)], val=rows[num_train:].copy())
+    return Split(train=rows[:num_train][train_order(num_train, seed)[0:num_train]], val=rows[num_train:].copy())
 
 
 class _Hashing:
@@ -117,7 +163,8 @@ def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
     return pa.record_batch([pa.FixedSizeListArray.from_arrays(values, rows.shape[1])], schema=schema)
 
 
-def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str], order: np.ndarray | None = None,
+def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
+                order: np.ndarray | FeistelOrder | None = None,
                 shard_bytes: int = SHARD_BYTES, progress: Callable[[int], None] | None = None) -> list[dict]:
     """Writes ``rows`` (in ``order``, if given: row ``i`` of the split is ``rows[order[i]]``)
     as shards in ``folder``; returns each shard's file name, rows, bytes and sha256 (hashed
@@ -137,7 +184,11 @@ def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str], order:
             with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
                 for start in range(first, last, per_batch):
                     stop = min(last, start + per_batch)
-                    chosen = rows[start:stop] if order is None else np.take(rows, order[start:stop], axis=0)
+                    # numpy.take is faster on contiguous rows, but would first copy overlapping
+                    # windows (every_position) whole: those are gathered by indexing.
+                    at = None if order is None else order[start:stop]
+                    chosen = (rows[start:stop] if at is None else np.take(rows, at, axis=0) if rows.flags.c_contiguous
+                              else rows[at])
                     writer.write_batch(_batch(chosen, schema))
                     if progress is not None:
                         progress(stop * row)

@@ -17,7 +17,8 @@ FETCH = Stage(
     recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
     builds=("corpus.txt",), headline=("bytes", "md5", "distinct_bytes"))
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
-# as the one file of "1" each.
+# as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a
+# permutation computed a slice at a time (model/data.py).
 ENCODE = Stage(
     "encode", "2", reads=("fetch",),
     settings=lambda run: run.config.data,

@@ -91,3 +91,38 @@ def test_batches_cycle_by_step():
     assert batches(0).dtype == np.int32
     with pytest.raises(DataError, match="fewer than one batch"):
         Batches(rows, batch_size=11)
+
+
+def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monkeypatch):
+    from bardflow.model import data
+
+    for n in (1, 2, 3, 1_000, 12_345):
+        order = data.FeistelOrder(n, seed=7)
+        whole = order[0:n]
+        assert np.array_equal(np.sort(whole), np.arange(n))  # every window once
+        assert np.array_equal(order[n // 3: n // 2], whole[n // 3: n // 2])  # a slice is its part of the whole
+    assert not np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 2)[0:1_000])
+    assert np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 1)[0:1_000])
+    # TinyShakespeare-sized splits keep numpy's permutation; larger ones switch.
+    assert isinstance(data.train_order(34_856, 0), np.ndarray)
+    monkeypatch.setattr(data, "PERMUTED_IN_MEMORY", 100)
+    assert isinstance(data.train_order(101, 0), data.FeistelOrder)
+
+
+@pytest.mark.parametrize("every_position", [False, True])
+def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_position):
+    import tracemalloc
+
+    from bardflow.model import data
+
+    corpus = tmp_path / "corpus"
+    corpus.write_bytes(np.random.default_rng(0).integers(0, 256, 48 << 20, dtype=np.uint8).tobytes())
+    rows = windows(np.memmap(corpus, np.uint8, mode="r"), 64, every_position)
+    order = data.FeistelOrder(len(rows), 0)  # the order of a split too large for an array
+    tracemalloc.start()
+    try:
+        write_split(tmp_path / "train", rows, {}, order=order)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * data.BATCH_BYTES < 48 << 20, f"{peak / 2**20:.1f} MiB for a 48 MiB corpus"

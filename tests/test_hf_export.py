@@ -34,8 +34,24 @@ def _model(cfg, seed: int):
     return model
 
 
-def _written(folder, cfg, seed: int):
-    model = _model(cfg, seed)
+def _trained_in_bfloat16(cfg):
+    """A ``tiny`` model trained a few steps computing in bfloat16 (its state stays float32)."""
+    from bardflow.model.data import Batches, encode
+    from bardflow.model.evaluation import val_batches
+    from bardflow.model.loop import train
+    from bardflow.model.placement import Placement
+    from bardflow.model.step import init_state, model_from_state
+    from tests.helpers import play_text
+
+    split = encode(play_text(20_000), cfg.data.seq_len, 0.9, 0)
+    graphdef, state = init_state(cfg.model, cfg.train)
+    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8),
+                   Placement.single(jax.devices()[0]), cfg.train)
+    return model_from_state(graphdef, result.state)
+
+
+def _written(folder, cfg, seed: int, model=None):
+    model = model if model is not None else _model(cfg, seed)
     forward, params = jax.jit(forward_of(model)), flat_params(model)
     expected = {}
     for name, tokens in export.probes(cfg.max_seq_len).items():
@@ -54,6 +70,10 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
             cfg = build_config(preset, {"model.positions": positions}).model
             folder = tmp_path / f"{preset}-{positions}"
             checks.append((folder, _written(folder, cfg, seed=len(checks))))
+    # Trained computing in bfloat16: the float32 weights it kept are what it exports.
+    bf16 = build_config("tiny", {"train.precision": "bfloat16", "train.steps": 5, "train.log_every": 5})
+    checks.append((tmp_path / "bfloat16", _written(tmp_path / "bfloat16", bf16.model, 0, _trained_in_bfloat16(bf16))))
+    assert {str(t.dtype) for t in load_file(str(tmp_path / "bfloat16" / "model.safetensors")).values()} == {"float32"}
     # The same folder with one weight changed: the check must notice.
     bad = tmp_path / "changed"
     subprocess.run(["cp", "-r", str(checks[0][0]), str(bad)], check=True)
@@ -62,17 +82,18 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
 
     results = export.run_hf_check([*checks, (bad, checks[0][1])])
-    assert [r["architecture"] for r in results[:4]] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"] * 2
-    for (folder, reference), result in zip(checks, results[:4], strict=True):
+    assert [r["architecture"] for r in results[:5]] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"] * 2 + [
+        "GPT2LMHeadModel"]
+    for (folder, reference), result in zip(checks, results[:5], strict=True):
         export.hf_verdict(result)  # passes
         assert result["max_abs_diff"] <= export.HF_TOLERANCE and result["greedy_equal"], folder.name
         assert result["greedy_bytes"] == len(reference["greedy"]) > 0 and result["tokenizer_exact"]
         assert not result["bardflow_imported"]
     # A learned-position model's window slides past its context (32 and 128 bytes) in both.
     assert results[0]["greedy_bytes"] == results[2]["greedy_bytes"] == export.GREEDY_BYTES
-    assert results[4]["max_abs_diff"] > export.HF_TOLERANCE
+    assert results[5]["max_abs_diff"] > export.HF_TOLERANCE
     with pytest.raises(export.ExportError, match=r"differ from the checkpoint's by .* --refresh export"):
-        export.hf_verdict(results[4])
+        export.hf_verdict(results[5])
 
     # Used as people use a Hub model: examples/generate_with_transformers.py, no bardflow.
     source = (REPO / "examples" / "generate_with_transformers.py").read_text()
@@ -104,3 +125,4 @@ def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp
     found = export._hf(tmp_path / "hf", model, cfg, flat_params(model), {})
     assert found["checked"] is False and "pip install 'bardflow[hf]'" in found["status"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
+
