@@ -83,6 +83,10 @@ class Background:
     def update(self, chunk: bytes) -> None:
         if self._pending is not None:
             self._pending.result()
+            self._pending = None
+        if len(chunk) < 1 << 16:  # a small file's bytes: a thread's hand-off would cost more
+            self.digest.update(chunk)
+            return
         self._pending = self._pool.submit(self.digest.update, bytes(chunk))
 
     def hexdigest(self) -> str:
@@ -126,8 +130,7 @@ class Digest:
         return len(self.seen)
 
 
-def _copy_local(path: Path, target: Path, pattern: str | None, progress) -> tuple[list[Path], Digest]:
-    files = corpus_files(path, pattern)
+def _copy_local(files: list[Path], target: Path, progress) -> tuple[list[Path], Digest]:
     corpus = Digest()
     with open(target, "wb") as handle:
         for chunk in decoded_chunks(files, progress):
@@ -188,14 +191,15 @@ def _download(url: str, target: Path, digest, progress=None, attempts: int = ATT
     ) from last
 
 
-def fetch_to(source: str, target: Path, pattern: str | None = None,
-             progress=None) -> tuple[list[Path] | None, Digest]:
+def fetch_to(source: str, target: Path, pattern: str | None = None, progress=None,
+             files: list[Path] | None = None) -> tuple[list[Path] | None, Digest]:
     """Writes the corpus to ``target``: the local files it was made of (None for a
     download), and the figures of what went into ``target`` (its md5 among them).
-    ``progress(done, total)`` hears the source's bytes read so far."""
+    ``progress(done, total)`` hears the source's bytes read so far; ``files``: a local
+    source's files, where the caller has listed them already."""
     path = local_path(source)
     if path is not None:
-        return _copy_local(path, target, pattern, progress)
+        return _copy_local(corpus_files(path, pattern) if files is None else files, target, progress)
     if is_bucket(source):
         corpus, objects = Digest(), BucketCorpus(source, pattern)
         if progress is not None:
@@ -233,9 +237,11 @@ def build(settings: DataConfig, out: Builder) -> None:
         raise ConfigError("the corpus's md5 is not known: a run computes or checks it before its first stage (pin)")
     target = out.path(CORPUS)
     started = time.monotonic()
-    with ui.Progress(FETCH.name, KNOWN_SIZES.get(settings.md5) or _source_size(settings), "fetch",
-                     in_bytes=True) as progress:
-        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress)
+    path = local_path(settings.corpus)
+    listed = corpus_files(path, settings.glob) if path is not None else None
+    size_hint = sum(os.stat(f).st_size for f in listed) if listed is not None else KNOWN_SIZES.get(settings.md5, 1)
+    with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
+        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
     actual = corpus.hexmd5()
     seconds = time.monotonic() - started
@@ -262,7 +268,6 @@ def build(settings: DataConfig, out: Builder) -> None:
     out.record["source"] = settings.corpus
     if files is not None:
         out.record["source_files"] = len(files)
-    path = local_path(settings.corpus)
     if files is not None and path is not None and path.is_dir():  # a folder: which files, in order
         out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size}
                                       for f in files]
@@ -277,11 +282,3 @@ def build(settings: DataConfig, out: Builder) -> None:
         description=f"Corpus fetched: {size:,} bytes{read}, {distinct} distinct byte values, md5 "
                     + ("verified against the known checksum" if files is None else "computed from its files"),
     )
-
-
-def _source_size(settings: DataConfig) -> int:
-    """The source's bytes on disk (a download's comes with its answer)."""
-    path = local_path(settings.corpus)
-    if path is None:
-        return 1
-    return sum(f.stat().st_size for f in corpus_files(path, settings.glob))
