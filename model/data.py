@@ -119,32 +119,43 @@ def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_
     return Split(train=rows[:num_train][train_order(num_train, seed)[0:num_train]], val=rows[num_train:].copy())
 
 
-class _Hashing:
-    """A file that hashes what is written to it, so a shard's sha256 needs no second read. The
-    hash runs on a thread of its own, one write behind (hashlib lets go of the GIL), while the
-    next rows are gathered."""
+class ThreadedDigest:
+    """A hashlib digest updated on a thread of its own, one chunk behind the caller: hashlib
+    lets go of the GIL, so hashing runs beside the caller's next read, gather or write."""
 
-    def __init__(self, handle):
+    def __init__(self, digest):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.handle, self._sha256, self.size = handle, hashlib.sha256(), 0
+        self.digest, self._pool, self._pending = digest, ThreadPoolExecutor(1), None
+
+    def update(self, chunk) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if len(chunk) < 1 << 16:  # a small file's bytes: a thread's hand-off would cost more
+            self.digest.update(chunk)
+            return
+        self._pending = self._pool.submit(self.digest.update, bytes(chunk))  # a buffer may be reused
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        self._pool.shutdown()
+        return self.digest.hexdigest()
+
+
+class _Hashing:
+    """A file that hashes what is written to it, so a shard's sha256 needs no second read."""
+
+    def __init__(self, handle):
+        self.handle, self.sha256, self.size = handle, ThreadedDigest(hashlib.sha256()), 0
         self.closed = False
-        self._pool, self._pending = ThreadPoolExecutor(1), None
 
     def write(self, data) -> int:
-        data = bytes(data)  # Arrow may reuse its buffer once this returns
-        if self._pending is not None:
-            self._pending.result()
-        self._pending = self._pool.submit(self._sha256.update, data)
+        self.sha256.update(data)
         self.size += len(data)
         return self.handle.write(data)
-
-    @property
-    def sha256(self):
-        if self._pending is not None:
-            self._pending.result()
-        self._pool.shutdown()
-        return self._sha256
 
     def tell(self) -> int:
         return self.size

@@ -22,22 +22,24 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..artifacts import ui
 from ..artifacts.store import Builder
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
+from ..model.data import ThreadedDigest
 from .registry import FETCH
 from .sources import (
     COMPRESSED,
     BucketCorpus,
     FetchError,
     corpus_files,
-    corpus_md5,
     decoded_chunks,
     decompressed,
     is_bucket,
     local_path,
+    md5_of,
     source_mode,
 )
 
@@ -59,93 +61,61 @@ def pin(data: DataConfig) -> DataConfig:
         return data
     path = local_path(data.corpus)
     if path is not None:
-        return data.model_copy(update={"md5": corpus_md5(corpus_files(path, data.glob))})
+        return data.model_copy(update={"md5": md5_of(decoded_chunks(corpus_files(path, data.glob)))})
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(data.corpus, data.glob)
         ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
                data.corpus, len(corpus.objects), corpus.size / 1e6)
-        return data.model_copy(update={"md5": corpus.md5()})
+        return data.model_copy(update={"md5": md5_of(corpus.chunks())})
     if data.corpus == TINYSHAKESPEARE_URL:
         return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
     raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
                       "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
 
 
-class Background:
-    """A digest updated on a thread of its own, one chunk behind the caller: hashlib lets go
-    of the GIL, so the source's md5 costs no time beside the corpus's own figures."""
-
-    def __init__(self, digest):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.digest, self._pool, self._pending = digest, ThreadPoolExecutor(1), None
-
-    def update(self, chunk: bytes) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        if len(chunk) < 1 << 16:  # a small file's bytes: a thread's hand-off would cost more
-            self.digest.update(chunk)
-            return
-        self._pending = self._pool.submit(self.digest.update, bytes(chunk))
-
-    def hexdigest(self) -> str:
-        if self._pending is not None:
-            self._pending.result()
-        self._pool.shutdown()
-        return self.digest.hexdigest()
-
-
 class Digest:
-    """Figures of bytes as they stream: md5 (of a source as given), and for the corpus itself
+    """Figures of a corpus's bytes as they stream: md5 (on a thread: ``ThreadedDigest``),
     sha256, size and which byte values occur. A download that starts over restarts it."""
 
-    def __init__(self, corpus: bool = True, md5: bool = True):
-        self.corpus, self.with_md5 = corpus, md5
+    def __init__(self):
         self.restart()
 
     def restart(self) -> None:
-        self.md5 = Background(hashlib.md5()) if self.with_md5 else None
+        self.md5 = ThreadedDigest(hashlib.md5())
         self.sha256, self.size, self.seen = hashlib.sha256(), 0, b""
 
     def update(self, chunk: bytes) -> None:
-        if self.md5 is not None:
-            self.md5.update(chunk)
-        if self.corpus:
-            self.sha256.update(chunk)
-            self.size += len(chunk)
-            # Which values occur: what is left of the chunk without those seen so far (C
-            # speed; soon nothing, as a text's alphabet is complete within its first pages).
-            new = bytes(chunk).translate(None, self.seen)
-            if new:
-                self.seen = bytes(sorted(set(self.seen) | set(new)))
-
-    def hexmd5(self) -> str:
-        if self.md5 is None:
-            raise ValueError("this digest takes no md5")
-        return self.md5.hexdigest()
+        self.md5.update(chunk)
+        self.sha256.update(chunk)
+        self.size += len(chunk)
+        # Which values occur: what is left of the chunk without those seen so far (C speed;
+        # soon nothing, as a text's alphabet is complete within its first pages).
+        new = chunk.translate(None, self.seen)
+        if new:
+            self.seen = bytes(sorted(set(self.seen) | set(new)))
 
     @property
     def distinct(self) -> int:
         return len(self.seen)
 
 
-def _copy_local(files: list[Path], target: Path, progress) -> tuple[list[Path], Digest]:
+def _written(chunks: Iterable[bytes], target: Path) -> Digest:
+    """``chunks`` written to ``target``, and their figures."""
     corpus = Digest()
     with open(target, "wb") as handle:
-        for chunk in decoded_chunks(files, progress):
+        for chunk in chunks:
             handle.write(chunk)
             corpus.update(chunk)
-    return files, corpus
+    return corpus
 
 
 def _compressed(name: str) -> bool:
     return name.lower().endswith((*COMPRESSED, ".zip"))
 
 
-def _download(url: str, target: Path, digest, progress=None, attempts: int = ATTEMPTS,
+def _download(url: str, target: Path, digest: Digest | None = None, progress=None, attempts: int = ATTEMPTS,
               timeout_s: float = TIMEOUT_S) -> None:
-    """Downloads ``url`` into ``target`` with ``digest`` hearing every byte once; a dropped
+    """Downloads ``url`` into ``target`` with ``digest`` (if any) hearing every byte once; a dropped
     connection resumes where it stopped (an HTTP Range request; a server that answers with
     the whole file again starts over), with exponential backoff on transient errors."""
     last: Exception | None = None
@@ -161,12 +131,14 @@ def _download(url: str, target: Path, digest, progress=None, attempts: int = ATT
                         out.seek(0)
                         out.truncate()
                         have = 0
-                        digest.restart()
+                        if digest is not None:
+                            digest.restart()
                     length = response.headers.get("Content-Length")
                     total = have + int(length) if length is not None else None
                     while chunk := response.read(1 << 20):
                         out.write(chunk)
-                        digest.update(chunk)
+                        if digest is not None:
+                            digest.update(chunk)
                         have += len(chunk)
                         if progress is not None:
                             progress(have, total)
@@ -199,37 +171,31 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
     source's files, where the caller has listed them already."""
     path = local_path(source)
     if path is not None:
-        return _copy_local(corpus_files(path, pattern) if files is None else files, target, progress)
+        files = corpus_files(path, pattern) if files is None else files
+        return files, _written(decoded_chunks(files, progress), target)
     if is_bucket(source):
-        corpus, objects = Digest(), BucketCorpus(source, pattern)
+        objects = BucketCorpus(source, pattern)
         if progress is not None:
             progress(0, objects.size)
-        with open(target, "wb") as handle:
-            for chunk in objects.chunks(progress):
-                handle.write(chunk)
-                corpus.update(chunk)
-        return None, corpus
+        return None, _written(objects.chunks(progress), target)
     parsed = urllib.parse.urlparse(source)
     if parsed.scheme not in ("http", "https"):
         raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// "
                          "prefix, or a path")
     name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1])
-    corpus = Digest()
     if not _compressed(name):  # the download is the corpus: every figure as it arrives
+        corpus = Digest()
         _download(source, target, corpus, progress)
         return None, corpus
     download = target.with_name(f".download-{name}")  # an archive is read whole (a zip's index is at its end)
     try:
         # Checked by what it holds: the corpus's md5, after decompression (a damaged archive
         # fails that, or the decompression itself).
-        _download(source, download, Digest(corpus=False, md5=False), progress)
-        with open(download, "rb") as handle, open(target, "wb") as out:
-            for chunk in decompressed(Path(source), handle, name):
-                out.write(chunk)
-                corpus.update(chunk)
+        _download(source, download, None, progress)
+        with open(download, "rb") as handle:
+            return None, _written(decompressed(Path(source), handle, name), target)
     finally:
         download.unlink(missing_ok=True)
-    return None, corpus
 
 
 def build(settings: DataConfig, out: Builder) -> None:
@@ -243,7 +209,7 @@ def build(settings: DataConfig, out: Builder) -> None:
     with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
         files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
-    actual = corpus.hexmd5()
+    actual = corpus.md5.hexdigest()
     seconds = time.monotonic() - started
     size = corpus.size
     if size == 0:

@@ -12,7 +12,7 @@ import os
 import stat
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..model.config import TINYSHAKESPEARE_URL
@@ -133,14 +133,6 @@ def open_regular(file: Path):
     return os.fdopen(descriptor, "rb")
 
 
-def chunks(files: list[Path]):
-    """The bytes of ``files`` in order, a MiB at a time."""
-    for file in files:
-        with open_regular(file) as handle:
-            while chunk := handle.read(1 << 20):
-                yield chunk
-
-
 class _Counting:
     """A binary file that counts what is read from it: the raw bytes of a compressed file as
     its decompressor pulls them (for progress)."""
@@ -225,11 +217,11 @@ def decoded_chunks(files: list[Path], counted=None) -> Iterator[bytes]:
             done += os.fstat(handle.fileno()).st_size
 
 
-def corpus_md5(files: list[Path]) -> str:
-    """md5 of the corpus the files hold (decompressed, in order): a local corpus's checksum,
+def md5_of(chunks: Iterable[bytes]) -> str:
+    """md5 of a corpus's bytes (``decoded_chunks`` or ``BucketCorpus.chunks``): its checksum,
     the one a publisher gives for the text (enwik8's for the member of enwik8.zip)."""
     digest = hashlib.md5()
-    for chunk in decoded_chunks(files):
+    for chunk in chunks:
         digest.update(chunk)
     return digest.hexdigest()
 
@@ -275,12 +267,6 @@ class BucketCorpus:
                         counted(done + raw.read_bytes)
                     yield chunk
             done += size
-
-    def md5(self) -> str:
-        digest = hashlib.md5()
-        for chunk in self.chunks():
-            digest.update(chunk)
-        return digest.hexdigest()
 
 
 def source_mode(files: list[Path]) -> int:
