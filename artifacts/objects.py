@@ -13,7 +13,9 @@ disk (``artifacts/store.py``):
   manifest is committed; the other builder drops its objects and uses the committed
   version. On one machine, builders wait for each other on the mirror's lock;
 * every object is checked against the manifest's sha256 as it is downloaded, and the
-  mirror's copy again on every lookup; an object replaced in the bucket changes its ETag,
+  mirror's copy again on every lookup; the files of a manifest's ``on_demand`` folders (a
+  split's shards) are fetched one by one as a reader first opens them (``Version.bring``),
+  so a worker holds the shards it reads, not the whole split; an object replaced in the bucket changes its ETag,
   which the mirror compares on each lookup, so a damaged object is noticed and rebuilt.
 
 Resumable training checkpoints are staged by Orbax in the mirror and copied to
@@ -46,6 +48,7 @@ from .store import (
     VersionStore,
     describe_files,
     manifest_intact,
+    on_demand,
     valid_key,
     valid_stage,
 )
@@ -349,12 +352,12 @@ class ObjectStore(VersionStore):
         if any(name not in listed or listed[name]["bytes"] != entry["bytes"] for name, entry in files.items()):
             return None
         etags = {name: listed[name]["etag"] for name in files}
-        local = self.mirror.lookup(stage, key)
+        local = self.mirror.lookup(stage, key, partial=True)
         if local is not None and local.fingerprint == manifest["fingerprint"] and self._etags(local) == etags:
             return self._remote(local)
         if not self._mirror(stage, key, manifest, prefix, etags):
             return None
-        local = self.mirror.lookup(stage, key)
+        local = self.mirror.lookup(stage, key, partial=True)
         return self._remote(local) if local is not None else None
 
     @staticmethod
@@ -365,17 +368,44 @@ class ObjectStore(VersionStore):
             return None
 
     def _remote(self, version: Version) -> Version:
+        fetch = None
+        if version.manifest.get("on_demand"):
+            fetch = functools.partial(self._fetch_on_demand, version.path, version.manifest,
+                                      f"{version.stage}/{version.key}/{version.manifest['objects']}")
         return Version(version.stage, version.key, version.path, version.manifest,
-                       uri=self.bucket.uri(version.stage, version.key), store=self.location)
+                       uri=self.bucket.uri(version.stage, version.key), store=self.location, fetch=fetch)
+
+    def _fetch_on_demand(self, folder: Path, manifest: dict[str, Any], prefix: str, names: list[str]) -> None:
+        """Brings ``names`` (``on_demand`` files of the mirrored version in ``folder``) down,
+        each verified before it takes its place: a reader never opens a partial file."""
+        files = manifest["files"]
+        unknown = [name for name in names if name not in files or not on_demand(manifest, name)]
+        if unknown:
+            raise StoreError(f"{', '.join(unknown)}: not a file this version fetches on demand")
+        incoming = folder / f".pull-{uuid.uuid4().hex[:8]}"
+        try:
+            wanted = {name: files[name] for name in names}
+            if not _fetch_verified(self.bucket, prefix, wanted, incoming):
+                raise ObjectStoreError(
+                    f"{', '.join(names)} of {self.bucket.uri(prefix)} differs from its manifest or is gone; "
+                    f"rerun with --refresh {manifest.get('stage', 'the stage')}")
+            for name in names:
+                os.replace(incoming / name, folder / name)  # two readers on this host: the same bytes
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
 
     def _mirror(self, stage: str, key: str, manifest: dict[str, Any], prefix: str, etags: dict[str, Any]) -> bool:
-        """Downloads a committed version into the mirror; False if an object differs from the manifest."""
+        """Downloads a committed version into the mirror (its ``on_demand`` files only as they
+        are read); False if an object differs from the manifest."""
         final = self.mirror.path(stage, key)
         incoming = final.parent / f".pull-{key}-{uuid.uuid4().hex[:8]}"
         incoming.mkdir(parents=True)
         try:
-            if not _fetch_verified(self.bucket, prefix, manifest["files"], incoming):
+            now = {name: entry for name, entry in manifest["files"].items() if not on_demand(manifest, name)}
+            if not _fetch_verified(self.bucket, prefix, now, incoming):
                 return False
+            for folder in manifest.get("on_demand", ()):
+                (incoming / folder).mkdir(parents=True, exist_ok=True)
             (incoming / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
             (incoming / REMOTE).write_text(json.dumps({"uri": self.bucket.uri(stage, key), "etags": etags}))
             if final.exists():

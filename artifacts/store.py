@@ -23,7 +23,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -101,9 +101,36 @@ def version_key(stage: str, code_version: str, params: Any, inputs: dict[str, st
     return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()[:20]
 
 
+def on_demand(manifest: dict[str, Any], name: str) -> bool:
+    """Whether the file ``name`` lies in one of the manifest's ``on_demand`` folders."""
+    return any(name.startswith(folder.rstrip("/") + "/") for folder in manifest.get("on_demand", ()))
+
+
 def file_digest(path: Path, algorithm: str = "sha256") -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, algorithm).hexdigest()
+
+
+# The sha256 of each file this process has read, with the file's stat as it was: a version
+# looked up again (every stage that reads it checks it) is not read again while its files
+# are unchanged. Any write changes a file's ctime, which no tool can set back; a file
+# written within the last seconds is not remembered, since a second write in the same clock
+# tick would leave its times as they were (git's "racy" rule).
+_HASHED: dict[tuple[int, int], tuple[tuple[int, int, int], str]] = {}
+_SETTLED_NS = 2_000_000_000
+
+
+def stored_digest(path: Path) -> str:
+    """The sha256 of the file at ``path``, read only if it changed since this process read it."""
+    stat = path.stat()
+    identity, times = (stat.st_dev, stat.st_ino), (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    known = _HASHED.get(identity)
+    if known is not None and known[0] == times:
+        return known[1]
+    digest = file_digest(path)
+    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > _SETTLED_NS:
+        _HASHED[identity] = (times, digest)
+    return digest
 
 
 def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
@@ -157,6 +184,9 @@ class Version:
     uri: str = ""  # where the store keeps it, when that is not ``path`` (s3://…)
     store: str = ""  # the location of the store that holds it
     same_as_stored: bool = False  # built again (a refresh) with the stored version's output: that one was kept
+    # Brings files the store left where it keeps them (the manifest's ``on_demand`` folders)
+    # to ``path``, verified; None where every file is already here (a local store).
+    fetch: Callable[[list[str]], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def location(self) -> str:
@@ -172,6 +202,12 @@ class Version:
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    def bring(self, path: Path) -> None:
+        """Makes sure the file at ``path`` (in this version) is here: an object store's mirror
+        fetches an ``on_demand`` file the first time a reader opens it."""
+        if self.fetch is not None and not path.exists():
+            self.fetch([path.relative_to(self.path).as_posix()])
 
 
 class ResumeFolder:
@@ -209,6 +245,9 @@ class Builder:
         self.metrics: dict[str, Any] = {}
         self.record: dict[str, Any] = {}
         self.digests: dict[str, dict[str, Any]] = {}  # {name: {"bytes", "sha256"}} taken while writing
+        # Folders whose files a reader may need only some of (a split's shards): an object
+        # store's mirror fetches each when it is first read, not with the version.
+        self.on_demand: list[str] = []
         self.fingerprint: str | None = None
         self.same_as_stored = False  # the build's output was the stored version's: that one stays
 
@@ -331,25 +370,29 @@ class Store(VersionStore):
         Stable across processes (unlike build folders); removed once the version is published."""
         return ResumeFolder(self.path(stage, key).parent / f".resume-{key}")
 
-    def lookup(self, stage: str, key: str) -> Version | None:
-        """The version if it exists and every file matches its manifest, else None."""
+    def lookup(self, stage: str, key: str, partial: bool = False) -> Version | None:
+        """The version if it exists and every file matches its manifest, else None.
+        ``partial`` (a mirror's copy): its ``on_demand`` files may be absent."""
         path = self.path(stage, key)
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if manifest.get("key") != key or not manifest_intact(manifest) or self.damage(path, manifest):
+        if manifest.get("key") != key or not manifest_intact(manifest) or self.damage(path, manifest, partial):
             return None
         return Version(stage, key, path, manifest, store=self.location)
 
     @staticmethod
-    def damage(path: Path, manifest: dict[str, Any]) -> list[str]:
-        """Names of files that are missing, resized or changed since the manifest was written."""
+    def damage(path: Path, manifest: dict[str, Any], partial: bool = False) -> list[str]:
+        """Names of files that are missing, resized or changed since the manifest was written
+        (``partial``: an absent ``on_demand`` file is not missing)."""
         bad = []
         for name, entry in manifest.get("files", {}).items():
             file = path / name
+            if partial and on_demand(manifest, name) and not file.exists():
+                continue
             try:
-                if file.stat().st_size != entry["bytes"] or file_digest(file) != entry["sha256"]:
+                if file.stat().st_size != entry["bytes"] or stored_digest(file) != entry["sha256"]:
                     bad.append(name)
             except OSError:
                 bad.append(name)
@@ -453,6 +496,7 @@ class Store(VersionStore):
             "params": params,
             "files": files,
             "metrics": builder.metrics,
+            **({"on_demand": sorted(builder.on_demand)} if builder.on_demand else {}),
             **builder.record,
             "libraries": library_versions(),
             "bardflow": project_version(),

@@ -222,20 +222,29 @@ def gather(rows: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 
 class Rows(Sequence):
-    """A split's rows across its shards' record batches, each memory-mapped, as one
-    read-only sequence: ``rows[a:b]`` reads only those rows (a copy of just them), ``take``
-    a sorted choice of rows; nothing is read whole."""
+    """A split's rows across its pieces (record batches, memory-mapped, or shards opened when
+    first read) as one read-only sequence: ``rows[a:b]`` reads only those rows (a copy of just
+    them), ``take`` a sorted choice of rows; nothing is read whole."""
 
-    def __init__(self, pieces: list[np.ndarray], metadata: dict[str, str]):
+    def __init__(self, pieces: Sequence, metadata: dict[str, str] | Callable[[], dict[str, str]],
+                 width: int | None = None):
         self.pieces = [p for p in pieces if len(p)]
         self.starts = [int(n) for n in np.cumsum([0] + [len(p) for p in self.pieces])]
-        self.metadata = metadata
-        self.shape = (self.starts[-1], pieces[0].shape[1] if pieces else 0)
+        self._metadata = metadata
+        self.shape = (self.starts[-1], width if width is not None else pieces[0].shape[1] if pieces else 0)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        if callable(self._metadata):
+            self._metadata = self._metadata()
+        return self._metadata
 
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, index):  # a slice of rows, or one row
+    def __getitem__(self, index):  # a slice of rows, one row, or the rows at sorted indices
+        if isinstance(index, np.ndarray):
+            return self.take(index)
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
@@ -270,6 +279,33 @@ class Rows(Sequence):
         return whole if dtype is None else whole.astype(dtype)
 
 
+class _Shard:
+    """One shard of a known number of rows, opened (and first brought here by ``bring``,
+    where it is not yet) when a row of it is read."""
+
+    def __init__(self, path: Path, rows: int, bring: Callable[[Path], None] | None):
+        self.path, self.rows, self.bring = path, rows, bring
+        self._opened: Rows | None = None
+
+    def opened(self) -> Rows:
+        if self._opened is None:
+            if self.bring is not None:
+                self.bring(self.path)
+            pieces, metadata = _mapped(self.path)
+            opened = Rows(pieces, metadata)
+            if len(opened) != self.rows:
+                raise DataError(f"{self.path} holds {len(opened)} rows where its split's record says "
+                                f"{self.rows}; rerun the encode stage")
+            self._opened = opened
+        return self._opened
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index):
+        return self.opened()[index]
+
+
 def _mapped(path: Path) -> tuple[list[np.ndarray], dict[str, str]]:
     """A shard's record batches as read-only views of the mapped file, and its metadata."""
     try:
@@ -291,9 +327,15 @@ def _mapped(path: Path) -> tuple[list[np.ndarray], dict[str, str]]:
     return pieces, metadata
 
 
-def read_split(folder: Path) -> Rows:
+def read_split(folder: Path, shards: list[dict] | None = None,
+               bring: Callable[[Path], None] | None = None) -> Rows:
     """A split's shards (a folder), or one Arrow file, as ``Rows``; the metadata is the
-    first shard's, less what differs between shards."""
+    first shard's, less what differs between shards. With ``shards`` (the encode manifest's
+    list: file and rows of each), a shard is opened when a row of it is first read, and
+    ``bring`` is asked for its file first (an object store's mirror fetches it then)."""
+    if shards:
+        lazy = [_Shard(folder / shard["file"], int(shard["rows"]), bring) for shard in shards]
+        return Rows(lazy, lambda: _shared(lazy[0].opened().metadata), _row_width(lazy[0]))
     files = sorted(folder.glob("*.arrow")) if folder.is_dir() else [folder]
     if not files:
         raise DataError(f"{folder} holds no Arrow shards; rerun the encode stage")
@@ -302,8 +344,22 @@ def read_split(folder: Path) -> Rows:
         mine, found = _mapped(file)
         pieces += mine
         metadata = found if metadata is None else metadata
-    shared = {k: v for k, v in (metadata or {}).items() if k not in ("shard", "first_row")}
-    return Rows(pieces, shared)
+    return Rows(pieces, _shared(metadata or {}))
+
+
+def _shared(metadata: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if k not in ("shard", "first_row")}
+
+
+def _row_width(shard: _Shard) -> int:
+    """The bytes of a row, from the shard's schema (its footer: no row is read)."""
+    if shard.bring is not None:
+        shard.bring(shard.path)
+    try:
+        schema = pa.ipc.open_file(pa.memory_map(str(shard.path), "r")).schema
+    except (OSError, pa.ArrowInvalid) as error:
+        raise DataError(f"cannot read Arrow file {shard.path}: {error}; rerun the encode stage") from error
+    return schema.field(COLUMN).type.list_size
 
 
 class Batches:

@@ -31,6 +31,10 @@ class RunFiles:
     resume: Path  # the resumable checkpoints, kept until the run is published
     state: Path  # where the final training state goes (must not exist)
     saved: Callable[[], None] | None = None  # hears of each complete checkpoint (to copy it elsewhere)
+    # The encode manifest's shard lists ({"train": [{file, rows, …}], "val": …}): with them a
+    # shard is opened when first read, after ``bring`` has it fetched where it is not yet.
+    shards: dict[str, list[dict]] | None = None
+    bring: Callable[[Path], None] | None = None
 
 
 def stop_agreed(step: int) -> bool:
@@ -73,8 +77,9 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
     global_batch = request.train.per_device_batch * len(devices)
-    train_rows = read_split(files.train)
-    val_rows = read_split(files.val)
+    shards = files.shards or {}
+    train_rows = read_split(files.train, shards.get("train"), files.bring)
+    val_rows = read_split(files.val, shards.get("val"), files.bring)
     # Only this process's rows of every batch are read (memory-mapped) and placed. The
     # validation rows (the whole split, or a fixed choice of a large one) are evaluated every
     # train.eval_every steps. Accelerators want few large calls; a CPU wants cache-sized ones

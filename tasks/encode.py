@@ -13,7 +13,7 @@ import numpy as np
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.config import BYTE_VALUES, DataConfig
-from ..model.data import SHARD_BYTES, split_point, train_order, windows, write_split
+from ..model.data import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
 from ..model.errors import require_space
 from .fetch import CORPUS
 from .registry import ENCODE
@@ -49,6 +49,7 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
             path.chmod(mode)
             out.digests[f"{name}/{shard['file']}"] = {"bytes": shard["bytes"], "sha256": shard["sha256"]}
     out.record["shards"] = {TRAIN: train, VAL: val}
+    out.on_demand = [TRAIN, VAL]  # a worker reading from a bucket fetches the shards it reads
     out.metrics.update({"bytes": size, "seq_len": settings.seq_len, "vocab_size": BYTE_VALUES, **counts,
                         "shards": len(train) + len(val)})
     distinct = fetch.metrics.get("distinct_bytes")
@@ -67,3 +68,9 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
     )
     sample = bytes(tokens[:200]).decode("utf-8", errors="replace")
     ui.markdown(ENCODE.name, f"First 200 bytes:\n\n```\n{sample}\n```\n", "Corpus sample", what="sample")
+
+
+def split_rows(encode: Version, name: str) -> Rows:
+    """The split ``name`` (TRAIN or VAL) of an encode version, each shard opened (and fetched,
+    from a bucket) when a row of it is first read."""
+    return read_split(encode.file(name), encode.manifest.get("shards", {}).get(name), encode.bring)

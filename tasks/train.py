@@ -36,7 +36,8 @@ def _files(encode: Version, out: Builder) -> RunFiles:
     """Checkpoints stay in ``out.resume`` (local); on an object store each complete one is
     copied to the bucket as well, so a rerun on another machine picks it up."""
     return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume.path, state=out.path(STATE),
-                    saved=out.resume.push if out.resume.url else None)
+                    saved=out.resume.push if out.resume.url else None, shards=encode.manifest.get("shards"),
+                    bring=encode.bring)
 
 
 def _say_if_resuming(stage: str, out: Builder) -> None:

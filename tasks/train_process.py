@@ -6,9 +6,11 @@ failure, not the end of the run):
     python -m bardflow.tasks.train_process --follow    # any other process: process 0 sends it
 
 Process 0 runs beside the stage that launched it and finds every file where the spec says.
-Another process finds the data through the store: on a local store at the spec's paths
-(every host sees that folder), on an object store in its own mirror (``BARDFLOW_WORKDIR``),
-so hosts share no filesystem. No Prefect is imported here.
+The data comes through the store: on a local store at the spec's paths (every host sees that
+folder); on an object store each process, process 0 too, reads it through its own mirror
+(``BARDFLOW_WORKDIR``), which fetches a split's shard when a row of it is first read, so
+hosts share no filesystem and a worker holds only the shards it reads. No Prefect is
+imported here.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ def files_of(spec: dict, leader: bool) -> RunFiles:
 
     local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
     saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None
-    if leader or not is_remote(spec.get("store", "")):
-        return RunFiles(**local, saved=saved)
+    if not is_remote(spec.get("store", "")):
+        return RunFiles(local["train"], local["val"], local["resume"], local["state"], saved=saved)
+    # Every process, process 0 too, reads the splits through its mirror, which fetches a
+    # shard when a row of it is first read.
     encode = open_store(spec["store"]).lookup(ENCODE.name, spec["encode"])
     if encode is None:
         raise StoreError(f"the encode version {spec['encode']} is missing or damaged in {spec['store']}; "
                          "rerun with --refresh encode")
-    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=local["resume"], state=local["state"])
+    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=local["resume"], state=local["state"],
+                    saved=saved if leader else None, shards=encode.manifest.get("shards"), bring=encode.bring)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,9 @@ from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.checkpoint import load_model, max_logit_diff
 from ..model.config import VerifyConfig
-from ..model.data import read_split
 from ..model.errors import BardflowError
 from .checkpoint import MODEL
-from .encode import VAL
+from .encode import VAL, split_rows
 from .registry import VERIFY
 from .train import trained_model
 
@@ -28,7 +27,7 @@ def build(settings: VerifyConfig, out: Builder, checkpoint: Version, train_paral
     reference, request = trained_model(train_parallel)
     restored = load_model(checkpoint.file(MODEL), init_seed=settings.init_seed)
     # A row may be one byte longer than the context (data.every_position): the probe fits it.
-    probe = read_split(encode.file(VAL))[: settings.probe_sequences][:, : request.model.max_seq_len]
+    probe = split_rows(encode, VAL)[: settings.probe_sequences][:, : request.model.max_seq_len]
     diff = max_logit_diff(reference, restored, probe)
     passed = diff < settings.tolerance
     verdict = {"max_abs_diff": diff, "tolerance": settings.tolerance, "passed": passed,

@@ -3,6 +3,7 @@ tests: started once, stopped for sure."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -185,7 +186,10 @@ class ObjectServer:
             try:
                 urllib.request.urlopen(self.url, timeout=2)
             except urllib.error.HTTPError:  # it answers (403 to an unsigned request): up
-                self.filesystem().mkdir(self.BUCKET)
+                # Started again on the same folder (its last user stopped it before another
+                # worker's first test needed it), it still holds the bucket.
+                with contextlib.suppress(FileExistsError):
+                    self.filesystem().mkdir(self.BUCKET)
                 return self
             except OSError:
                 time.sleep(0.3)

@@ -71,6 +71,17 @@ def test_a_split_is_bounded_shards_hashed_as_written_and_read_as_one(tmp_path, s
     chosen = np.array([0, boundary - 1, boundary, len(split.train) - 1])
     np.testing.assert_array_equal(rows.take(chosen), split.train[chosen])
     assert len(rows[len(rows) - 2: len(rows) + 5]) == 2
+    # With the manifest's list, a shard is opened, and asked for first, only when read.
+    asked = []
+    lazy = read_split(tmp_path / "train", shards, bring=lambda path: asked.append(path.name))
+    assert (len(lazy), lazy.shape[1], asked) == (len(split.train), 32, ["00000.arrow"])  # its schema: the width
+    np.testing.assert_array_equal(lazy[boundary - 3: boundary + 4], split.train[boundary - 3: boundary + 4])
+    assert asked == ["00000.arrow", "00000.arrow", "00001.arrow"]
+    np.testing.assert_array_equal(lazy.take(chosen), split.train[chosen])
+    assert asked[-1] == "00002.arrow" and lazy.metadata == {}
+    miscounted = [{**shards[0], "rows": shards[0]["rows"] + 1}, *shards[1:]]
+    with pytest.raises(DataError, match="00000.arrow holds .* rows where its split's record says"):
+        read_split(tmp_path / "train", miscounted)[0]
 
 
 def test_a_truncated_arrow_file_is_a_clear_error(tmp_path):

@@ -115,6 +115,38 @@ def test_a_damaged_mirror_copy_is_fetched_again(s3, bucket, tmp_path):
     assert again is not None and (again.path / "a.txt").read_text() == "kept"
 
 
+def test_on_demand_files_come_down_one_by_one_as_they_are_read_and_verified(s3, bucket, tmp_path):
+    """A split's shards: a worker's mirror holds the version without them, and fetches each
+    (checked against the manifest) when a reader first opens it."""
+    def shards(out):
+        write("meta")(out)
+        for name in ("train/00000.arrow", "train/00001.arrow", "val/00000.arrow"):
+            out.path(name).write_bytes(name.encode() * 100)
+        out.on_demand = ["train", "val"]
+
+    built, _ = ObjectStore(bucket, tmp_path / "builder").produce("demo", KEY, {}, {}, shards)
+    assert built.fetch is not None and built.manifest["on_demand"] == ["train", "val"]
+    worker = ObjectStore(bucket, tmp_path / "worker")
+    version = worker.lookup("demo", KEY)
+    assert version is not None and (version.path / "a.txt").read_text() == "meta"
+    assert sorted(p.name for p in version.path.rglob("*.arrow")) == []  # the folders, empty
+    version.bring(version.file("train/00001.arrow"))
+    assert sorted(p.relative_to(version.path).as_posix() for p in version.path.rglob("*.arrow")) == \
+        ["train/00001.arrow"]
+    assert version.file("train/00001.arrow").read_bytes() == b"train/00001.arrow" * 100
+    again = worker.lookup("demo", KEY)  # a fetched shard is verified like the rest; absent ones are fine
+    assert again is not None and again.path == version.path
+    version.file("train/00001.arrow").write_bytes(b"rot" * 100)
+    assert worker.lookup("demo", KEY).file("train/00001.arrow").exists() is False  # damaged: mirrored again
+    with pytest.raises(StoreError, match="not a file this version fetches on demand"):
+        version.fetch(["a.txt"])
+    fs = s3.filesystem()
+    fs.pipe_file(f"{bucket[5:]}/demo/{KEY}/{built.manifest['objects']}/val/00000.arrow", b"x" * 1500)
+    with pytest.raises(ObjectStoreError, match="differs from its manifest or is gone; rerun with --refresh"):
+        version.bring(version.file("val/00000.arrow"))
+    assert not version.file("val/00000.arrow").exists()  # nothing half-trusted is left in place
+
+
 def test_a_failed_build_leaves_nothing_in_the_bucket(s3, bucket, tmp_path):
     def crash(out):
         out.path("a.txt").write_text("half")

@@ -201,8 +201,9 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     version = bucket.lookup("train_single", single["key"])
     assert version.manifest["resumed_from_step"] == saved
     data = bucket.lookup("encode", resumed["stages"]["encode"]["key"])
+    assert not list(data.path.rglob("*.arrow"))  # a new machine's mirror: shards come as they are read
     files = RunFiles(train=data.file("train"), val=data.file("val"), resume=tmp_path / "ref-resume",
-                     state=tmp_path / "ref-state")
+                     state=tmp_path / "ref-state", shards=data.manifest["shards"], bring=data.bring)
     reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
                              [jax.devices()[0]], parallel=False)
     assert reference["metrics"]["resumed_from_step"] is None

@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 
@@ -94,6 +95,27 @@ def test_damaged_or_missing_files_make_a_version_invisible(tmp_path):
     assert ran and store.lookup("demo", key) is not None
     (rebuilt.path / "a.txt").unlink()
     assert store.lookup("demo", key) is None
+
+
+def test_a_lookup_reads_again_only_what_changed_since_this_process_read_it(tmp_path, monkeypatch):
+    from bardflow.artifacts import store as store_module
+
+    read = []
+    real = store_module.file_digest
+    monkeypatch.setattr(store_module, "file_digest", lambda path, *a: read.append(path.name) or real(path, *a))
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    version, _ = store.produce("demo", key, {}, {}, write("hello"))
+    read.clear()
+    assert store.lookup("demo", key) and store.lookup("demo", key)
+    assert sorted(read) == ["a.txt", "a.txt", "b.bin", "b.bin"]  # just written: not yet settled, read each time
+    monkeypatch.setattr(store_module, "_SETTLED_NS", 0)
+    read.clear()
+    assert store.lookup("demo", key) and store.lookup("demo", key) and store.require(version)
+    assert sorted(read) == ["a.txt", "b.bin"]  # once, then remembered
+    time.sleep(0.05)  # past the file clock's tick
+    (version.path / "sub" / "b.bin").write_bytes(b"\x00\x02")  # same size, flipped bit
+    assert store.lookup("demo", key) is None and read[-1] == "b.bin"
 
 
 def test_refresh_with_the_same_output_keeps_the_version_and_new_output_replaces_it(tmp_path):
