@@ -9,6 +9,8 @@ does not lose the rest:
   pipeline    `bardflow run --preset codelab` on Prefect's embedded server, fresh then cached
   deployment  `prefect deployment run 'bardflow-pipeline/pipeline'` through a process worker
   bench       codelab-style step against bardflow's, MFU, float32 against bfloat16, generation
+  gpt2        the gpt2 preset (85 M parameters) across the host's GPUs, replicated, fsdp and
+              fsdp with remat: tokens/s, MFU, XLA's memory per device against the estimate
   quality     the `quality` preset's time to validation loss 1.47
   vllm        the pipeline's transformers folder served by vLLM, its greedy text held to the
               export's (skipped, and not counted a failure, where vLLM is not installed)
@@ -220,6 +222,16 @@ class Check:
                        limit_s=limit_s)
         return {"table": done.stdout.strip().splitlines()[-25:]}
 
+    def gpt2(self, limit_s: float) -> dict:
+        shape = ["--steps", "20"]
+        if self.dry_run:  # its shape, smaller, on two emulated CPU devices
+            shape = ["--steps", "2", "--cpu-devices", "2"] + [arg for item in (
+                "model.num_layers=2", "data.seq_len=64", "model.max_seq_len=64", "train.per_device_batch=2")
+                for arg in ("--set", item)]
+        done = self.sh("gpt2", sys.executable, "-m", "bench.fsdp", "--preset", "gpt2", *shape, "--out",
+                       str(self.out), limit_s=limit_s)
+        return {"table": done.stdout.strip().splitlines()[-21:]}
+
     def vllm(self, limit_s: float) -> dict | None:
         if importlib.util.find_spec("vllm") is None:
             return None
@@ -264,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         check = Check(args.out, Path(work), args.dry_run, args.budget_s)
-        limits = {"tests": 90, "pipeline": 120, "deployment": 120, "bench": 150, "quality": 150, "vllm": 120}
+        limits = {"tests": 90, "pipeline": 120, "deployment": 120, "bench": 150, "gpt2": 100, "quality": 150,
+                  "vllm": 120}
         for name, limit_s in limits.items():
             check.part(name, limit_s, getattr(check, name))
         check.log.close()

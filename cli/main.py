@@ -258,8 +258,30 @@ def _presets(args: argparse.Namespace) -> int:
         print(config_file.as_yaml(args.name), end="")
         return 0
     names = [args.name] if args.name else list(PRESETS)
-    print(json.dumps({n: build_config(n).model_dump(mode="json") for n in names}, indent=2))
+    shown = {n: build_config(n).model_dump(mode="json") for n in names}
+    if args.name:  # and what one device would hold, before a run finds out
+        shown["memory_per_device"] = memory_table(build_config(args.name))
+    print(json.dumps(shown, indent=2))
     return 0
+
+
+def memory_table(config) -> dict[str, dict]:
+    """The estimate of ``model/memory.py`` for a preset on a GPU and on a CPU, on one device
+    and on eight, with and without remat."""
+    from ..model.memory import estimate
+    from ..model.step_settings import resolve
+
+    table = {}
+    for platform in ("gpu", "cpu"):
+        step = resolve(config.model, config.train, config.data.seq_len, platform)
+        for devices in (1, 8):
+            for remat in (False, True):
+                found = estimate(config.model, config.train, devices, config.data.seq_len, step.rows_per_pass,
+                                 step.precision, remat=remat, attention=step.attention)
+                name = f"{platform}, {devices} device{'s' if devices > 1 else ''}, {found.layout}" + \
+                    (", remat" if remat else "")
+                table[name] = {**found.as_json(), "rows_per_pass": step.rows_per_pass, "precision": step.precision}
+    return table
 
 
 def _artifacts(args: argparse.Namespace) -> int:

@@ -62,7 +62,7 @@ STATES = {"Cached": "cached", SAME: "ran (unchanged)"}
 # written out for type checkers; tests/test_config.py holds them to the registry and presets).
 StageName = Literal["fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "export", "verify",
                     "generate"]
-Preset = Literal["auto", "codelab", "cpu", "quality", "tiny"]
+Preset = Literal["auto", "codelab", "cpu", "quality", "gpt2", "tiny"]
 
 
 class ExplainedErrorFilter(logging.Filter):

@@ -73,18 +73,35 @@ def load_model(path: Path, init_seed: int | None = None) -> Transformer:
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
-    """What to restore ``x`` as: its shape, dtype and, for a placed array, its sharding,
-    whatever devices the checkpoint was written from."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    """What to restore ``x`` as: its shape, dtype and sharding (a placed array's, else the
+    first device), whatever devices and layout the checkpoint was written from: Orbax reads
+    each device's part of the saved arrays straight onto it."""
+    sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def _leader_only():
-    """Orbax options under which process 0 alone reads and writes. The training state is
-    replicated, so process 0 holds all of it: checkpoints need no filesystem shared by the
-    processes (each may have its own working folder), and the others get a restored state
-    by broadcast."""
+    """Orbax options under which process 0 alone reads and writes the whole state (gathered
+    to it first when split over the processes' devices, ``_host_copy``): checkpoints need no
+    filesystem shared by the processes (each may have its own working folder), and the
+    others get a restored state by broadcast, each keeping its own part."""
     return ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0},
                                               barrier_sync_key_prefix="bardflow-leader")
+
+
+def _split_over_processes(tree) -> bool:
+    return not all(leaf.is_fully_replicated or leaf.is_fully_addressable for leaf in jax.tree.leaves(tree))
+
+
+def _host_copy(tree):
+    """A multi-process state in host memory, for process 0 to write: a replicated state is
+    whole in every process; one split over the processes' devices (FSDP) is gathered, and
+    every process must take part."""
+    if not _split_over_processes(tree):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _nbytes(tree) -> int:
@@ -92,16 +109,19 @@ def _nbytes(tree) -> int:
 
 
 def save_train_state(path: Path, state: nnx.State) -> None:
-    """The whole training state (model and optimizer) as one Orbax pytree; in a
-    multi-process run, written by process 0 (the others only wait for it)."""
-    host = jax.device_get(nnx.to_pure_dict(state))  # replicated: every process holds it all
+    """The whole training state (model and optimizer) as one Orbax pytree, each array written
+    from where it lies (split over devices or not); in a multi-process run, written by
+    process 0 (the others only wait for it)."""
+    pure = nnx.to_pure_dict(state)
     if jax.process_index() == 0:
-        require_space(Path(path).parent, _nbytes(host), "the trained state")
+        require_space(Path(path).parent, _nbytes(pure), "the trained state")
     if jax.process_count() == 1:
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(Path(path).absolute(), host)
+            checkpointer.save(Path(path).absolute(), pure)
         return
     from jax.experimental import multihost_utils
+
+    host = _host_copy(pure)
 
     if jax.process_index() == 0:
         with ocp.StandardCheckpointer(multiprocessing_options=_leader_only()) as checkpointer:
@@ -122,9 +142,13 @@ def load_train_state(path: Path, template: nnx.State) -> nnx.State:
 
 
 def params_digest(model: Transformer) -> str:
-    """A hash of every parameter's bytes: equal iff the parameters are bitwise equal."""
+    """A hash of every parameter's bytes: equal iff the parameters are bitwise equal (in a
+    multi-process run every process calls it: a split state is gathered first)."""
     digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if jax.process_count() > 1:
+        params = _host_copy(params)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         digest.update(jax.tree_util.keystr(path).encode())
         digest.update(np.asarray(leaf).tobytes())
     return digest.hexdigest()
@@ -174,11 +198,11 @@ class TrainingCheckpoints:
         return sorted(int(p.name) for p in found if p.name.isdigit() and p.is_dir())
 
     def save(self, step: int, state: nnx.State, record: dict) -> None:
+        pure = nnx.to_pure_dict(state)
+        if jax.process_count() > 1 and (self.manager is not None or _split_over_processes(pure)):
+            pure = _host_copy(pure)  # a split state is gathered by every process together
         if self.manager is None:
             return
-        pure = nnx.to_pure_dict(state)
-        if jax.process_count() > 1:
-            pure = jax.device_get(pure)  # replicated: process 0 holds it all
         if jax.process_index() == 0:
             require_space(self.directory, _nbytes(pure), f"the checkpoint of step {step}")
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),

@@ -137,6 +137,12 @@ class TrainConfig(_Section, frozen=True):
         default=0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
         "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
         "on CPU, the whole per-device batch on GPU/TPU")
+    sharding: Literal["replicated", "fsdp"] = Field(
+        default="replicated", description="how data-parallel devices hold the training state: replicated (a "
+        "whole copy each) or fsdp (each parameter and its optimizer state split over the devices, gathered "
+        "where used: a model larger than one device's memory)")
+    remat: bool = Field(default=False, description="recompute each block's activations in the backward pass "
+                        "instead of keeping them: less memory for about a third more compute")
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> TrainConfig:
@@ -263,8 +269,9 @@ class TrainingRequest(_Section, frozen=True):
     def recipe(self) -> dict[str, Any]:
         """What decides the trained state: not how often it is checkpointed, nor which of
         two equal kernels computes it, nor how far the other training stage runs."""
+        # sharding and remat change where and when a step computes, not what (to float rounding).
         recipe = self.model_dump(mode="json", exclude={
-            "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps"},
+            "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps", "sharding", "remat"},
             "model": {"attention", "dense"}, "report": True})
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
@@ -307,6 +314,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {"steps": 2000, "single_device_steps": 200, "per_device_batch": 64, "optimizer": "muon",
                   "muon_learning_rate": 0.02, "learning_rate": 3e-3, "schedule": "cosine", "warmup_steps": 100,
                   "grad_clip": 1.0, "beta2": 0.99, "log_every": 100, "checkpoint_every": 500},
+        "generate": {"max_new_bytes": 500},
+    },
+    # GPT-2 small's shape (12 layers, width 768, 12 heads, context 1,024: about 85 M parameters
+    # on the byte vocabulary) with rotary positions, for one or more GPUs and corpora larger than
+    # TinyShakespeare (enwik8, your own): bfloat16 compute (auto), parameters and optimizer
+    # state split over the devices (fsdp). `bardflow presets gpt2` shows its memory per device.
+    "gpt2": {
+        "data": {"seq_len": 1024, "every_position": True},
+        "model": {"d_model": 768, "num_heads": 12, "ffn_dim": 3072, "num_layers": 12, "max_seq_len": 1024,
+                  "positions": "rope"},
+        "train": {"steps": 5000, "single_device_steps": 50, "per_device_batch": 16, "learning_rate": 6e-4,
+                  "schedule": "cosine", "warmup_steps": 200, "min_learning_rate_fraction": 0.1, "grad_clip": 1.0,
+                  "weight_decay": 0.1, "beta2": 0.95, "log_every": 100, "eval_every": 1000,
+                  "checkpoint_every": 500, "sharding": "fsdp"},
         "generate": {"max_new_bytes": 500},
     },
     # Seconds, for tests.

@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import TrainConfig
 from .evaluation import make_evaluate
+from .memory import step_memory
 from .placement import Placement
 from .step import TrainingError, configured_rates, make_train_step
 from .step_settings import StepSettings, resolve
@@ -36,6 +37,9 @@ class TrainResult:
     resume_s: float = 0.0  # time to find and restore that checkpoint
     precision: str = "float32"  # the compute dtype; parameters are always float32
     rows_per_pass: int = 0  # rows of each device's batch per forward/backward pass
+    layout: str = "single"  # single, replicated or fsdp (model/placement.py)
+    memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/memory.py)
+    resumed_layout: dict[str, Any] | None = None  # the devices and layout of the checkpoint resumed from
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,6 +66,9 @@ class TrainResult:
             "resume_s": round(self.resume_s, 3),
             "precision": self.precision,
             "rows_per_pass": self.rows_per_pass,
+            "layout": self.layout,
+            **({"step_memory": self.memory} if self.memory is not None else {}),
+            **({"resumed_layout": self.resumed_layout} if self.resumed_from is not None else {}),
         }
 
 
@@ -82,6 +89,7 @@ class RunRecord:
     prior_s: float = 0.0  # trained before this session (a resumed run)
     started: float = 0.0
     paused_s: float = 0.0
+    layout: dict[str, Any] | None = None  # the devices and layout it trains on: kept in each checkpoint
 
     def trained_s(self) -> float:
         return self.prior_s + time.perf_counter() - self.started - self.paused_s
@@ -112,7 +120,8 @@ class RunRecord:
                                 f"{self.last_saved} is kept; lower train.learning_rate")
         # A copy of the history: the save is asynchronous and the loop keeps appending to it.
         self.checkpoints.save(info.done, info.state, {"step": info.done, "history": list(self.history),
-                                                      "elapsed_s": self.trained_s(), "data_position": info.done})
+                                                      "elapsed_s": self.trained_s(), "data_position": info.done,
+                                                      "layout": self.layout})
         self.last_saved = info.done
         return self.last_saved
 
@@ -227,6 +236,8 @@ def train(
     """
     last = min(stop_after or cfg.steps, cfg.steps)
     record, start, resumed_from, resume_s = RunRecord([], checkpoints), 0, None, 0.0
+    record.layout = {"devices": len(placement.devices), "layout": placement.layout}
+    resumed_layout = None
     state = placement.put_state(state)
     if checkpoints is not None:
         started = time.perf_counter()
@@ -236,14 +247,16 @@ def train(
             state, saved = configured_rates(found[0], configured), found[1]
             start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
             record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
+            resumed_layout = saved.get("layout")  # absent from a checkpoint of before it was kept
     first = placement.put_batch(batch_at(start))
     global_batch, seq_len = first.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
-    compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, dtype, passes).lower(
-        state, first).compile(compiler_options=step.xla_options)
+    compiled = make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, dtype, passes,
+                               step.remat).lower(state, first).compile(compiler_options=step.xla_options)
     compile_s = time.perf_counter() - started
+    memory = step_memory(compiled, state)
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
@@ -261,5 +274,5 @@ def train(
         global_batch=global_batch, seq_len=seq_len,
         val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
         devices=len(placement.devices), resumed_from=resumed_from, resume_s=resume_s, precision=dtype.name,
-        rows_per_pass=step.rows_per_pass,
+        rows_per_pass=step.rows_per_pass, layout=placement.layout, memory=memory, resumed_layout=resumed_layout,
     )

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from .config import ModelConfig, TrainConfig
 from .errors import BardflowError
 from .optimizer import DATA_AXIS, make_optimizer
+from .placement import StateLayout
 from .transformer import Transformer, build_model
 
 
@@ -24,13 +25,14 @@ class TrainingError(BardflowError, RuntimeError):
     """Training cannot go on; the message names the step and the cause."""
 
 
-def target_losses(model: Transformer, tokens: jax.Array) -> jax.Array:
+def target_losses(model: Transformer, tokens: jax.Array, remat: bool = False) -> jax.Array:
     """(rows, length - 1): the loss of predicting each byte of the rows but the first from
     those before it. A row one byte longer than the model's context (``data.every_position``)
     is read without its last byte, which is only a target; otherwise the row is read whole
-    and the last position's prediction dropped (causal: the same function, one shape for both)."""
+    and the last position's prediction dropped (causal: the same function, one shape for both).
+    ``remat``: each block's activations are recomputed in the backward pass, not kept."""
     inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
-    logits, _ = model(inputs)
+    logits, _ = model(inputs, remat=remat)
     logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
 
@@ -114,9 +116,14 @@ def _accumulated(loss_fn, passes: int, mesh):
 
 
 @lru_cache(maxsize=16)
-def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1):
+def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1,
+                    remat: bool = False):
+    """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
+    sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
+    ``model/placement.py``; XLA gathers a parameter where it is used and reduces its
+    gradient to the parts each device keeps)."""
     def loss_fn(model, tokens):
-        return next_byte_loss(in_dtype(model, dtype), tokens)
+        return target_losses(in_dtype(model, dtype), tokens, remat).mean()
 
     mesh = None if batch_sharding is None else batch_sharding.mesh
     if passes == 1:
@@ -134,6 +141,8 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
 
     if state_sharding is None or mesh is None:
         return jax.jit(step, donate_argnums=0)
+    if isinstance(state_sharding, StateLayout):
+        state_sharding = state_sharding.tree()
     return jax.jit(
         step,
         in_shardings=(state_sharding, batch_sharding),

@@ -25,6 +25,8 @@ class StepSettings:
     precision: str  # the compute dtype: "float32" or "bfloat16"; parameters stay float32
     rows_per_pass: int  # rows of each device's batch per forward/backward pass
     xla_options: dict[str, Any] = field(default_factory=dict)  # compiler options of the step
+    sharding: str = "replicated"  # train.sharding: replicated or fsdp (model/placement.py)
+    remat: bool = False  # train.remat: each block's activations recomputed in the backward pass
 
     def passes(self, per_device_batch: int) -> int:
         return per_device_batch // self.rows_per_pass
@@ -61,4 +63,5 @@ def resolve(model_cfg: ModelConfig | None, train_cfg: TrainConfig, seq_len: int,
     rows = train_cfg.micro_batch or choice.get("rows_per_pass") or default_rows_per_pass(
         train_cfg.per_device_batch, seq_len, platform)
     tuned = platform == "cpu" and choice.get("xla", "tuned") == "tuned"
-    return StepSettings(kernels["attention"], kernels["dense"], precision, rows, dict(XLA_CPU_TUNED) if tuned else {})
+    return StepSettings(kernels["attention"], kernels["dense"], precision, rows, dict(XLA_CPU_TUNED) if tuned else {},
+                        train_cfg.sharding, train_cfg.remat)

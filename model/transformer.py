@@ -158,7 +158,7 @@ class Transformer(nnx.Module):
         self.logit_cap = cfg.logit_cap
 
     def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False,
-                 span: int | None = None):
+                 span: int | None = None, remat: bool = False):
         """(rows, t) token ids -> (logits, cache).
 
         ``positions`` (t,): where the tokens sit, by default 0..t-1. ``cache``: every layer's
@@ -171,7 +171,8 @@ class Transformer(nnx.Module):
         the window recomputed from scratch). ``last_only``: only the last
         position's logits are wanted, (rows, 1, vocab): every layer below the top one still
         runs over all positions (they make the top layer's keys and values), the top layer's
-        query, MLP and the head only over the last.
+        query, MLP and the head only over the last. ``remat`` (training): each block's
+        activations are recomputed in the backward pass instead of kept (``nnx.remat``).
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
@@ -180,9 +181,12 @@ class Transformer(nnx.Module):
             x = x + self.pos_embed(positions)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
-        for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
-            x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
-            updated.append(layer)
+        if remat and cache is None and not last_only and span is None:
+            x = _recomputed(self.blocks, x, positions)
+        else:
+            for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
+                x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
+                updated.append(layer)
         logits = self.lm_head(self.final_norm(x))
         if self.logit_cap is not None:
             logits = self.logit_cap * jnp.tanh(logits / self.logit_cap)
@@ -193,6 +197,20 @@ class Transformer(nnx.Module):
         shape = (rows * attn.num_heads, window, attn.head_dim)
         # Distinct buffers, so that a compiled loop may update every one in place (donated).
         return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
+
+
+def _recomputed(blocks, x, positions):
+    """The blocks as one loop over their stacked parameters whose body the backward pass
+    recomputes from its input (``jax.checkpoint``): only each block's input is kept. A loop,
+    not the blocks one after another, since XLA:CPU schedules unrolled recomputations early
+    and keeps their results as long as it would have kept the originals."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(nnx.split(block)[1] for block in blocks))
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, positions)[0], None
+
+    return jax.lax.scan(jax.checkpoint(body), x, stacked)[0]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

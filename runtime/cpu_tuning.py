@@ -94,8 +94,9 @@ def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[st
     rows = train_cfg.per_device_batch * len(placement.devices)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (rows, seq_len), dtype=np.int32)
     batch = placement.put_batch(tokens)
-    compiled = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding,
-                               passes=step.passes(train_cfg.per_device_batch)).lower(state, batch).compile(
+    compiled = make_train_step(graphdef, placement.shardings(state), placement.batch_sharding,
+                               passes=step.passes(train_cfg.per_device_batch), remat=step.remat).lower(
+        state, batch).compile(
         compiler_options=step.xla_options)
     return compiled, state, batch
 

@@ -92,6 +92,10 @@ def requested_cpu_devices(flags: str) -> int | None:
 
 _probe: subprocess.Popen | None = None
 _probed_answer: tuple[int, str] | None = None
+_probed_free: int | None = None  # an accelerator's free bytes (device 0), as the probe saw them
+# What the probe prints: the device count, the platform, and an accelerator's free bytes.
+_PROBE = ("import jax; d = jax.devices(); s = (d[0].memory_stats() or {}) if d[0].platform != 'cpu' else {}; "
+          "print(len(d), jax.default_backend(), s.get('bytes_limit', 0) - s.get('bytes_in_use', 0))")
 
 
 def probe_devices() -> None:
@@ -101,22 +105,41 @@ def probe_devices() -> None:
     process of a group asks in-process, once joined (``hardware``)."""
     global _probe
     if _probe is None and "jax" not in sys.modules and ProcessGroup.from_env() is None:
-        count = "import jax; print(len(jax.devices()), jax.default_backend())"
-        _probe = subprocess.Popen([sys.executable, "-c", count], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        _probe = subprocess.Popen([sys.executable, "-c", _PROBE], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True)
 
 
 def _probed() -> tuple[int, str] | None:
-    global _probe, _probed_answer
+    global _probe, _probed_answer, _probed_free
     if "jax" in sys.modules:  # JAX is here already: its own answer is the one
         return None
     if _probe is not None:
         out, _ = _probe.communicate()
         words = out.split()
-        if _probe.returncode == 0 and len(words) == 2 and words[0].isdigit():
-            _probed_answer = int(words[0]), words[1]
+        if _probe.returncode == 0 and len(words) == 3 and words[0].isdigit():
+            _probed_answer, _probed_free = (int(words[0]), words[1]), int(words[2])
         _probe = None
     return _probed_answer
+
+
+def free_bytes_per_device() -> int | None:
+    """What one training device has free: an accelerator's own memory (what its allocator
+    may still hand out), or on a CPU the host's available memory shared among the emulated
+    devices; None where nothing says."""
+    count, platform = hardware()
+    if platform == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return None
+        return available // max(1, count)
+    if _probed() is not None:
+        return _probed_free or None
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return (stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) or None
 
 
 def hardware() -> tuple[int, str]:

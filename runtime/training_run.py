@@ -75,7 +75,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     each record to ``request.report``'s trackers, warning through ``warn``; ``note`` tells the
     user of a long step before training, the CPU's measurement). Returns the
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
-    placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
+    placement = (Placement.data_parallel(devices, fsdp=request.train.sharding == "fsdp") if parallel
+                 else Placement.single(devices[0]))
     global_batch = request.train.per_device_batch * len(devices)
     shards = files.shards or {}
     train_rows = read_split(files.train, shards.get("train"), files.bring)

@@ -21,7 +21,8 @@ from typing import Any
 from ..artifacts.store import Builder, Version, VersionStore, version_key
 from ..model.config import ConfigError, PipelineConfig, TrainingRequest
 from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
-from ..runtime.distributed import ProcessGroup
+from ..model.memory import check_fits
+from ..runtime.distributed import ProcessGroup, free_bytes_per_device
 
 
 def jsonable(settings: Any) -> Any:
@@ -42,6 +43,9 @@ class RunPlan:
     processes: int = 1
 
     def training(self, devices: int, processes: int = 1, stop_after: int | None = None) -> TrainingRequest:
+        """The request, once its estimated memory per device is known to fit (``model/memory.py``)."""
+        check_fits(self.config.model, self.config.train, devices, self.platform, self.config.data.seq_len,
+                   free_bytes_per_device())
         return TrainingRequest(model=self.config.model, train=self.config.train, devices=devices,
                                platform=self.platform, processes=processes, stop_after=stop_after)
 

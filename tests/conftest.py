@@ -62,6 +62,9 @@ for name, value in {
     # each other on this one machine on purpose, and a run a test kills would hold its slot
     # until it is noticed; the tests of the slot name one of their own.
     "BARDFLOW_TRAINING_SLOT": "off",
+    # Two workers share the cores: torch's OpenMP threads (the transformers checks) spin while
+    # they wait, and beside the other worker's XLA threads took five times as long.
+    "OMP_NUM_THREADS": "1",
 }.items():
     os.environ[name] = value
 os.environ.pop("PREFECT_API_URL", None)

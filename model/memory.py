@@ -1,0 +1,171 @@
+"""Per-device memory of a training step: what XLA measured for the compiled step
+(``step_memory``), and what a configuration will need before anything is built
+(``estimate``), so that a run that cannot fit is refused in one line before any work.
+
+The estimate imports no JAX (the run's own process decides before JAX loads). Its
+activation coefficients were fitted to XLA's own ``memory_analysis`` of the compiled step
+on a CPU, over the codelab, cpu and gpt2 shapes, with and without remat (docs/benchmarks.md,
+"Memory per device"); a GPU's fused attention needs less, so there it errs on the safe side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, ModelConfig, TrainConfig
+
+GIB = 1 << 30
+# Arrays below this many elements (biases, norms, step counts, learning rates) stay whole on
+# every device under FSDP: splitting them saves little and adds a collective each.
+FSDP_MIN_ELEMENTS = 1 << 14
+# Values kept per token and block for the backward pass, in the compute dtype, by attention
+# kernel: (per attention score, heads x context: scores, probabilities, their gradients;
+# per model feature, with the MLP's four-times-wider hidden layer folded in: its input and
+# output, the attention's queries, keys and values, norms, residuals). The hand-written CPU
+# kernel (model/kernels.py) keeps fewer scores.
+ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1)}
+# With remat, the block being recomputed holds its own activations again while its gradient
+# is taken (a little more than one block's worth), beside the blocks' parameters stacked
+# for the loop.
+RECOMPUTED_BLOCKS = 1.25
+
+
+def fsdp_dim(shape: tuple[int, ...], devices: int) -> int | None:
+    """The FSDP rule, by shape (ZeRO-3): the dimension an array is split along over the data
+    axis, its largest that the devices divide (the first of equal ones); None (replicated)
+    for a small array, or one no dimension of which divides. A parameter and its optimizer
+    moments have the same shape, so they are split alike."""
+    if devices < 2 or math.prod(shape) < FSDP_MIN_ELEMENTS:
+        return None
+    divisible = [dim for dim, size in enumerate(shape) if size % devices == 0]
+    return max(divisible, key=lambda d: (shape[d], -d)) if divisible else None
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape by name, as ``model/transformer.py`` makes them."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embed": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size),
+                                          "final_norm.scale": (d,), "final_norm.bias": (d,)}
+    if cfg.positions == "learned":
+        shapes["pos_embed"] = (cfg.max_seq_len, d)
+    for layer in range(cfg.num_layers):
+        for name, shape in {"ln1.scale": (d,), "ln1.bias": (d,), "ln2.scale": (d,), "ln2.bias": (d,),
+                            "attn.qkv.kernel": (d, 3 * d), "attn.qkv.bias": (3 * d,),
+                            "attn.out.kernel": (d, d), "attn.out.bias": (d,),
+                            "mlp.up.kernel": (d, f), "mlp.up.bias": (f,),
+                            "mlp.down.kernel": (f, d), "mlp.down.bias": (d,)}.items():
+            shapes[f"blocks.{layer}.{name}"] = shape
+    return shapes
+
+
+def _moments(name: str, shape: tuple[int, ...], optimizer: str) -> int:
+    """Optimizer moments kept per parameter: AdamW's two, or Muon's one for a block's matrix."""
+    return 1 if optimizer == "muon" and len(shape) == 2 and name.startswith("blocks.") else 2
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parameters: int
+    state_bytes: int  # parameters and optimizer state on one device
+    gradient_bytes: int
+    activation_bytes: int
+    devices: int
+    layout: str
+    remat: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.gradient_bytes + self.activation_bytes
+
+    def as_json(self) -> dict[str, Any]:
+        return {"parameters": self.parameters, "devices": self.devices, "layout": self.layout, "remat": self.remat,
+                **{f"{name}_gib": round(getattr(self, f"{name}_bytes") / GIB, 2)
+                   for name in ("state", "gradient", "activation", "total")}}
+
+
+def estimate(model: ModelConfig, train: TrainConfig, devices: int, seq_len: int, rows_per_pass: int,
+             precision: str, remat: bool | None = None, sharding: str | None = None,
+             attention: str = "xla") -> Estimate:
+    """What one device holds during a training step of ``model`` and ``train`` on
+    ``devices`` data-parallel devices: parameters and optimizer state (split by
+    ``fsdp_dim`` under FSDP), the float32 gradient, and the activations kept for the backward
+    pass of one ``rows_per_pass`` x ``seq_len`` pass in the compute dtype with the
+    ``attention`` kernel (``remat``: only each block's input, and one block's activations at
+    a time)."""
+    remat = train.remat if remat is None else remat
+    fsdp = (train.sharding if sharding is None else sharding) == "fsdp" and devices > 1
+    shapes = parameter_shapes(model)
+    state = 0
+    for name, shape in shapes.items():
+        split = fsdp and fsdp_dim(shape, devices) is not None
+        state += 4 * math.prod(shape) * (1 + _moments(name, shape, train.optimizer)) // (devices if split else 1)
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    width = 2 if precision == "bfloat16" else 4
+    tokens = rows_per_pass * seq_len
+    scores, features = ACTIVATION_TERMS["custom" if attention == "custom" else "xla"]
+    per_block = tokens * width * (scores * model.num_heads * seq_len + features * model.d_model)
+    if remat:
+        block_parameters = sum(math.prod(s) for name, s in shapes.items() if name.startswith("blocks."))
+        activations = (model.num_layers * tokens * model.d_model * width + RECOMPUTED_BLOCKS * per_block
+                       + block_parameters * width)
+    else:
+        activations = model.num_layers * per_block
+    gradients = 4 * parameters + (2 * parameters if width == 2 else 0)  # and the compute-dtype copy
+    return Estimate(parameters, state, gradients, int(activations), devices,
+                    "fsdp" if fsdp else "replicated" if devices > 1 else "single", remat)
+
+
+def state_bytes_per_device(state) -> int:
+    """What a placed state holds on its first device: parameters and optimizer state."""
+    total = 0
+    for leaf in _leaves(state):
+        shards = leaf.addressable_shards
+        total += shards[0].data.nbytes if shards else leaf.nbytes
+    return total
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def step_memory(compiled, state) -> dict[str, int]:
+    """The compiled step's memory on one device, as XLA reports it (``memory_analysis``):
+    arguments (the state and a batch), outputs, temporaries (activations, gradients, the
+    gathered parameters of FSDP), and the placed state alone."""
+    figures = {"state_bytes": state_bytes_per_device(state)}
+    analysis = compiled.memory_analysis()
+    if analysis is None:  # a backend that does not say
+        return figures
+    for name in ("argument", "output", "temp", "alias", "generated_code"):
+        value = getattr(analysis, f"{name}_size_in_bytes", None)
+        if value is not None:
+            figures[f"{name}_bytes"] = int(value)
+    return figures
+
+
+def check_fits(model: ModelConfig, train: TrainConfig, devices: int, platform: str, seq_len: int,
+               free_bytes: int | None) -> Estimate:
+    """The estimate of a training run on ``devices`` of ``platform``; a ``ConfigError`` naming
+    the figure and the fix when it exceeds ``free_bytes`` (one device's; None: unknown)."""
+    from .step_settings import resolve
+
+    step = resolve(model, train, seq_len, platform)
+    found = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention)
+    if free_bytes is None or found.total_bytes <= free_bytes:
+        return found
+    fixes = []
+    if devices > 1 and found.layout != "fsdp":
+        fixes.append("train.sharding=fsdp")
+    if not found.remat:
+        fixes.append("train.remat=true")
+    lower = "lower train.per_device_batch" + (" or train.micro_batch" if step.rows_per_pass > 1 else "")
+    fix = f"set {' or '.join(fixes)}, or {lower}" if fixes else lower
+    raise ConfigError(
+        f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
+        f"{'s' if devices > 1 else ''}, {found.layout}{', remat' if found.remat else ''}: state "
+        f"{found.state_bytes / GIB:.1f}, activations {found.activation_bytes / GIB:.1f} GiB), "
+        f"{free_bytes / GIB:.1f} GiB free: {fix}")

@@ -1,0 +1,92 @@
+"""Training state split over the devices (``train.sharding = fsdp``), blocks recomputed in
+the backward pass (``train.remat``), checkpoints that restore on any device count, and the
+memory estimate that refuses a run that cannot fit. The checks that need four devices run
+in one process of their own (``tests/four_devices.py``); the session has two."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bardflow.model.config import ConfigError, build_config
+from bardflow.model.memory import FSDP_MIN_ELEMENTS, estimate, fsdp_dim, parameter_shapes
+from tests.helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four") / "found.json"
+    done = subprocess.run([sys.executable, "-m", "tests.four_devices", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_fsdp_rule_splits_each_large_array_along_its_largest_dimension_the_devices_divide():
+    assert fsdp_dim((256, 768), 4) == 1 and fsdp_dim((768, 256), 4) == 0
+    assert fsdp_dim((384, 384), 4) == 0  # the first of equal ones
+    assert fsdp_dim((4096, 6), 4) == 0 and fsdp_dim((6, 4099), 4) is None  # none divides: whole
+    assert fsdp_dim((768,), 4) is None and fsdp_dim((FSDP_MIN_ELEMENTS,), 4) == 0  # small ones stay whole
+    assert fsdp_dim((256, 768), 1) is None
+    # A parameter's moments have its shape: under fsdp the codelab's state is a quarter per device,
+    # but for its small vectors.
+    cfg = build_config("codelab")
+    whole = estimate(cfg.model, cfg.train, 4, 256, 32, "float32", sharding="replicated").state_bytes
+    split = estimate(cfg.model, cfg.train, 4, 256, 32, "float32", sharding="fsdp").state_bytes
+    assert whole / 4 < split <= 1.1 * whole / 4
+    assert sum(np.prod(s) for s in parameter_shapes(build_config("gpt2").model).values()) == 85_449_216
+
+
+def test_fsdp_and_remat_train_to_the_same_losses_as_replicated_at_every_step(four):
+    losses = four["losses"]
+    for shape, optimizer, variants in (("cpu", "muon", ("fsdp", "fsdp remat")), ("codelab", "adamw", ("fsdp",))):
+        reference = losses[f"{shape} {optimizer} replicated"]
+        for variant in variants:
+            np.testing.assert_allclose(losses[f"{shape} {optimizer} {variant}"], reference, rtol=1e-5,
+                                       err_msg=f"{shape} {optimizer} {variant}")
+    assert len(losses["cpu muon replicated"]) == 8 and losses["cpu muon replicated"][-1] < 0.5 * \
+        losses["cpu muon replicated"][0]  # it learned
+
+
+def test_xla_measures_a_quarter_of_the_state_per_device_and_remat_cuts_the_temporaries(four):
+    memory = four["memory"]
+    replicated, fsdp = memory["replicated"], memory["fsdp"]
+    assert fsdp["state_bytes"] <= (0.25 + 0.10) * replicated["state_bytes"]
+    assert fsdp["argument_bytes"] <= (0.25 + 0.10) * replicated["argument_bytes"]
+    assert four["fsdp_metrics"]["layout"] == "fsdp" and four["fsdp_metrics"]["step_memory"]["temp_bytes"] > 0
+    kept, recomputed = memory["batch 32"], memory["batch 32 remat"]
+    assert recomputed["temp_bytes"] <= 0.6 * kept["temp_bytes"]
+    for figures in (kept, recomputed):  # the estimate that refuses runs, against XLA's own figures
+        measured = figures["argument_bytes"] + figures["temp_bytes"]
+        assert 0.75 <= figures["estimate_bytes"] / measured <= 1.25, figures
+        assert figures["estimate_state_bytes"] == pytest.approx(figures["state_bytes"], rel=1e-3)  # but step counts
+
+
+def test_a_checkpoint_written_with_fsdp_on_four_devices_resumes_on_two_and_on_one(four):
+    uninterrupted = four["losses"]["cpu muon fsdp"]
+    for devices, resumed in four["resumed"].items():
+        metrics = resumed["metrics"]
+        assert metrics["resumed_from_step"] == 4 and metrics["resumed_layout"] == {"devices": 4, "layout": "fsdp"}
+        assert metrics["layout"] == ("fsdp" if devices == "2" else "single")
+        np.testing.assert_allclose(resumed["losses"][4:], uninterrupted[4:], rtol=1e-5)
+    assert four["restored_devices"] == ["cpu:0"]  # a state split over four devices, whole on one
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_figure_and_the_fix():
+    from bardflow.model.memory import GIB, check_fits
+    from bardflow.tasks.stage import RunPlan
+
+    huge = build_config("gpt2", {"train.per_device_batch": 64, "train.micro_batch": 64})
+    with pytest.raises(ConfigError, match=r"training needs about [\d.]+ GiB per device \(2 cpu devices, fsdp: "
+                                          r"state .* GiB free: set train.remat=true, or lower train.per_device_batch"):
+        RunPlan(huge, devices=2, platform="cpu").parallel_training()
+    small = build_config("gpt2", {"train.per_device_batch": 1, "train.sharding": "replicated"})
+    fits = check_fits(small.model, small.train, 2, "gpu", 1024, 40 * GIB)
+    assert fits.layout == "replicated" and fits.total_bytes < 40 * GIB
+    with pytest.raises(ConfigError, match=r"GiB free: set train.sharding=fsdp or train.remat=true, or lower "
+                                          r"train.per_device_batch$"):
+        check_fits(small.model, small.train, 2, "gpu", 1024, GIB // 2)
