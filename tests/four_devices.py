@@ -93,8 +93,8 @@ def main(out: Path) -> None:
             result = losses("codelab", CODELAB, codelab_rows, sharding)
             found["losses"][f"codelab adamw {sharding}"] = [h["loss"] for h in result.history]
             found["memory"][sharding] = result.metrics()["step_memory"]  # the state's bytes: any batch
-        # The checkpoint of step 4 (of 8) that fsdp wrote on four devices, resumed on two and one.
-        for devices in (2, 1):
+        # The checkpoint of step 4 (of 8) that fsdp wrote on four devices, resumed on four, two and one.
+        for devices in (4, 2, 1):
             folder = work / f"on-{devices}"
             shutil.copytree(work / "fsdp", folder)
             for step in [s for s in TrainingCheckpoints.steps(folder) if s != 4]:

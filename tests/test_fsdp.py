@@ -66,13 +66,15 @@ def test_xla_measures_a_quarter_of_the_state_per_device_and_remat_cuts_the_tempo
         assert figures["estimate_state_bytes"] == pytest.approx(figures["state_bytes"], rel=1e-3)  # but step counts
 
 
-def test_a_checkpoint_written_with_fsdp_on_four_devices_resumes_on_two_and_on_one(four):
+def test_a_checkpoint_written_with_fsdp_on_four_devices_resumes_on_four_two_and_one(four):
     uninterrupted = four["losses"]["cpu muon fsdp"]
+    assert set(four["resumed"]) == {"4", "2", "1"}
     for devices, resumed in four["resumed"].items():
         metrics = resumed["metrics"]
         assert metrics["resumed_from_step"] == 4 and metrics["resumed_layout"] == {"devices": 4, "layout": "fsdp"}
-        assert metrics["layout"] == ("fsdp" if devices == "2" else "single")
+        assert metrics["layout"] == ("single" if devices == "1" else "fsdp")
         np.testing.assert_allclose(resumed["losses"][4:], uninterrupted[4:], rtol=1e-5)
+    assert four["resumed"]["4"]["losses"] == uninterrupted  # the same layout: bit for bit
     assert four["restored_devices"] == ["cpu:0"]  # a state split over four devices, whole on one
 
 
