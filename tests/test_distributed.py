@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from bardflow.model.checkpoint import load_train_state
+from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state
 from bardflow.model.config import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.data import Batches, encode, write_split
 from bardflow.model.evaluation import val_batches
@@ -159,39 +160,41 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
 
 
 @pytest.mark.processes
-def test_two_processes_of_two_devices_train_fsdp_and_resume_like_one_process(tmp_path):
-    """Each process holds its part of every split parameter; process 0 gathers the state to
-    write checkpoints; a second launch resumes from one and ends where one process ends."""
+def test_two_processes_of_two_devices_resume_fsdp_training_and_end_like_one_process(tmp_path):
+    """A checkpoint written here (two devices, fsdp) resumed by two processes of two devices
+    each: every process holds its part of each split array, process 0 gathers the state to
+    write the next checkpoint and the final state, and the losses are one process's."""
     # The cpu preset's width (arrays large enough to split), one block, a short context.
     shape = build_config("cpu", {"model.num_layers": 1, "data.seq_len": 32, "model.max_seq_len": 32})
     cfg = shape.train.model_copy(update={"steps": 8, "single_device_steps": 0, "warmup_steps": 2, "log_every": 1,
-                                         "checkpoint_every": 4, "per_device_batch": 2, "sharding": "fsdp"})
+                                         "checkpoint_every": 2, "per_device_batch": 2, "sharding": "fsdp"})
     split = encode(play_text(200_000), shape.data.seq_len, 0.9, 0, every_position=True)
     write_split(tmp_path / "train", split.train, {})
     write_split(tmp_path / "val", split.val[:16], {})
-    results = []
-    for launch, stop_after in enumerate((6, None)):  # stopped after step 6 (its checkpoint: 4), then resumed
-        request = TrainingRequest(model=shape.model, train=cfg, devices=4, platform="cpu", processes=2,
-                                  stop_after=stop_after)
-        spec = {"request": request.model_dump(mode="json"), "train": str(tmp_path / "train"),
-                "val": str(tmp_path / "val"), "state": str(tmp_path / f"state-{launch}"),
-                "resume": str(tmp_path / "resume"), "result": str(tmp_path / f"result-{launch}.json")}
-        (tmp_path / "spec.json").write_text(json.dumps(spec))
-        launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=2, platform="cpu")
-        results.append(json.loads((tmp_path / f"result-{launch}.json").read_text()))
-    first, resumed = results
-    assert first["metrics"]["layout"] == resumed["metrics"]["layout"] == "fsdp"
-    assert resumed["metrics"]["resumed_from_step"] == 4 and resumed["metrics"]["devices"] == 4
-    assert resumed["metrics"]["resumed_layout"] == {"devices": 4, "layout": "fsdp"}
-    # The same global batch of 8 on this process's two devices, split the same way by fsdp.
+    # Here: the same global batch of 8 on this process's two devices, split the same way.
     step = resolve(shape.model, cfg, shape.data.seq_len, "cpu")
-    one_cfg = cfg.model_copy(update={"per_device_batch": 4})
-    graphdef, state = init_state(step.model(shape.model), one_cfg)
+    here = cfg.model_copy(update={"per_device_batch": 4})
+    graphdef, state = init_state(step.model(shape.model), here)
+    checkpoints = TrainingCheckpoints(tmp_path / "resume", 8)
     one = train(graphdef, state, Batches(split.train, 8), [], Placement.data_parallel(jax.devices(), fsdp=True),
-                one_cfg, step=step)
+                here, checkpoints=checkpoints, step=step)
+    checkpoints.close()
+    for later in TrainingCheckpoints.steps(tmp_path / "resume")[1:]:  # from the checkpoint of step 2
+        shutil.rmtree(tmp_path / "resume" / str(later))
+    request = TrainingRequest(model=shape.model, train=cfg, devices=4, platform="cpu", processes=2)
+    spec = {"request": request.model_dump(mode="json"), "train": str(tmp_path / "train"),
+            "val": str(tmp_path / "val"), "state": str(tmp_path / "state"), "resume": str(tmp_path / "resume"),
+            "result": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=2, platform="cpu")
+    resumed = json.loads((tmp_path / "result.json").read_text())
+    assert resumed["metrics"]["layout"] == "fsdp" and resumed["metrics"]["devices"] == 4
+    assert resumed["metrics"]["resumed_from_step"] == 2
+    assert resumed["metrics"]["resumed_layout"] == {"devices": 2, "layout": "fsdp"}
+    assert TrainingCheckpoints.steps(tmp_path / "resume")[-1] == 6  # written by process 0, gathered
     np.testing.assert_allclose([h["loss"] for h in resumed["history"]], [h["loss"] for h in one.history], rtol=1e-5)
-    _, template = init_state(shape.model, one_cfg)
-    saved = jax.tree.leaves(load_train_state(tmp_path / "state-1", template))
+    _, template = init_state(shape.model, here)
+    saved = jax.tree.leaves(load_train_state(tmp_path / "state", template))
     for theirs, ours in zip(saved, jax.tree.leaves(jax.device_get(one.state)), strict=True):
         if np.issubdtype(np.asarray(ours).dtype, np.floating):
             # Measured: a few values differ by up to 3e-5 (Muon's matrices orthogonalised on
