@@ -229,10 +229,13 @@ class ResumeFolder:
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    # What the folder's build is (the training its checkpoints are of): no reason to keep it.
+    RECORD = "record.json"
+
     def drop_if_empty(self) -> None:
-        """Removes the folder if no file was written in it (a run that failed before its first
-        checkpoint); anything a rerun could resume from, or a log, stays."""
-        if self.path.is_dir() and not any(p.is_file() for p in self.path.rglob("*")):
+        """Removes the folder if no file but its record was written in it (a run that failed
+        before its first checkpoint); anything a rerun could resume from, or a log, stays."""
+        if self.path.is_dir() and not any(p.is_file() and p != self.path / self.RECORD for p in self.path.rglob("*")):
             shutil.rmtree(self.path, ignore_errors=True)
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
 
 from ..artifacts import ui
-from ..artifacts.store import Builder, Version, canonical_json
+from ..artifacts.store import Builder, ResumeFolder, Version, canonical_json
 from ..model.checkpoint import TrainingCheckpoints, load_train_state
 from ..model.config import TrainingRequest
 from ..model.step import TrainingError, init_state, model_from_state
@@ -40,8 +41,50 @@ def _files(encode: Version, out: Builder) -> RunFiles:
                     bring=encode.bring)
 
 
-def _say_if_resuming(stage: str, out: Builder) -> None:
+def same_training(request: TrainingRequest) -> dict[str, Any]:
+    """What a training checkpoint stands for on any device count: the recipe with the global
+    batch in place of the devices, processes and batch per device (and without how far a
+    stage runs: the schedule is the same)."""
+    recipe = request.recipe()
+    devices = recipe.pop("devices")
+    for layout_only in ("processes", "stop_after"):
+        recipe.pop(layout_only, None)
+    recipe["train"]["global_batch"] = recipe["train"].pop("per_device_batch") * devices
+    return recipe
+
+
+def adopt_checkpoints(resume: Path, request: TrainingRequest) -> tuple[int, int] | None:
+    """With no checkpoint of its own, a training run takes the newest checkpoint of the same
+    training that another run of this stage left on another layout (say four devices, now
+    two: Orbax reads it onto this run's shardings). Returns its step and device count."""
+    resume.mkdir(parents=True, exist_ok=True)
+    mine = same_training(request)
+    (resume / ResumeFolder.RECORD).write_text(json.dumps({"training": mine, "devices": request.devices}))
+    if TrainingCheckpoints.steps(resume):
+        return None
+    found = None
+    for other in resume.parent.glob(".resume-*"):
+        try:
+            record = json.loads((other / ResumeFolder.RECORD).read_text())
+        except (OSError, ValueError):
+            continue
+        steps = TrainingCheckpoints.steps(other)
+        if other != resume and record.get("training") == mine and steps and (found is None or steps[-1] > found[1]):
+            found = (other, steps[-1], record.get("devices"))
+    if found is None:
+        return None
+    other, step, devices = found
+    shutil.copytree(other / str(step), resume / str(step))
+    return step, devices
+
+
+def _say_if_resuming(stage: str, out: Builder, request: TrainingRequest) -> None:
     """Said before training starts (the resume itself is reported when it ends)."""
+    adopted = adopt_checkpoints(out.resume.path, request)
+    if adopted is not None:
+        ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage,
+               *adopted)
+        return
     kept = TrainingCheckpoints.steps(out.resume.path)
     if kept:
         ui.say("%s: resuming from its checkpoint of step %d", stage, kept[-1])
@@ -52,7 +95,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
-    _say_if_resuming(TRAIN_SINGLE.name, out)
+    _say_if_resuming(TRAIN_SINGLE.name, out, settings)
     with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
                                warn=ui.warning, note=ui.say)
@@ -62,7 +105,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
     if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
         return _reuse(train_single, out)
-    _say_if_resuming(TRAIN_PARALLEL.name, out)
+    _say_if_resuming(TRAIN_PARALLEL.name, out, settings)
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
         return _build_in_processes(settings, files, out, encode)

@@ -116,5 +116,5 @@ def dies_under_a_run(server, pid: int, tmp_path) -> None:
     last = rest.strip().splitlines()[-1]
     assert last.startswith(f"bardflow: error: the Prefect server at {server.url}/api stopped answering mid-run"), last
     assert "bardflow server start" in last and "Traceback" not in rest and "EventsWorker" not in rest, rest[-3000:]
-    assert list(store.glob("train_single/.resume-*/*")), "the step reached was not saved"
+    assert [p for p in store.glob("train_single/.resume-*/*") if p.name.isdigit()], "the step reached was not saved"
     (tmp_path / "server.json").unlink()
