@@ -10,6 +10,7 @@ replicated at any record (what ``tests/test_fsdp.py`` checks in a few steps).
 
     python -m bench.fsdp --preset gpt2                 # a GPU host (bench/gpu_check.sh runs it)
     python -m bench.fsdp --cpu-devices 4 --equality    # on a CPU
+    python -m bench.fsdp --cpu-devices 4 --preset cpu --muon   # Muon's share-out under fsdp, or not
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def measure(preset: str, settings: dict, sharding: str, remat: bool, steps: int)
                                remat).lower(state, batch).compile(compiler_options=step.xla_options)
     compile_s = time.perf_counter() - started
     memory = step_memory(compiled, state)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
     found = estimate(cfg.model, cfg.train, len(devices), cfg.data.seq_len, step.rows_per_pass, step.precision,
                      attention=step.attention)
     state, loss = compiled(state, batch)  # warm
@@ -73,10 +76,32 @@ def measure(preset: str, settings: dict, sharding: str, remat: bool, steps: int)
             "rows_per_pass": step.rows_per_pass, "compile_s": round(compile_s, 1),
             "ms_per_step": round(1e3 * seconds / steps, 2), "tokens_per_s": round(tokens_per_s, 1),
             "mfu": None if used["mfu"] is None else round(used["mfu"], 4),
+            "gflops_per_device_step": round(cost.get("flops", 0) / 1e9, 3),
             "state_mib": round(memory["state_bytes"] / 2**20, 1),
             "xla_argument_plus_temp_mib": round(measured / 2**20, 1),
             "estimate_mib": round(found.total_bytes / 2**20, 1),
             "estimate_vs_xla": round(found.total_bytes / measured, 3) if measured else None}
+
+
+def muon_share_out(preset: str, settings: dict, steps: int) -> dict:
+    """Muon under fsdp two ways: today's share-out (its matrices gathered whole, each device
+    orthogonalising its share, the results summed) against no share-out (XLA partitions each
+    orthogonalisation over the split matrices as it sees fit)."""
+    import functools
+
+    from bardflow.model import optimizer
+    from bardflow.model import step as step_module
+
+    original, found = optimizer.split_among_devices, {}
+    try:
+        for name, axis in (("share-out", optimizer.DATA_AXIS), ("no share-out", "none")):
+            optimizer.split_among_devices = functools.partial(original, axis=axis)
+            for cached in (optimizer.make_optimizer, step_module._creator, step_module.make_train_step):
+                cached.cache_clear()
+            found[name] = measure(preset, {**settings, "train.optimizer": "muon"}, "fsdp", False, steps)
+    finally:
+        optimizer.split_among_devices = original
+    return found
 
 
 def equality(steps: int, codelab_batch: int) -> dict:
@@ -129,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per layout (default 20)")
     parser.add_argument("--cpu-devices", type=int, default=0, help="emulated CPU devices (a CPU host)")
     parser.add_argument("--equality", action="store_true", help="losses of each layout against replicated")
+    parser.add_argument("--muon", action="store_true", help="Muon under fsdp with and without its share-out")
     parser.add_argument("--codelab-batch", type=int, default=32, help="--equality: the codelab shape's batch per "
                         "device (default 32, the codelab's; a CPU takes minutes a run at 32)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON report (default bench/results)")
@@ -145,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     flat: dict = {}
     if args.equality:
         flat.update(equality(50 if args.steps == 20 else args.steps, args.codelab_batch))
+    elif args.muon:
+        report["muon"] = muon_share_out(args.preset, settings, args.steps)
+        for name, row in report["muon"].items():
+            for key in ("ms_per_step", "tokens_per_s", "gflops_per_device_step", "xla_argument_plus_temp_mib"):
+                flat[f"{name} {key}"] = row[key]
     else:
         import jax
 
@@ -157,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("tokens_per_s", "ms_per_step", "mfu", "state_mib", "xla_argument_plus_temp_mib",
                         "estimate_mib", "estimate_vs_xla"):
                 flat[f"{name} {key}"] = row[key]
-    write_report(report, flat, args.out or RESULTS, f"fsdp-{'equality' if args.equality else args.preset}")
+    kind = "equality" if args.equality else f"muon-{args.preset}" if args.muon else args.preset
+    write_report(report, flat, args.out or RESULTS, f"fsdp-{kind}")
     return 0
 
 

@@ -32,10 +32,11 @@ from bardflow.model.step import init_state, make_train_step  # noqa: E402
 from tests.helpers import play_text  # noqa: E402
 
 STEPS = 8
+# The cpu and codelab shapes' widths (every array FSDP splits has a block's shape), with fewer
+# blocks and a small batch: each run compiles and trains in seconds.
 CPU = {"train.steps": STEPS, "train.single_device_steps": 0, "train.warmup_steps": 2, "train.log_every": 1,
-       "train.checkpoint_every": 4, "train.per_device_batch": 4}
-# The codelab's model at a small batch: the shapes FSDP splits, in seconds.
-CODELAB = {"train.steps": 4, "train.log_every": 1, "train.per_device_batch": 2}
+       "train.checkpoint_every": 4, "train.per_device_batch": 4, "model.num_layers": 1}
+CODELAB = {"train.steps": 4, "train.log_every": 1, "train.per_device_batch": 2, "model.num_layers": 2}
 
 
 def placed(devices: int, fsdp: bool) -> Placement:
