@@ -132,7 +132,8 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
         expected = {"seq_len": data["seq_len"], "layers": model["num_layers"], "d_model": model["d_model"],
                     "heads": model["num_heads"], "positions": model["positions"], "steps": train["steps"],
                     "single-device steps": train["single_device_steps"] or train["steps"],
-                    "batch per device": train["per_device_batch"], "optimizer": train["optimizer"]}
+                    "batch per device": train["per_device_batch"], "optimizer": train["optimizer"],
+                    "sharding": train["sharding"]}
         assert {k: rows[name][k] for k in expected} == {k: str(v) for k, v in expected.items()}, name
 
 
