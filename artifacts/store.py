@@ -216,6 +216,8 @@ class ResumeFolder:
     keep it in step with the bucket; here they have nothing to do."""
 
     url = ""  # the copy on an object store, if any
+    # What the folder's build is (the training its checkpoints are of): no reason to keep it.
+    RECORD = "record.json"
 
     def __init__(self, path: Path):
         self.path = path
@@ -228,9 +230,6 @@ class ResumeFolder:
 
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
-
-    # What the folder's build is (the training its checkpoints are of): no reason to keep it.
-    RECORD = "record.json"
 
     def drop_if_empty(self) -> None:
         """Removes the folder if no file but its record was written in it (a run that failed

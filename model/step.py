@@ -37,8 +37,8 @@ def target_losses(model: Transformer, tokens: jax.Array, remat: bool = False) ->
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
 
 
-def next_byte_loss(model: Transformer, tokens: jax.Array) -> jax.Array:
-    return target_losses(model, tokens).mean()
+def next_byte_loss(model: Transformer, tokens: jax.Array, remat: bool = False) -> jax.Array:
+    return target_losses(model, tokens, remat).mean()
 
 
 def in_dtype(model: Transformer, dtype) -> Transformer:
@@ -123,7 +123,7 @@ def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jn
     ``model/placement.py``; XLA gathers a parameter where it is used and reduces its
     gradient to the parts each device keeps)."""
     def loss_fn(model, tokens):
-        return target_losses(in_dtype(model, dtype), tokens, remat).mean()
+        return next_byte_loss(in_dtype(model, dtype), tokens, remat)
 
     mesh = None if batch_sharding is None else batch_sharding.mesh
     if passes == 1:

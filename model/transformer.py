@@ -172,7 +172,7 @@ class Transformer(nnx.Module):
         position's logits are wanted, (rows, 1, vocab): every layer below the top one still
         runs over all positions (they make the top layer's keys and values), the top layer's
         query, MLP and the head only over the last. ``remat`` (training): each block's
-        activations are recomputed in the backward pass instead of kept (``nnx.remat``).
+        activations are recomputed in the backward pass instead of kept (``_recomputed``).
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])

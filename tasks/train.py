@@ -78,8 +78,10 @@ def adopt_checkpoints(resume: Path, request: TrainingRequest) -> tuple[int, int]
     return step, devices
 
 
-def _say_if_resuming(stage: str, out: Builder, request: TrainingRequest) -> None:
-    """Said before training starts (the resume itself is reported when it ends)."""
+def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None:
+    """Before training starts: the checkpoint of another layout taken where the run has none
+    of its own (``adopt_checkpoints``), and which one it resumes from said (the resume itself
+    is reported when it ends)."""
     adopted = adopt_checkpoints(out.resume.path, request)
     if adopted is not None:
         ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage,
@@ -95,7 +97,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
-    _say_if_resuming(TRAIN_SINGLE.name, out, settings)
+    _resume_or_adopt(TRAIN_SINGLE.name, out, settings)
     with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
                                warn=ui.warning, note=ui.say)
@@ -105,7 +107,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
     if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
         return _reuse(train_single, out)
-    _say_if_resuming(TRAIN_PARALLEL.name, out, settings)
+    _resume_or_adopt(TRAIN_PARALLEL.name, out, settings)
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
         return _build_in_processes(settings, files, out, encode)
