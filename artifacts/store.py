@@ -111,19 +111,26 @@ def file_digest(path: Path, algorithm: str = "sha256") -> str:
         return hashlib.file_digest(handle, algorithm).hexdigest()
 
 
-# The sha256 of each file this process has read, with the file's stat as it was: a version
-# looked up again (every stage that reads it checks it) is not read again while its files
-# are unchanged. Any write changes a file's ctime, which no tool can set back; a file
-# written within the last seconds is not remembered, since a second write in the same clock
-# tick would leave its times as they were (git's "racy" rule).
+# The sha256 of each file this process has read or written, with the file's stat as it
+# was: a version looked up again (every stage that reads it checks it, and a build is looked
+# up once published) is not read again while its files are unchanged. Any write changes a
+# file's ctime, which no tool can set back. A file read within seconds of its last write is
+# not remembered, since a second write in the same clock tick would leave its times as they
+# were (git's "racy" rule); a file this process hashed as it wrote it is, as the writes
+# were all its own and done.
 _HASHED: dict[tuple[int, int], tuple[tuple[int, int, int], str]] = {}
 _SETTLED_NS = 2_000_000_000
 
 
+def _identity(stat: os.stat_result) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    return (stat.st_dev, stat.st_ino), (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 def stored_digest(path: Path) -> str:
-    """The sha256 of the file at ``path``, read only if it changed since this process read it."""
+    """The sha256 of the file at ``path``, read only if it changed since this process read
+    or wrote it."""
     stat = path.stat()
-    identity, times = (stat.st_dev, stat.st_ino), (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    identity, times = _identity(stat)
     known = _HASHED.get(identity)
     if known is not None and known[0] == times:
         return known[1]
@@ -135,14 +142,19 @@ def stored_digest(path: Path) -> str:
 
 def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``.
-    ``known``: digests a builder took as it wrote (a file of that size is not read again)."""
+    ``known``: digests a builder took as it wrote (a file of that size is not read again, and
+    this process remembers it as hashed)."""
     described = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file():
-            name, size = p.relative_to(folder).as_posix(), p.stat().st_size
+            name, stat = p.relative_to(folder).as_posix(), p.stat()
             entry = (known or {}).get(name)
-            described[name] = entry if entry is not None and entry["bytes"] == size else \
-                {"bytes": size, "sha256": file_digest(p)}
+            if entry is not None and entry["bytes"] == stat.st_size:
+                identity, times = _identity(stat)
+                _HASHED[identity] = (times, entry["sha256"])
+            else:
+                entry = {"bytes": stat.st_size, "sha256": file_digest(p)}
+            described[name] = entry
     return described
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,8 @@ from .errors import BardflowError
 COLUMN = "tokens"
 SHARD_BYTES = 256 << 20  # a shard file, at most: a worker reads or fetches the shards it needs
 BATCH_BYTES = 8 << 20  # a record batch: what a writer gathers at once
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class DataError(BardflowError, ValueError):
@@ -76,15 +79,27 @@ class FeistelOrder:
     """A seeded permutation of ``range(n)`` in constant memory: a four-round Feistel network
     over the smallest even number of bits that holds ``n`` (a bijection there), walked again
     from any value of ``n`` or more until it lands below (a bijection on ``range(n)``; about
-    two rounds trips at most, on average). ``order[a:b]`` computes just those positions."""
+    two rounds trips at most, on average). ``order[a:b]`` computes just those positions.
+
+    A round's function depends on one half alone, so for halves of up to ``TABLE_BITS`` bits
+    (splits of up to 2^40 windows) each round is a table of its values: a round is then one
+    lookup in a table that stays in the CPU's cache, not a hash computed per window."""
 
     ROUNDS = 4
+    TABLE_BITS = 20  # four tables of 4 MiB at most
 
     def __init__(self, n: int, seed: int):
         self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)
         self.mask = np.uint64((1 << self.half) - 1)
         self.keys = np.random.default_rng(seed).integers(0, 1 << 62, size=self.ROUNDS, dtype=np.uint64)
+        # Values of the whole domain fit in 32 bits below 2^32 windows: half the memory traffic.
+        self.dtype = np.uint32 if 2 * self.half <= 32 else np.uint64
+        self.tables = None
+        if self.half <= self.TABLE_BITS:
+            halves = np.arange(1 << self.half, dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                self.tables = [(self._mix(halves ^ key) & self.mask).astype(self.dtype) for key in self.keys]
 
     def __len__(self) -> int:
         return self.n
@@ -96,18 +111,31 @@ class FeistelOrder:
         return z ^ (z >> np.uint64(31))
 
     def _permute(self, x: np.ndarray) -> np.ndarray:
-        half = np.uint64(self.half)
-        left, right = x >> half, x & self.mask
-        with np.errstate(over="ignore"):
-            for key in self.keys:
-                left, right = right, left ^ (self._mix(right ^ key) & self.mask)
-        return (left << half) | right
+        """``x`` (changed in place) through the network."""
+        half = self.dtype(self.half)
+        left, right = x >> half, np.bitwise_and(x, self.dtype(self.mask), out=x)
+        if self.tables is not None:
+            spare = np.empty_like(x)  # three arrays in turn, none allocated per round
+            for table in self.tables:
+                np.take(table, right, out=spare, mode="wrap")  # a half is below the table's size
+                spare ^= left
+                left, right, spare = right, spare, left
+        else:
+            with np.errstate(over="ignore"):
+                for key in self.keys:
+                    left, right = right, left ^ (self._mix(right ^ key) & self.mask)
+        left <<= half
+        left |= right
+        return left
 
     def __getitem__(self, index: slice) -> np.ndarray:
         start, stop, step = index.indices(self.n)
-        x = self._permute(np.arange(start, stop, step, dtype=np.uint64))
-        while (outside := x >= self.n).any():
-            x[outside] = self._permute(x[outside])
+        x = self._permute(np.arange(start, stop, step, dtype=self.dtype))
+        walking = np.flatnonzero(x >= self.n)
+        while walking.size:  # the few outside range(n) take another trip through the network
+            again = self._permute(x[walking])
+            x[walking] = again
+            walking = walking[again >= self.n]
         return x.astype(np.int64)
 
 
@@ -121,7 +149,9 @@ def encode(corpus: bytes, seq_len: int, train_fraction: float, seed: int, every_
 
 class ThreadedDigest:
     """A hashlib digest updated on a thread of its own, one chunk behind the caller: hashlib
-    lets go of the GIL, so hashing runs beside the caller's next read, gather or write."""
+    lets go of the GIL, so hashing runs beside the caller's next read, gather or write. A
+    chunk is hashed where it lies (the caller hands over bytes, or a buffer it no longer
+    changes: a written batch), not copied first."""
 
     def __init__(self, digest):
         from concurrent.futures import ThreadPoolExecutor
@@ -135,7 +165,7 @@ class ThreadedDigest:
         if len(chunk) < 1 << 16:  # a small file's bytes: a thread's hand-off would cost more
             self.digest.update(chunk)
             return
-        self._pending = self._pool.submit(self.digest.update, bytes(chunk))  # a buffer may be reused
+        self._pending = self._pool.submit(self.digest.update, chunk)
 
     def hexdigest(self) -> str:
         if self._pending is not None:
@@ -169,7 +199,6 @@ class _Hashing:
 
 
 def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
-    rows = np.ascontiguousarray(rows)
     values = pa.Array.from_buffers(pa.uint8(), rows.size, [None, pa.py_buffer(rows)])
     return pa.record_batch([pa.FixedSizeListArray.from_arrays(values, rows.shape[1])], schema=schema)
 
@@ -184,40 +213,85 @@ def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
     count, row = (len(rows) if order is None else len(order)), rows.shape[1]
     per_shard = max(1, shard_bytes // row)
     per_batch = max(1, min(per_shard, BATCH_BYTES // row))
+    spans = [(first, min(count, first + per_shard)) for first in range(0, count, per_shard)]
+
+    # Batch arrays written and hashed, filled again rather than allocated: memory the process
+    # already holds, not fresh pages for every batch.
+    spare: list[np.ndarray] = []
+
+    def rows_of(batch: tuple[int, int]) -> np.ndarray:
+        try:
+            out = spare.pop()
+        except IndexError:
+            out = np.empty((per_batch, row), np.uint8)
+        return gather(rows, slice(*batch) if order is None else order[batch[0]:batch[1]], out[:batch[1] - batch[0]])
+
+    batches = prefetched(rows_of, [(start, min(last, start + per_batch))
+                                   for first, last in spans for start in range(first, last, per_batch)])
     shards = []
-    for number, first in enumerate(range(0, count, per_shard)):
-        last = min(count, first + per_shard)
+    for number, (first, last) in enumerate(spans):
         schema = pa.schema([pa.field(COLUMN, pa.list_(pa.uint8(), row))],
                            metadata={**metadata, "shard": str(number), "first_row": str(first)})
         name = f"{number:05d}.arrow"
+        written: np.ndarray | None = None
         with open(folder / name, "wb") as handle:
             sink = _Hashing(handle)
             with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
-                for start in range(first, last, per_batch):
-                    stop = min(last, start + per_batch)
-                    chosen = rows[start:stop] if order is None else gather(rows, order[start:stop])
-                    writer.write_batch(_batch(chosen, schema))
+                for stop in [*range(first + per_batch, last, per_batch), last]:
+                    batch = next(batches)
+                    writer.write_batch(_batch(batch, schema))
+                    if written is not None:  # writing this batch waited for the hash of that one
+                        spare.append(written)
+                    written = batch.base if batch.base is not None else batch
                     if progress is not None:
                         progress(stop * row)
         shards.append({"file": name, "rows": last - first, "bytes": sink.size, "sha256": sink.sha256.hexdigest()})
+        if written is not None:
+            spare.append(written)
     return shards
 
 
-def gather(rows: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """``rows[at]``, fast for windows: ``numpy.take`` where the rows are contiguous; windows
-    that overlap the next by a byte (every_position) as their contiguous ``seq_len`` bytes
-    and that byte apart (``take`` on the overlapping view would first copy it whole, and
-    indexing it row by row is three times slower)."""
-    if rows.flags.c_contiguous:
-        return np.take(rows, at, axis=0)
+def prefetched(make: Callable[[T], R], items: Sequence[T], ahead: int = 2) -> Iterator[R]:
+    """``make(item)`` for each item in order, the next ``ahead`` made on threads while the
+    caller uses this one (numpy's gathers and arithmetic let go of the GIL): a split's next
+    batches are gathered while this one is written and hashed."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(ahead) as pool:
+        pending = deque(pool.submit(make, item) for item in items[:ahead])
+        for item in items[ahead:]:
+            made = pending.popleft().result()
+            pending.append(pool.submit(make, item))
+            yield made
+        while pending:
+            yield pending.popleft().result()
+
+
+def gather(rows: np.ndarray, at: np.ndarray | slice, out: np.ndarray | None = None) -> np.ndarray:
+    """``rows[at]`` as a C-contiguous array (``out``, if given), fast for windows:
+    ``numpy.take`` where the rows are contiguous; windows that overlap the next by a byte
+    (every_position) as their contiguous ``seq_len`` bytes and that byte apart (``take`` on
+    the overlapping view would first copy it whole, and copying or indexing it row by row is
+    several times slower)."""
+    count = len(range(*at.indices(len(rows)))) if isinstance(at, slice) else len(at)
+    if out is None:
+        out = np.empty((count, rows.shape[1]), rows.dtype)
+    if not isinstance(at, slice) and count and not 0 <= at.min() <= at.max() < len(rows):
+        raise IndexError(f"row numbers outside 0..{len(rows) - 1}")
     step, width = rows.strides[0], rows.shape[1]
-    if rows.strides[1] != 1 or width != step + 1:
-        return rows[at]
-    body = np.lib.stride_tricks.as_strided(rows, shape=(len(rows), step), strides=(step, 1), writeable=False)
-    last = np.lib.stride_tricks.as_strided(rows[:, step:], shape=(len(rows),), strides=(step,), writeable=False)
-    out = np.empty((len(at), width), np.uint8)
-    out[:, :step] = np.take(body, at, axis=0) if body.flags.c_contiguous else body[at]
-    out[:, step] = last[at]
+    if not rows.flags.c_contiguous and rows.strides[1] == 1 and width == step + 1:
+        body = np.lib.stride_tricks.as_strided(rows, shape=(len(rows), step), strides=(step, 1), writeable=False)
+        last = np.lib.stride_tricks.as_strided(rows[:, step:], shape=(len(rows),), strides=(step,), writeable=False)
+        if isinstance(at, slice) or not body.flags.c_contiguous:
+            out[:, :step] = body[at]
+        else:  # straight into the wider rows
+            np.take(body, at, axis=0, out=out[:, :step], mode="wrap")
+        out[:, step] = last[at]
+    elif rows.flags.c_contiguous and not isinstance(at, slice):
+        np.take(rows, at, axis=0, out=out, mode="wrap")  # "wrap" writes straight to out; checked above
+    else:
+        out[...] = rows[at]
     return out
 
 

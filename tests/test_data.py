@@ -112,6 +112,15 @@ def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monk
         whole = order[0:n]
         assert np.array_equal(np.sort(whole), np.arange(n))  # every window once
         assert np.array_equal(order[n // 3: n // 2], whole[n // 3: n // 2])  # a slice is its part of the whole
+    # Its rounds' tables hold the values the round function computes (so the order is the one
+    # any earlier encode wrote), for splits that fit 32 bits and beyond.
+    for n in (12_345, 1 << 33):
+        tabled = data.FeistelOrder(n, seed=3)
+        monkeypatch.setattr(data.FeistelOrder, "TABLE_BITS", 0)
+        computed = data.FeistelOrder(n, seed=3)
+        monkeypatch.undo()
+        assert tabled.tables is not None and computed.tables is None
+        assert np.array_equal(tabled[n - 5_000:n], computed[n - 5_000:n])
     assert not np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 2)[0:1_000])
     assert np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 1)[0:1_000])
     # TinyShakespeare-sized splits keep numpy's permutation; larger ones switch.
@@ -121,22 +130,28 @@ def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monk
 
 
 @pytest.mark.parametrize("every_position", [False, True])
-def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_position):
+def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_position, monkeypatch):
     import tracemalloc
 
     from bardflow.model import data
 
+    monkeypatch.setattr(data, "BATCH_BYTES", 1 << 20)  # many batches, gathered ahead while written
     corpus = tmp_path / "corpus"
     corpus.write_bytes(np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes())
     rows = windows(np.memmap(corpus, np.uint8, mode="r"), 64, every_position)
     order = data.FeistelOrder(len(rows), 0)  # the order of a split too large for an array
     tracemalloc.start()
     try:
-        write_split(tmp_path / "train", rows, {}, order=order)
+        shards = write_split(tmp_path / "train", rows, {}, order=order, shard_bytes=24 << 20)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 4 * data.BATCH_BYTES < 64 << 20, f"{peak / 2**20:.1f} MiB for a 64 MiB corpus"
-    written = read_split(tmp_path / "train")
-    for at in (slice(0, 1000), slice(len(rows) - 1000, len(rows))):
-        np.testing.assert_array_equal(written[at], rows[order[at]])
+    # The batch being written, the one being hashed and two gathered ahead, and their indices.
+    assert peak < 8 * data.BATCH_BYTES, f"{peak / 2**20:.1f} MiB for a 64 MiB corpus"
+    assert len(shards) == 3 and sum(shard["rows"] for shard in shards) == len(rows)
+    for shard in shards:  # each hashed as written, while its batch arrays were filled again
+        assert hashlib.sha256((tmp_path / "train" / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
+    written = read_split(tmp_path / "train", shards)
+    # Rows from every batch where they belong: no batch array was filled again while in use.
+    sample = np.sort(np.random.default_rng(1).choice(len(rows), 20_000, replace=False))
+    np.testing.assert_array_equal(written.take(sample), rows[order[0:len(rows)][sample]])

@@ -118,6 +118,32 @@ def test_a_lookup_reads_again_only_what_changed_since_this_process_read_it(tmp_p
     assert store.lookup("demo", key) is None and read[-1] == "b.bin"
 
 
+def test_a_file_hashed_as_it_was_written_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
+    import hashlib
+
+    from bardflow.artifacts import store as store_module
+
+    read = []
+    real = store_module.file_digest
+    monkeypatch.setattr(store_module, "file_digest", lambda path, *a: read.append(path.name) or real(path, *a))
+    data = b"hashed as it was written"
+
+    def work(out):
+        out.path("a.txt").write_bytes(data)
+        out.digests["a.txt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        out.path("sub/b.bin").write_bytes(b"\x00\x01")
+
+    store = Store(tmp_path)
+    key = version_key("demo", "1", {}, {})
+    version, _ = store.produce("demo", key, {}, {}, work)
+    assert read == ["b.bin", "b.bin"]  # sealed and then checked; a.txt neither time
+    assert store.lookup("demo", key) and store.require(version) and "a.txt" not in read
+    time.sleep(0.05)  # past the file clock's tick
+    (version.path / "a.txt").write_bytes(data.upper())  # same size
+    read.clear()
+    assert store.lookup("demo", key) is None and "a.txt" in read
+
+
 def test_refresh_with_the_same_output_keeps_the_version_and_new_output_replaces_it(tmp_path):
     store = Store(tmp_path)
     key = version_key("demo", "1", {}, {})
