@@ -26,6 +26,10 @@ from .errors import BardflowError
 COLUMN = "tokens"
 SHARD_BYTES = 256 << 20  # a shard file, at most: a worker reads or fetches the shards it needs
 BATCH_BYTES = 8 << 20  # a record batch: what a writer gathers at once
+# A write() at most. Linux serves one large buffered write with large page-cache folios,
+# which can cost many times more to find than small pages where memory is tight or, on a
+# virtual machine, handed back to its host (docs/benchmarks.md, "Data at any size").
+WRITE_BYTES = 256 << 10
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -175,6 +179,13 @@ class ThreadedDigest:
         return self.digest.hexdigest()
 
 
+def write_all(handle, data) -> None:
+    """``data`` (bytes, or any buffer) written to the file ``handle``, ``WRITE_BYTES`` at a time."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), WRITE_BYTES):
+        handle.write(view[start:start + WRITE_BYTES])
+
+
 class _Hashing:
     """A file that hashes what is written to it, so a shard's sha256 needs no second read."""
 
@@ -185,7 +196,8 @@ class _Hashing:
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self.handle.write(data)
+        write_all(self.handle, data)
+        return len(data)
 
     def tell(self) -> int:
         return self.size

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..artifacts import ui
 from ..artifacts.store import Builder
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
-from ..model.data import ThreadedDigest
+from ..model.data import ThreadedDigest, write_all
 from .registry import FETCH
 from .sources import (
     COMPRESSED,
@@ -60,8 +60,13 @@ def pin(data: DataConfig) -> DataConfig:
     if data.md5 is not None:
         return data
     path = local_path(data.corpus)
-    if path is not None:
-        return data.model_copy(update={"md5": md5_of(decoded_chunks(corpus_files(path, data.glob)))})
+    if path is not None:  # every figure fetch needs, in the same pass
+        corpus = Digest()
+        for chunk in decoded_chunks(corpus_files(path, data.glob)):
+            corpus.update(chunk)
+        md5 = corpus.md5_hex()
+        _PINNED[(data.corpus, data.glob, md5)] = corpus
+        return data.model_copy(update={"md5": md5})
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(data.corpus, data.glob)
         ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
@@ -75,19 +80,31 @@ def pin(data: DataConfig) -> DataConfig:
 
 class Digest:
     """Figures of a corpus's bytes as they stream: md5 (on a thread: ``ThreadedDigest``),
-    sha256, size and which byte values occur. A download that starts over restarts it."""
+    sha256, size and which byte values occur; or, ``sha256_only`` (a copy of bytes whose
+    figures are known), its sha256 (on a thread) and size. A download that starts over
+    restarts it."""
 
-    def __init__(self):
+    def __init__(self, sha256_only: bool = False):
+        self.sha256_only = sha256_only
         self.restart()
 
     def restart(self) -> None:
-        self.md5 = ThreadedDigest(hashlib.md5())
-        self.sha256, self.size, self.seen = hashlib.sha256(), 0, b""
+        self.md5 = None if self.sha256_only else ThreadedDigest(hashlib.md5())
+        self.sha256 = ThreadedDigest(hashlib.sha256()) if self.sha256_only else hashlib.sha256()
+        self.size, self.seen = 0, b""
+
+    def md5_hex(self) -> str:
+        if self.md5 is None:
+            raise RuntimeError("a sha256-only digest has no md5")
+        return self.md5.hexdigest()
 
     def update(self, chunk: bytes) -> None:
-        self.md5.update(chunk)
+        if self.md5 is not None:
+            self.md5.update(chunk)
         self.sha256.update(chunk)
         self.size += len(chunk)
+        if self.sha256_only:
+            return
         # Which values occur: what is left of the chunk without those seen so far (C speed;
         # soon nothing, as a text's alphabet is complete within its first pages).
         new = chunk.translate(None, self.seen)
@@ -99,12 +116,18 @@ class Digest:
         return len(self.seen)
 
 
-def _written(chunks: Iterable[bytes], target: Path) -> Digest:
+# The figures of each local corpus this process read to pin it, by source, filter and md5:
+# fetch takes the md5 and the byte values from there, and checks the bytes it copies by
+# their sha256 alone (md5 runs on one core at about half sha256's speed).
+_PINNED: dict[tuple[str, str | None, str], Digest] = {}
+
+
+def _written(chunks: Iterable[bytes], target: Path, sha256_only: bool = False) -> Digest:
     """``chunks`` written to ``target``, and their figures."""
-    corpus = Digest()
+    corpus = Digest(sha256_only)
     with open(target, "wb") as handle:
         for chunk in chunks:
-            handle.write(chunk)
+            write_all(handle, chunk)
             corpus.update(chunk)
     return corpus
 
@@ -136,7 +159,7 @@ def _download(url: str, target: Path, digest: Digest | None = None, progress=Non
                     length = response.headers.get("Content-Length")
                     total = have + int(length) if length is not None else None
                     while chunk := response.read(1 << 20):
-                        out.write(chunk)
+                        write_all(out, chunk)
                         if digest is not None:
                             digest.update(chunk)
                         have += len(chunk)
@@ -164,15 +187,23 @@ def _download(url: str, target: Path, digest: Digest | None = None, progress=Non
 
 
 def fetch_to(source: str, target: Path, pattern: str | None = None, progress=None,
-             files: list[Path] | None = None) -> tuple[list[Path] | None, Digest]:
+             files: list[Path] | None = None, known: Digest | None = None) -> tuple[list[Path] | None, Digest]:
     """Writes the corpus to ``target``: the local files it was made of (None for a
     download), and the figures of what went into ``target`` (its md5 among them).
     ``progress(done, total)`` hears the source's bytes read so far; ``files``: a local
-    source's files, where the caller has listed them already."""
+    source's files, where the caller has listed them already; ``known``: a local source's
+    figures as ``pin`` read them, which the copy is checked against by size and sha256."""
     path = local_path(source)
     if path is not None:
         files = corpus_files(path, pattern) if files is None else files
-        return files, _written(decoded_chunks(files, progress), target)
+        copied = _written(decoded_chunks(files, progress), target, sha256_only=known is not None)
+        if known is None:
+            return files, copied
+        if copied.size != known.size or copied.sha256.hexdigest() != known.sha256.hexdigest():
+            raise FetchError(f"the corpus at {source} changed while it was being read ({known.size:,} bytes "
+                             f"when its md5 was taken, {copied.size:,} now, or other bytes); run again once "
+                             "nothing writes to it")
+        return files, known
     if is_bucket(source):
         objects = BucketCorpus(source, pattern)
         if progress is not None:
@@ -207,9 +238,10 @@ def build(settings: DataConfig, out: Builder) -> None:
     listed = corpus_files(path, settings.glob) if path is not None else None
     size_hint = sum(os.stat(f).st_size for f in listed) if listed is not None else KNOWN_SIZES.get(settings.md5, 1)
     with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
-        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed)
+        known = _PINNED.get((settings.corpus, settings.glob, settings.md5)) if path is not None else None
+        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
-    actual = corpus.md5.hexdigest()
+    actual = corpus.md5_hex()
     seconds = time.monotonic() - started
     size = corpus.size
     if size == 0:

@@ -13,6 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from bardflow.artifacts.store import Store
 from bardflow.model.config import DataConfig, build_config
 from bardflow.model.data import encode, read_split
 from bardflow.tasks.fetch import CORPUS, FetchError, pin
@@ -147,6 +148,32 @@ def test_compressed_files_are_their_text_and_a_filtered_folder_is_one_corpus(tmp
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(text)[:-100])  # cut short
     with pytest.raises(FetchError, match=r"bad.txt.gz could not be read as a .gz file .* fetch it again"):
         make(FETCH, pin(DataConfig(corpus=str(tmp_path / "bad.txt.gz"))), store)
+
+
+def test_a_local_corpus_is_read_once_for_its_figures_and_its_copy_checked_by_sha256(tmp_path, monkeypatch):
+    from bardflow.tasks import fetch as fetch_module
+
+    text = play_text(50_000)
+    source = tmp_path / "corpus.txt"
+    source.write_bytes(text)
+    pinned = pin(DataConfig(corpus=str(source)))
+    full = []  # the digests fetch makes that take an md5 and the byte values again
+    real = fetch_module.Digest
+    monkeypatch.setattr(fetch_module, "Digest", lambda sha256_only=False: full.append(not sha256_only)
+                        or real(sha256_only))
+    version = make(FETCH, pinned, tmp_path / "store")[0]
+    assert full == [False] and version.file(CORPUS).read_bytes() == text
+    figures = version.metrics
+    assert (figures["md5"], figures["sha256"]) == (md5_bytes(text), hashlib.sha256(text).hexdigest())
+    assert figures["distinct_bytes"] == len(set(text)) and figures["bytes"] == len(text)
+
+    # Changed between the run's checksum and the copy, at the same size: refused, nothing stored.
+    source.write_bytes(text[::-1])
+    changed = pin(DataConfig(corpus=str(source)))
+    source.write_bytes(text[::-1].swapcase())
+    with pytest.raises(FetchError, match="changed while it was being read.*run again"):
+        make(FETCH, changed, tmp_path / "store")
+    assert [v.key for v in Store(tmp_path / "store").versions("fetch")] == [version.key]
 
 
 def test_encode_streams_bounded_shards_with_the_rows_of_the_in_memory_encoding(tmp_path, monkeypatch):
