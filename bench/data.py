@@ -131,30 +131,30 @@ def measure(what: str, data, folder: Path) -> dict:
 
     corpus = Path(data.corpus)
     folder.mkdir(parents=True)
-    started, cpu = time.perf_counter(), cpu_seconds() + cpu_seconds(-1)
+    started, cpu = time.perf_counter(), cpu_seconds()
     if what == "cp_sha256sum":
         subprocess.run(["cp", str(corpus), str(folder / "copy.txt")], check=True)
         subprocess.run(["sha256sum", str(folder / "copy.txt")], check=True, capture_output=True)
         metrics = {}
     else:
         store = Store(folder)
-        fetched = produce(FETCH, data, {}, store)[0]
+        version = produce(FETCH, data, {}, store)[0]
         if what == "encode":
             started, cpu = time.perf_counter(), cpu_seconds()
-            fetched = produce(ENCODE, data, {"fetch": fetched}, store)[0]
-        metrics = fetched.metrics
+            version = produce(ENCODE, data, {"fetch": version}, store)[0]
+        metrics = version.metrics
     seconds = time.perf_counter() - started
-    cpu = cpu_seconds() + cpu_seconds(-1) - cpu  # cp and sha256sum are children; a stage has none
+    cpu = cpu_seconds() - cpu
     return {"seconds": round(seconds, 3), "mb_per_s": round(corpus.stat().st_size / 1e6 / seconds, 1),
             "cpu_s": round(cpu, 2), "metrics": metrics}
 
 
-def cpu_seconds(who: int = 0) -> float:
-    """User and system CPU time of this process (``who=0``) or of its finished children (-1)."""
+def cpu_seconds() -> float:
+    """User and system CPU time of this process and its finished children (cp, sha256sum)."""
     import resource
 
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN if who else resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
 def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generated {size / 1e6:,.0f} MB of text in {time.perf_counter() - started:.1f} s", flush=True)
         # Alternated, each in a fresh process after the same imports and the same read of the
         # corpus, the best of each kept. Each measures twice: as the machine comes, and right
-        # after its first pass's output was deleted. On a virtual machine whose host takes back
-        # memory the guest leaves free, the first write to such memory costs a fault on the
-        # host (here up to 25 us a page: seconds a GB); memory just freed is still backed.
+        # after its first pass's output was deleted: on a virtual machine whose host takes back
+        # memory the guest leaves free, writing into such memory can be far slower
+        # (docs/benchmarks.md, "Data at any size").
         stage_rounds: dict[str, list[dict]] = {"cp_sha256sum": [], "fetch": [], "encode": []}
         for _ in range(args.stage_rounds):
             for what in stage_rounds:

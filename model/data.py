@@ -6,7 +6,8 @@ each row one ``fixed_size_list<uint8>[row]`` value, in record batches of at most
 and nothing is ever held whole. The corpus is read through a memory map, its windows are a
 strided view of it, and the shuffle is a seeded permutation of window numbers (an array up
 to 16 M windows, computed a slice at a time beyond): writing a split gathers one record
-batch of rows at a time, so encoding a corpus of any size takes at most 128 MiB and a batch.
+batch of rows at a time (the next two on threads), so encoding a corpus of any size takes
+at most 128 MiB and a few batches.
 """
 
 from __future__ import annotations
