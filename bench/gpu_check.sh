@@ -2,7 +2,7 @@
 # The one GPU check (bench/gpu_check.py says what it runs): from the repository root, on a
 # GPU host that has the JAX stack but not Prefect and no internet. The wheel kit (.whl/, made
 # by bench/gpu_wheels.sh) is installed first; results go under $OUT (or bench/results).
-#   bash bench/gpu_check.sh            # on the GPU host, at most 8 minutes
+#   bash bench/gpu_check.sh            # on the GPU host, at most 9 minutes
 #   bash bench/gpu_check.sh --dry-run  # the same commands on CPU: tiny preset, a few steps
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -188,7 +188,9 @@ def torch_runner(cfg, steps: int):
         from bench.torch_peer import runner
     except ImportError:
         return None
-    return runner(cfg, steps)
+    import jax
+
+    return runner(cfg, steps, on_gpu=jax.default_backend() == "gpu")
 
 
 def bench_generate(cfg, pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> dict:
@@ -392,10 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     mode = MODES[name]
     cfg, preset = build_config(mode.shape), mode.pipeline
     pairs, steps = args.pairs or mode.pairs, args.steps or mode.steps
-    report = {"machine": machine(), "mode": name, "train": bench_train(cfg, pairs, steps),
-              "generate": bench_generate(cfg, pairs, mode.new_bytes, mode.sampler_shapes),
-              "precision": bench_precision(mode),
-              "pipeline": {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset)}
+    report = {"machine": machine(), "mode": name}
+    sections = {"train": lambda: bench_train(cfg, pairs, steps),
+                "generate": lambda: bench_generate(cfg, pairs, mode.new_bytes, mode.sampler_shapes),
+                "precision": lambda: bench_precision(mode),
+                "pipeline": lambda: {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset)}
+    for section, measure in sections.items():
+        started = time.perf_counter()
+        report[section] = measure()
+        # As each section ends, so that a run stopped at a time limit still says how far it got.
+        print(f"{section}: measured in {time.perf_counter() - started:.1f} s", flush=True)
     flat = {
         "train.codelab_tok_s": report["train"]["codelab_tok_s"],
         "train.bardflow_tok_s": report["train"]["bardflow_tok_s"],

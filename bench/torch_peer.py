@@ -1,5 +1,6 @@
 """A PyTorch peer of the codelab model for the benchmark only (``pip install torch``):
-same shapes and parameter count, ``scaled_dot_product_attention``, AdamW, eager mode."""
+same shapes and parameter count, ``scaled_dot_product_attention``, AdamW, eager mode, on the
+GPU when JAX runs on one (so both sides of the comparison share the hardware), else on the CPU."""
 
 from __future__ import annotations
 
@@ -37,20 +38,25 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
 
 
-def runner(cfg, steps: int):
+def runner(cfg, steps: int, on_gpu: bool = False):
     """A callable that runs ``steps`` training steps and returns their tokens/s; the model
     and optimizer persist across calls, like the JAX steps' state in the benchmark."""
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
+    device = torch.device("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
+    model = Transformer(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
-    stream = torch.randint(0, 256, (steps, batch, seq_len))
+    stream = torch.randint(0, 256, (steps, batch, seq_len)).to(device)
+
+    def finished():  # a GPU's steps run asynchronously: the clock stops when they are done
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     def step(tokens):
         logits = model(tokens)
@@ -61,11 +67,13 @@ def runner(cfg, steps: int):
         return loss
 
     step(stream[0])  # warm-up, as for the JAX steps' compilation
+    finished()
 
     def run() -> float:
         started = time.perf_counter()
         for tokens in stream:
             step(tokens)
+        finished()
         return steps * batch * (seq_len - 1) / (time.perf_counter() - started)
 
     return run

@@ -126,7 +126,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
     if result["bardflow_imported"] or not result["max_abs_diff"] <= TOLERANCE:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
                           f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export")
-    hf = _hf(folder / HF, model, cfg, params, expected)
+    hf = _hf(folder / HF, model, cfg, params)
     ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     out.metrics.update({"parameters": held["parameters"], "bytes": sum(files.values()),
@@ -147,7 +147,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
 HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")
 
 
-def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: dict[str, np.ndarray]) -> dict:
+def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params) -> dict:
     """Writes and checks ``hf/``; what became of it, for the manifest and the UI."""
     why = unmappable(cfg)
     if why is not None:
@@ -159,7 +159,7 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: di
     if unchecked is not None:
         return {**found, "status": unchecked}
     started = time.perf_counter()
-    reference = hf_reference(model, cfg, expected)
+    reference = hf_reference(model, cfg)
     (result,) = check_hf([(folder, reference)])
     return {**found, "checked": True, "max_abs_diff": result["max_abs_diff"], "greedy_bytes": result["greedy_bytes"],
             "prompt": PROMPT.decode(), "greedy_ids": reference["greedy"].tolist(),  # what a server must say too
@@ -169,17 +169,27 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, expected: di
                       f"{result['greedy_bytes']} greedy bytes the same"}
 
 
-def hf_reference(model: Transformer, cfg: ModelConfig, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def hf_reference(model: Transformer, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """What ``hf/`` must reproduce: the probes' logits and bardflow's own greedy continuation
     of the prompt (the sampler at temperature 0), ``GREEDY_BYTES`` long. With learned positions
     the sampler's window slides past the context, each byte from the last ``max_seq_len``
     (``window``), which the check does too; a rotary model's sampler keeps a ring of keys
     computed in earlier windows, which no stateless recomputation reproduces, so its
-    continuation stops where the context does (``window`` 0)."""
+    continuation stops where the context does (``window`` 0).
+
+    Computed with float32 matrix products throughout: the check runs transformers on the CPU
+    in float32, while a GPU's default float32 product rounds its operands to TF32, which
+    moves logits by far more than the tolerance (docs/gpu-check.md)."""
     rotary = cfg.positions == "rope"
     new = GREEDY_BYTES if not rotary else min(GREEDY_BYTES, cfg.max_seq_len - len(PROMPT))
-    sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT):]
-    return {**expected, "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
+    reference: dict[str, np.ndarray] = {}
+    with jax.default_matmul_precision("highest"):
+        forward, params = jax.jit(forward_of(model)), flat_params(model)
+        for name, tokens in probes(cfg.max_seq_len).items():
+            reference[name] = tokens
+            reference[name.replace("tokens", "logits")] = np.asarray(forward(params, tokens))
+        sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT):]
+    return {**reference, "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
             "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32),
             "window": np.asarray(0 if rotary else cfg.max_seq_len, np.int32)}
 
