@@ -7,13 +7,18 @@ and nothing is ever held whole. The corpus is read through a memory map, its win
 strided view of it, and the shuffle is a seeded permutation of window numbers (an array up
 to 16 M windows, computed a slice at a time beyond): writing a split gathers one record
 batch of rows at a time (the next two on threads), so encoding a corpus of any size takes
-at most 128 MiB and a few batches.
+at most 128 MiB and a few batches. Shards go to disk around the page cache (``DirectFile``):
+training reads them later, in order.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
+import fcntl
 import hashlib
+import mmap
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,10 @@ BATCH_BYTES = 8 << 20  # a record batch: what a writer gathers at once
 # which can cost many times more to find than small pages where memory is tight or, on a
 # virtual machine, handed back to its host (docs/benchmarks.md, "Data at any size").
 WRITE_BYTES = 256 << 10
+# A shard is written around the page cache (O_DIRECT) through a staging buffer of this size,
+# aligned for any file system's block size; its last block is padded and cut back.
+DIRECT_BYTES = 4 << 20
+DIRECT_ALIGN = 4096
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -187,17 +196,84 @@ def write_all(handle, data) -> None:
         handle.write(view[start:start + WRITE_BYTES])
 
 
+class DirectFile:
+    """A new file written around the page cache (``O_DIRECT``) where its file system allows
+    (and ``direct``), else as usual. A training split is written once and read later, in
+    order: keeping its pages cached buys nothing, and on a machine short of free memory (or a
+    virtual machine whose host took it back) finding a page-cache page for every written byte
+    was most of what encoding a large corpus cost (docs/benchmarks.md, "Data at any size").
+    Bytes go to an aligned staging buffer and reach the file a full buffer at a time; the
+    last, partial block is padded to the alignment and the file cut back to its size on
+    ``close``."""
+
+    def __init__(self, path: Path, direct: bool = True):
+        self.direct, self.size, self.filled = direct and hasattr(os, "O_DIRECT"), 0, 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # EINVAL: no direct I/O here (tmpfs); anything else is real
+                raise
+            self.direct, self.fd = False, os.open(path, flags, 0o644)
+        self.stage = mmap.mmap(-1, DIRECT_BYTES) if self.direct else None  # page-aligned
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = len(view)
+        self.size += written
+        while len(view) and self.stage is not None:
+            take = min(len(view), DIRECT_BYTES - self.filled)
+            self.stage[self.filled:self.filled + take] = view[:take]
+            self.filled, view = self.filled + take, view[take:]
+            if self.filled == DIRECT_BYTES:
+                self._write(memoryview(self.stage))
+                self.filled = 0
+        if len(view):
+            self._write(view)
+        return written
+
+    def _write(self, view: memoryview) -> None:
+        step = len(view) if self.stage is not None else WRITE_BYTES
+        for start in range(0, len(view), step):
+            chunk = view[start:start + step]
+            while len(chunk):
+                try:
+                    chunk = chunk[os.write(self.fd, chunk):]
+                except OSError as error:
+                    if error.errno != errno.EINVAL or self.stage is None:
+                        raise
+                    # A file system that opened the file for direct I/O but refuses its
+                    # writes: this and the rest as usual.
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    self.stage = None
+
+    def flush(self) -> None:
+        """Nothing to do: bytes reach the file a staging buffer at a time, the rest at ``close``."""
+
+    def close(self) -> None:
+        try:
+            if self.stage is not None and self.filled:
+                padded = -(-self.filled // DIRECT_ALIGN) * DIRECT_ALIGN
+                self.stage[self.filled:padded] = bytes(padded - self.filled)
+                self._write(memoryview(self.stage)[:padded])
+            if self.direct:
+                os.ftruncate(self.fd, self.size)
+        finally:
+            os.close(self.fd)
+            self.stage = None
+
+
 class _Hashing:
     """A file that hashes what is written to it, so a shard's sha256 needs no second read."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: DirectFile):
         self.handle, self.sha256, self.size = handle, ThreadedDigest(hashlib.sha256()), 0
         self.closed = False
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        write_all(self.handle, data)
+        self.handle.write(data)
         return len(data)
 
     def tell(self) -> int:
@@ -207,8 +283,9 @@ class _Hashing:
         self.handle.flush()
 
     def close(self) -> None:
-        self.closed = True
-        self.handle.close()
+        if not self.closed:
+            self.closed = True
+            self.handle.close()
 
 
 def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
@@ -218,10 +295,12 @@ def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
 
 def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
                 order: np.ndarray | FeistelOrder | None = None,
-                shard_bytes: int = SHARD_BYTES, progress: Callable[[int], None] | None = None) -> list[dict]:
+                shard_bytes: int = SHARD_BYTES, progress: Callable[[int], None] | None = None,
+                cached: bool = False) -> list[dict]:
     """Writes ``rows`` (in ``order``, if given: row ``i`` of the split is ``rows[order[i]]``)
     as shards in ``folder``; returns each shard's file name, rows, bytes and sha256 (hashed
-    as written). ``progress`` hears the bytes of rows written so far."""
+    as written). ``progress`` hears the bytes of rows written so far. The shards go around
+    the page cache unless ``cached``: for a split read at random (the evaluation's rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     count, row = (len(rows) if order is None else len(order)), rows.shape[1]
     per_shard = max(1, shard_bytes // row)
@@ -247,8 +326,8 @@ def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
                            metadata={**metadata, "shard": str(number), "first_row": str(first)})
         name = f"{number:05d}.arrow"
         written: np.ndarray | None = None
-        with open(folder / name, "wb") as handle:
-            sink = _Hashing(handle)
+        sink = _Hashing(DirectFile(folder / name, direct=not cached))
+        try:
             with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
                 for stop in [*range(first + per_batch, last, per_batch), last]:
                     batch = next(batches)
@@ -258,6 +337,8 @@ def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
                     written = batch.base if batch.base is not None else batch
                     if progress is not None:
                         progress(stop * row)
+        finally:
+            sink.close()
         shards.append({"file": name, "rows": last - first, "bytes": sink.size, "sha256": sink.sha256.hexdigest()})
         if written is not None:
             spare.append(written)

@@ -39,7 +39,7 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
         train = write_split(out.path(TRAIN), rows[:num_train], {**metadata, "split": "train"},
                             order=train_order(num_train, settings.shuffle_seed), progress=progress)
         val = write_split(out.path(VAL), rows[num_train:], {**metadata, "split": "val"},
-                          progress=lambda done: progress(num_train * row_bytes + done))
+                          progress=lambda done: progress(num_train * row_bytes + done), cached=True)
     # The windows are the corpus's bytes: readable by no one its stored copy keeps out.
     mode = corpus.stat().st_mode & 0o666 | 0o600
     for name, shards in ((TRAIN, train), (VAL, val)):

@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from bardflow.model import data
 from bardflow.model.data import Batches, DataError, encode, read_split, train_order, windows, write_split
 
 
@@ -155,3 +156,36 @@ def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_positi
     # Rows from every batch where they belong: no batch array was filled again while in use.
     sample = np.sort(np.random.default_rng(1).choice(len(rows), 20_000, replace=False))
     np.testing.assert_array_equal(written.take(sample), rows[order[0:len(rows)][sample]])
+
+
+def test_a_file_written_around_the_page_cache_holds_exactly_its_bytes(tmp_path, monkeypatch):
+    """Staged, aligned writes, a padded last block cut back, pieces of any size; and the same
+    bytes where the file system refuses direct writes after opening the file for them."""
+    monkeypatch.setattr(data, "DIRECT_BYTES", 64 << 10)  # several stagings in a small file
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 4095, 4096, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 3 * (64 << 10) + 12_345):
+        content = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        out = data.DirectFile(tmp_path / f"{size}.bin")
+        start = 0
+        while start < size:  # pieces of uneven sizes, as Arrow's writer hands them over
+            piece = int(rng.integers(1, 20_000))
+            assert out.write(memoryview(content)[start:start + piece]) == len(content[start:start + piece])
+            start += piece
+        out.close()
+        assert (tmp_path / f"{size}.bin").read_bytes() == content, size
+
+    # Direct writes refused once open: the file falls back to ordinary writes, losing nothing.
+    real_write = data.os.write
+
+    def refusing(fd, chunk):
+        if data.fcntl.fcntl(fd, data.fcntl.F_GETFL) & getattr(data.os, "O_DIRECT", 0):
+            raise OSError(data.errno.EINVAL, "Invalid argument")
+        return real_write(fd, chunk)
+
+    monkeypatch.setattr(data.os, "write", refusing)
+    content = rng.integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    out = data.DirectFile(tmp_path / "refused.bin")
+    out.write(content[:70_000])
+    out.write(content[70_000:])
+    out.close()
+    assert (tmp_path / "refused.bin").read_bytes() == content
