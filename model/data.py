@@ -7,8 +7,8 @@ and nothing is ever held whole. The corpus is read through a memory map, its win
 strided view of it, and the shuffle is a seeded permutation of window numbers (an array up
 to 16 M windows, computed a slice at a time beyond): writing a split gathers one record
 batch of rows at a time (the next two on threads), so encoding a corpus of any size takes
-at most 128 MiB and a few batches. Shards go to disk around the page cache (``DirectFile``):
-training reads them later, in order.
+at most 128 MiB and a few batches. A training split's shards go to disk around the page
+cache (``DirectFile``): training reads them later, in order.
 """
 
 from __future__ import annotations
