@@ -113,19 +113,21 @@ def pytest_configure(config):
 # docs/benchmarks.md): handed out in this order, the two workers end together. The second is
 # one that needs no Prefect server: it keeps the other core busy while the first starts the
 # session's server (its database made from scratch), instead of waiting for it.
-LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_signals", "test_distributed",
-                 "test_object_store_flow", "test_flow", "test_bench_baselines", "test_pool_server",
-                 "test_reliability", "test_hf_export", "test_cpu_tuning", "test_tracking", "test_resume",
-                 "test_kernels", "test_model", "test_stages", "test_checkpoint_and_sampling", "test_object_store",
-                 "test_bench_quality", "test_cli", "test_slots", "test_layers", "test_navigation",
-                 "test_prefect_private", "test_code_versions", "test_config")
+LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_distributed", "test_signals",
+                 "test_object_store_flow", "test_flow", "test_fsdp", "test_reliability", "test_pool_server",
+                 "test_hf_export", "test_bench_baselines", "test_tracking", "test_slots", "test_object_store",
+                 "test_stages", "test_cpu_tuning", "test_cli", "test_resume", "test_kernels", "test_model",
+                 "test_checkpoint_and_sampling", "test_sources", "test_layers", "test_bench_quality", "test_data",
+                 "test_navigation", "test_code_versions", "test_prefect_private", "test_config", "test_store",
+                 "test_gpu_kit")
 
 
 def pytest_collection_modifyitems(items):
     """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
     inner loop. Modules go in the order above, the longest first, so that parallel workers
     (the README's ``-n 2 --dist loadfile``) start the long ones early and end on short ones
-    together; a module not named there goes last."""
+    together; a module not named there goes last, with a warning (a long one there would end
+    the session alone on one worker)."""
     for item in items:
         if item.get_closest_marker("flow") or item.get_closest_marker("processes"):
             item.add_marker(pytest.mark.slow)
@@ -134,6 +136,11 @@ def pytest_collection_modifyitems(items):
         name = item.module.__name__.rsplit(".", 1)[-1]
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
+    unranked = {item.module.__name__: item for item in items
+                if item.module.__name__.rsplit(".", 1)[-1] not in LONGEST_FIRST}
+    for name, item in unranked.items():
+        item.warn(pytest.PytestWarning(f"{name} is not in tests/conftest.py's LONGEST_FIRST: add it where its "
+                                       "duration puts it"))
     items.sort(key=rank)  # stable: file order within a module, and among the rest
 
 
