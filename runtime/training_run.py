@@ -91,6 +91,8 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     eval_batch = max(1, per_device // val_rows.shape[1]) * len(devices)
     val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
            for rows, weights in val_batches(evaluated, eval_batch, multiple=len(devices))]
+    eval_rows, val_split_rows = len(evaluated), len(val_rows)
+    del evaluated, val_rows  # copied into val: the split's mapping goes
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
@@ -117,7 +119,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
                "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
                "platform": request.platform, "processes": request.processes,
-               "eval_rows": len(evaluated), "val_split_rows": len(val_rows)}
+               "eval_rows": eval_rows, "val_split_rows": val_split_rows}
     return {"metrics": metrics, "history": result.history,
             "params_digest": params_digest(model_from_state(graphdef, result.state)),
             "devices": [str(d) for d in devices]}
