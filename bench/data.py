@@ -15,7 +15,9 @@ every few milliseconds:
   cp + sha256sum  the same bytes copied and hashed, the floor a disk and a CPU set
 (these three alternated, ``--stage-rounds`` times, the best of each compared)
   train           ``tiny``-shape training steps on this corpus's shards and on TinyShakespeare's,
-                  alternated: seconds to the first step, tokens/s, peak anonymous memory
+                  alternated: seconds to the first step, tokens/s (the best of each, and the
+                  median of the rounds' ratios), peak anonymous memory; ``--stage-rounds 0``
+                  measures this alone, ``--set`` changes both corpora's training runs
 
 ``--check`` fails (exit 1) when a stage's memory grows by more than 512 MiB over idle.
 Writes ``<date>-cpu-data-<size>.json`` under ``--out`` and prints the table.
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     flat: dict[str, float | int | None] = {"corpus_mb": round(mb, 1)}
     # A local corpus is read once before the run for its checksum (the fetch version's key),
     # which fetch then takes rather than computing it again: counted apart, and with.
-    checksum_s = min((r["pin_s"] for r in stage_rounds["fetch"]), default=None)
+    checksum_s = min((r["pin_s"] for r in stage_rounds["fetch"]), default=0.0)
     for number, runs in enumerate(best):  # the first pass's figures, then the second's
         stages_s = runs["fetch"]["seconds"] + runs["encode"]["seconds"]
         suffix = ("_as_it_comes", "_memory_just_freed")[number]
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"cp_sha256sum_mb_per_s{suffix}": runs["cp_sha256sum"]["mb_per_s"],
             f"fetch_encode_vs_cp_sha256sum{suffix}": round(runs["cp_sha256sum"]["seconds"] / stages_s, 3),
             f"checksum_fetch_encode_vs_cp_sha256sum{suffix}": round(runs["cp_sha256sum"]["seconds"]
-                                                                    / ((checksum_s or 0) + stages_s), 3),
+                                                                    / (checksum_s + stages_s), 3),
             f"fetch_encode_cpu_s{suffix}": round(runs["fetch"]["cpu_s"] + runs["encode"]["cpu_s"], 2),
             f"cp_sha256sum_cpu_s{suffix}": runs["cp_sha256sum"]["cpu_s"]})
     if best:

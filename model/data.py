@@ -295,15 +295,16 @@ def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
 
 def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
                 order: np.ndarray | FeistelOrder | None = None,
-                shard_bytes: int = SHARD_BYTES, progress: Callable[[int], None] | None = None,
+                shard_bytes: int | None = None, progress: Callable[[int], None] | None = None,
                 cached: bool = False) -> list[dict]:
     """Writes ``rows`` (in ``order``, if given: row ``i`` of the split is ``rows[order[i]]``)
     as shards in ``folder``; returns each shard's file name, rows, bytes and sha256 (hashed
-    as written). ``progress`` hears the bytes of rows written so far. The shards go around
+    as written). A shard holds ``shard_bytes`` of rows at most (``SHARD_BYTES`` as it is when
+    called). ``progress`` hears the bytes of rows written so far. The shards go around
     the page cache unless ``cached``: for a split read at random (the evaluation's rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     count, row = (len(rows) if order is None else len(order)), rows.shape[1]
-    per_shard = max(1, shard_bytes // row)
+    per_shard = max(1, (shard_bytes or SHARD_BYTES) // row)
     per_batch = max(1, min(per_shard, BATCH_BYTES // row))
     spans = [(first, min(count, first + per_shard)) for first in range(0, count, per_shard)]
 

@@ -184,7 +184,6 @@ def test_encode_streams_bounded_shards_with_the_rows_of_the_in_memory_encoding(t
     cfg = build_config("tiny", {"data.every_position": True})
     corpus = make(FETCH, pin(cfg.data.model_copy(update={"corpus": str(tmp_path / "corpus.txt")})), tmp_path / "s")[0]
     monkeypatch.setattr(data_module, "SHARD_BYTES", 40_000)  # several shards of a small corpus
-    monkeypatch.setattr(data_module.write_split, "__defaults__", (None, 40_000, None, False))
     version = make(ENCODE, cfg.data, tmp_path / "s", fetch=corpus)[0]
     shards = version.manifest["shards"]
     assert len(shards["train"]) > 3 and len(shards["val"]) >= 1
