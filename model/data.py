@@ -267,14 +267,16 @@ class _Hashing:
     """A file that hashes what is written to it, so a shard's sha256 needs no second read."""
 
     def __init__(self, handle: DirectFile):
-        self.handle, self.sha256, self.size = handle, ThreadedDigest(hashlib.sha256()), 0
+        self.handle, self.sha256 = handle, ThreadedDigest(hashlib.sha256())
         self.closed = False
+
+    @property
+    def size(self) -> int:
+        return self.handle.size
 
     def write(self, data) -> int:
         self.sha256.update(data)
-        self.size += len(data)
-        self.handle.write(data)
-        return len(data)
+        return self.handle.write(data)
 
     def tell(self) -> int:
         return self.size
