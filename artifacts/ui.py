@@ -22,6 +22,7 @@ from prefect.artifacts import (
 from prefect.context import FlowRunContext, TaskRunContext
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from uuid import UUID
 
 
@@ -83,6 +84,14 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_left(seconds: float) -> str:
+    """An estimate of the time left as a log line says it: ``"done"``, ``"ETA 42 s"``, ``"ETA 3 min 05 s"``."""
+    if seconds <= 0:
+        return "done"
+    whole = round(seconds)
+    return f"ETA {whole} s" if whole < 60 else f"ETA {whole // 60} min {whole % 60:02d} s"
+
+
 class Progress:
     """A terminal bar plus a throttled progress artifact in the UI (each update is an
     HTTP call of tens of milliseconds, so at most one every ``every_s`` seconds).
@@ -94,12 +103,15 @@ class Progress:
 
     CLOSE_WAIT_S = 5.0  # the last value gets this long to reach the server
 
-    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0, in_bytes: bool = False):
+    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0, in_bytes: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         import contextvars
         import threading
 
         self.total, self.every_s, self.label = max(1, total), every_s, label
-        self._logged, self._started = 0, time.monotonic()
+        self._clock = clock
+        self._logged, self._started = 0, clock()
+        self._first: tuple[float, int] | None = None  # the first report: the pace is measured from it
         self._last = 0.0
         self._artifact = None
         self._pending: float | None = None
@@ -145,21 +157,32 @@ class Progress:
             self.total = max(1, total)
             self._bar.update(self._task, total=self.total)
         self._bar.update(self._task, completed=done)
-        seconds = max(time.monotonic() - self._started, 1e-9)
+        now = self._clock()
+        seconds = max(now - self._started, 1e-9)
+        if self._first is None:
+            self._first = (now, done)
         if self._bar.disable and done * 10 // self.total > self._logged * 10 // self.total and \
                 (not self.in_bytes or seconds > 2.0):  # bytes: a second's copy needs no account
+            left = time_left(self._seconds_left(now, done, seconds))
             if self.in_bytes:
-                say("%s: %.1f of %.1f MB (%d%%), %.1f MB/s", self.label, done / 1e6, self.total / 1e6,
-                    100 * done // self.total, done / 1e6 / seconds)
+                say("%s: %.1f of %.1f MB (%d%%), %.1f MB/s, %s", self.label, done / 1e6, self.total / 1e6,
+                    100 * done // self.total, done / 1e6 / seconds, left)
             else:
-                say("%s: %d/%d (%d%%)", self.label, done, self.total, 100 * done // self.total)
+                say("%s: %d/%d (%d%%), %s", self.label, done, self.total, 100 * done // self.total, left)
         self._logged = done
-        now = time.monotonic()
         if self._artifact is not None and (now - self._last >= self.every_s or done == self.total):
             self._last = now
             with self._wake:
                 self._pending = 100.0 * done / self.total
                 self._wake.notify()
+
+    def _seconds_left(self, now: float, done: int, seconds: float) -> float:
+        """The time left at the pace since the first report: what came before it (a first
+        step's compilation, a connection) would stretch every estimate."""
+        first_at, first_done = self._first or (self._started, 0)
+        if done > first_done and now > first_at:
+            return (now - first_at) * (self.total - done) / (done - first_done)
+        return seconds * (self.total - done) / max(done, 1)
 
     def _send(self) -> None:
         artifact = self._artifact  # made before this thread starts

@@ -13,6 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from bardflow.artifacts import ui
 from bardflow.artifacts.store import Store
 from bardflow.model.config import DataConfig, build_config
 from bardflow.model.data import encode, read_split
@@ -148,6 +149,32 @@ def test_compressed_files_are_their_text_and_a_filtered_folder_is_one_corpus(tmp
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(text)[:-100])  # cut short
     with pytest.raises(FetchError, match=r"bad.txt.gz could not be read as a .gz file .* fetch it again"):
         make(FETCH, pin(DataConfig(corpus=str(tmp_path / "bad.txt.gz"))), store)
+
+
+def test_without_a_terminal_a_long_copy_logs_its_bytes_speed_and_time_left():
+    """A worker's log has no bar: fetch and encode say MB, MB/s and an ETA every 10 %, the
+    ETA at the pace since the first report (a slow start does not stretch it)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("bardflow")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    now = [0.0]
+    try:
+        with ui.Progress("fetch", 100_000_000, "fetch", in_bytes=True, clock=lambda: now[0]) as progress:
+            for done, seconds in ((20_000_000, 4.0), (25_000_000, 5.0), (80_000_000, 10.0), (100_000_000, 12.0)):
+                now[0] = seconds
+                progress(done)
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    assert lines == ["fetch: 20.0 of 100.0 MB (20%), 5.0 MB/s, ETA 16 s",  # 25 MB: still 20 %, not said
+                     "fetch: 80.0 of 100.0 MB (80%), 8.0 MB/s, ETA 2 s",  # 60 MB in the 6 s since 20
+                     "fetch: 100.0 of 100.0 MB (100%), 8.3 MB/s, done"]
+    assert [ui.time_left(s) for s in (0.2, 59.6, 185)] == ["ETA 0 s", "ETA 1 min 00 s", "ETA 3 min 05 s"]
 
 
 def test_a_local_corpus_is_read_once_for_its_figures_and_its_copy_checked_by_sha256(tmp_path, monkeypatch):
