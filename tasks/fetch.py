@@ -4,18 +4,21 @@ folder (one corpus: its files in sorted order), decompressing ``.gz``, ``.xz``, 
 alone: the same bytes from a mirror, or compressed another way, are the same corpus.
 
 A local corpus needs no checksum from the user: ``pin`` computes it when the run starts,
-so the version is keyed as if it had been given. A download is checked against a known
-checksum: the default corpus's own, or the one the user gives (``data.md5``). The checksum
-is of the corpus, the text a compressed source holds (the one its publisher gives: enwik8's
-for the member of enwik8.zip), as are its sha256 and the count of byte values in it, each
-computed as the bytes stream: nothing is read twice, and memory does not grow with the
-corpus."""
+so the version is keyed as if it had been given; this machine remembers it for files whose
+size, inode and times have not moved since (a run whose stages are cached reads nothing). A
+download is checked against a known checksum: the default corpus's own, or the one the user
+gives (``data.md5``). The checksum is of the corpus, the text a compressed source holds
+(the one its publisher gives: enwik8's for the member of enwik8.zip), as are its sha256 and
+the count of byte values in it, each computed as the bytes stream: nothing is read twice,
+and memory does not grow with the corpus."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import http.client
+import json
 import os
 import socket
 import time
@@ -23,12 +26,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..artifacts import ui
 from ..artifacts.store import Builder
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
 from ..model.data import ThreadedDigest, write_all
+from ..runtime import cache_dir
 from .registry import FETCH
 from .sources import (
     COMPRESSED,
@@ -53,20 +58,21 @@ NOT_RETRIED = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED)
 TIMEOUT_S = 30.0
 
 
-def pin(data: DataConfig) -> DataConfig:
+def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
     """``data`` with the corpus's md5 filled in where the user gave none: computed for a local
-    file or folder, the known one for the default download. Any other download must name
-    its checksum, which the fetched bytes are then checked against."""
+    file or folder (or, ``remembered``, taken from this machine's record of the same files
+    unchanged), the known one for the default download. Any other download must name its
+    checksum, which the fetched bytes are then checked against."""
     if data.md5 is not None:
         return data
     path = local_path(data.corpus)
     if path is not None:  # every figure fetch needs, in the same pass
-        corpus = Digest()
-        for chunk in decoded_chunks(corpus_files(path, data.glob)):
-            corpus.update(chunk)
-        md5 = corpus.md5_hex()
-        _PINNED[(data.corpus, data.glob, md5)] = corpus
-        return data.model_copy(update={"md5": md5})
+        files = corpus_files(path, data.glob)
+        figures = recalled_figures(path, data.glob, files) if remembered else None
+        if figures is None:
+            figures = read_figures(path, data.glob, files)
+        _PINNED[(data.corpus, data.glob, figures.md5)] = figures
+        return data.model_copy(update={"md5": figures.md5})
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(data.corpus, data.glob)
         ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
@@ -76,6 +82,20 @@ def pin(data: DataConfig) -> DataConfig:
         return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
     raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
                       "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a corpus's bytes come to: its checksums, its size and the byte values it holds."""
+
+    md5: str
+    sha256: str
+    size: int
+    seen: bytes  # the distinct byte values, sorted
+
+    @property
+    def distinct(self) -> int:
+        return len(self.seen)
 
 
 class Digest:
@@ -93,10 +113,10 @@ class Digest:
         self.sha256 = ThreadedDigest(hashlib.sha256()) if self.sha256_only else hashlib.sha256()
         self.size, self.seen = 0, b""
 
-    def md5_hex(self) -> str:
+    def figures(self) -> Figures:
         if self.md5 is None:
             raise RuntimeError("a sha256-only digest has no md5")
-        return self.md5.hexdigest()
+        return Figures(self.md5.hexdigest(), self.sha256.hexdigest(), self.size, self.seen)
 
     def update(self, chunk: bytes) -> None:
         if self.md5 is not None:
@@ -116,10 +136,69 @@ class Digest:
         return len(self.seen)
 
 
-# The figures of each local corpus this process read to pin it, by source, filter and md5:
-# fetch takes the md5 and the byte values from there, and checks the bytes it copies by
-# their sha256 alone (md5 runs on one core at about half sha256's speed).
-_PINNED: dict[tuple[str, str | None, str], Digest] = {}
+# The figures of each local corpus this process pinned, by source, filter and md5: fetch
+# takes the md5 and the byte values from there, and checks the bytes it copies by their
+# sha256 alone (md5 runs on one core at about half sha256's speed).
+_PINNED: dict[tuple[str, str | None, str], Figures] = {}
+
+# This machine's record of local corpora's figures, one file per corpus state, keyed by its
+# files' paths, inodes, sizes and modification and change times: any write changes a file's
+# change time, which no tool can set back. As in the store's memory of digests, a file
+# written within seconds of the read is not recorded (git's "racy" rule: a second write in
+# the same clock tick would leave its times as they were). The newest KEPT_FIGURES are kept.
+FIGURES_FORMAT = 1
+KEPT_FIGURES = 64
+SETTLED_NS = 2_000_000_000
+
+
+def _figures_file(path: Path, pattern: str | None, files: list[Path]) -> tuple[Path, list[tuple[int, ...]]]:
+    """Where the record of these files as they are now lives, and their stat figures."""
+    stats = [os.stat(f) for f in files]
+    state = [(s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats]
+    key = json.dumps([FIGURES_FORMAT, str(path.resolve()), pattern, [str(f) for f in files], state])
+    return cache_dir() / "corpus-figures" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json", state
+
+
+def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures | None:
+    """The figures recorded for exactly these files unchanged, if any."""
+    record, _ = _figures_file(path, pattern, files)
+    try:
+        found = json.loads(record.read_text())
+        figures = Figures(found["md5"], found["sha256"], int(found["size"]), bytes.fromhex(found["seen"]))
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not one this code wrote
+        return None
+    if len(figures.md5) != 32 or len(figures.sha256) != 64:
+        return None
+    return figures
+
+
+def read_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures:
+    """The figures of the corpus's bytes, read whole; recorded when its files were settled
+    before the read and did not move during it."""
+    record, before = _figures_file(path, pattern, files)
+    started = time.time_ns()
+    corpus = Digest()
+    for chunk in decoded_chunks(files):
+        corpus.update(chunk)
+    figures = corpus.figures()
+    settled = all(started - max(mtime, ctime) > SETTLED_NS for *_, mtime, ctime in before)
+    if settled and _figures_file(path, pattern, files)[1] == before:
+        with contextlib.suppress(OSError):  # a record is a saving, never a need
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_name(f".{record.name}.{os.getpid()}")
+            partial.write_text(json.dumps({**asdict(figures), "seen": figures.seen.hex()}))
+            os.replace(partial, record)
+            for old in sorted(record.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[:-KEPT_FIGURES]:
+                old.unlink(missing_ok=True)
+    return figures
+
+
+def forget_figures(md5: str) -> None:
+    """Drops this machine's records that give ``md5``: a copy found other bytes."""
+    for record in (cache_dir() / "corpus-figures").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if json.loads(record.read_text())["md5"] == md5:
+                record.unlink(missing_ok=True)
 
 
 def _written(chunks: Iterable[bytes], target: Path, sha256_only: bool = False) -> Digest:
@@ -187,7 +266,7 @@ def _download(url: str, target: Path, digest: Digest | None = None, progress=Non
 
 
 def fetch_to(source: str, target: Path, pattern: str | None = None, progress=None,
-             files: list[Path] | None = None, known: Digest | None = None) -> tuple[list[Path] | None, Digest]:
+             files: list[Path] | None = None, known: Figures | None = None) -> tuple[list[Path] | None, Figures]:
     """Writes the corpus to ``target``: the local files it was made of (None for a
     download), and the figures of what went into ``target`` (its md5 among them).
     ``progress(done, total)`` hears the source's bytes read so far; ``files``: a local
@@ -198,17 +277,17 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
         files = corpus_files(path, pattern) if files is None else files
         copied = _written(decoded_chunks(files, progress), target, sha256_only=known is not None)
         if known is None:
-            return files, copied
-        if copied.size != known.size or copied.sha256.hexdigest() != known.sha256.hexdigest():
-            raise FetchError(f"the corpus at {source} changed while it was being read ({known.size:,} bytes "
-                             f"when its md5 was taken, {copied.size:,} now, or other bytes); run again once "
-                             "nothing writes to it")
+            return files, copied.figures()
+        if copied.size != known.size or copied.sha256.hexdigest() != known.sha256:
+            forget_figures(known.md5)
+            raise FetchError(f"the corpus at {source} changed since its md5 was taken ({known.size:,} bytes "
+                             f"then, {copied.size:,} now, or other bytes); run again once nothing writes to it")
         return files, known
     if is_bucket(source):
         objects = BucketCorpus(source, pattern)
         if progress is not None:
             progress(0, objects.size)
-        return None, _written(objects.chunks(progress), target)
+        return None, _written(objects.chunks(progress), target).figures()
     parsed = urllib.parse.urlparse(source)
     if parsed.scheme not in ("http", "https"):
         raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// "
@@ -217,14 +296,14 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
     if not _compressed(name):  # the download is the corpus: every figure as it arrives
         corpus = Digest()
         _download(source, target, corpus, progress)
-        return None, corpus
+        return None, corpus.figures()
     download = target.with_name(f".download-{name}")  # an archive is read whole (a zip's index is at its end)
     try:
         # Checked by what it holds: the corpus's md5, after decompression (a damaged archive
         # fails that, or the decompression itself).
         _download(source, download, None, progress)
         with open(download, "rb") as handle:
-            return None, _written(decompressed(Path(source), handle, name), target)
+            return None, _written(decompressed(Path(source), handle, name), target).figures()
     finally:
         download.unlink(missing_ok=True)
 
@@ -241,7 +320,7 @@ def build(settings: DataConfig, out: Builder) -> None:
         known = _PINNED.get((settings.corpus, settings.glob, settings.md5)) if path is not None else None
         files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
-    actual = corpus.md5_hex()
+    actual = corpus.md5
     seconds = time.monotonic() - started
     size = corpus.size
     if size == 0:
@@ -257,11 +336,11 @@ def build(settings: DataConfig, out: Builder) -> None:
             "fetch it again or fix the source, or if this is the corpus you want, "
             f"pass its checksum: --set data.md5={actual}"
         )
-    out.digests[CORPUS] = {"bytes": size, "sha256": corpus.sha256.hexdigest()}
+    out.digests[CORPUS] = {"bytes": size, "sha256": corpus.sha256}
     if files is not None:  # no wider permissions than its source's
         os.chmod(target, source_mode(files))
     distinct = corpus.distinct
-    out.metrics.update({"bytes": size, "md5": actual, "sha256": corpus.sha256.hexdigest(),
+    out.metrics.update({"bytes": size, "md5": actual, "sha256": corpus.sha256,
                         "distinct_bytes": distinct, "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 1)})
     out.record["source"] = settings.corpus
     if files is not None:

@@ -49,6 +49,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _prefect_home = tempfile.mkdtemp(prefix="bardflow-test-prefect-")
 for name, value in {
     "PREFECT_HOME": _prefect_home,
+    # What runs keep on this machine (local corpora's checksums, the CPU step's settings) stays
+    # out of the user's ~/.cache/bardflow; the compiled programs' cache is the one above.
+    "BARDFLOW_CACHE_DIR": tempfile.mkdtemp(prefix="bardflow-test-cache-"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",

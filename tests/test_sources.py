@@ -6,6 +6,7 @@ request), an enwik8-style zip among them."""
 import gzip
 import hashlib
 import http.server
+import json
 import lzma
 import threading
 import zipfile
@@ -199,9 +200,67 @@ def test_a_local_corpus_is_read_once_for_its_figures_and_its_copy_checked_by_sha
     source.write_bytes(text[::-1])
     changed = pin(DataConfig(corpus=str(source)))
     source.write_bytes(text[::-1].swapcase())
-    with pytest.raises(FetchError, match="changed while it was being read.*run again"):
+    with pytest.raises(FetchError, match="changed since its md5 was taken.*run again"):
         make(FETCH, changed, tmp_path / "store")
     assert [v.key for v in Store(tmp_path / "store").versions("fetch")] == [version.key]
+
+
+def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(tmp_path, monkeypatch):
+    """A run whose stages are cached reads nothing of a local corpus: this machine keeps its
+    figures by its files' stat. A changed file is read again; a record that lies is caught by
+    fetch's sha256 and forgotten."""
+    from bardflow.tasks import fetch as fetch_module
+
+    monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)  # these files were written a moment ago
+    text = play_text(60_000)
+    folder = tmp_path / "plays"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(text[:20_000])
+    (folder / "b.txt").write_bytes(text[20_000:])
+    reads = []  # how many files each full read of the corpus took
+    real = fetch_module.decoded_chunks
+    monkeypatch.setattr(fetch_module, "decoded_chunks",
+                        lambda files, progress=None: reads.append(len(files)) or real(files, progress))
+
+    def pinned(**options) -> DataConfig:
+        fetch_module._PINNED.clear()  # as a new run's process would start
+        return pin(DataConfig(corpus=str(folder)), **options)
+
+    first = pinned()
+    assert first.md5 == md5_bytes(text) and reads == [2]
+    assert pinned() == first and reads == [2]  # remembered: nothing read
+    version = make(FETCH, first, tmp_path / "store")[0]  # the copy still checked by its sha256
+    assert reads == [2, 2] and version.file(CORPUS).read_bytes() == text
+    assert (version.metrics["sha256"], version.metrics["distinct_bytes"]) == (hashlib.sha256(text).hexdigest(),
+                                                                            len(set(text)))
+    assert pinned(remembered=False) == first and reads == [2, 2, 2]
+
+    (folder / "b.txt").write_bytes(text[20_000:].swapcase())  # same size, other bytes
+    changed = pinned()
+    assert changed.md5 == md5_bytes(text[:20_000] + text[20_000:].swapcase()) and reads == [2, 2, 2, 2]
+    assert pinned() == changed and len(reads) == 4
+
+    monkeypatch.setattr(fetch_module, "SETTLED_NS", 60 * 10**9)  # written within the clock's tick
+    (folder / "a.txt").write_bytes(text[:20_000].swapcase())
+    assert pinned() == pinned() and len(reads) == 6  # not remembered: read each time
+    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)
+
+    # A record that lies (a file system whose times did not move): fetch finds other bytes,
+    # refuses in one line, and the record is gone; the next run reads the corpus again.
+    truth = pinned()
+    record = fetch_module._figures_file(folder, None, sorted(folder.iterdir()))[0]
+    lie = json.loads(record.read_text())
+    record.write_text(json.dumps({**lie, "md5": "0" * 32, "sha256": "0" * 64}))
+    with pytest.raises(FetchError, match="changed since its md5 was taken"):
+        make(FETCH, pinned(), tmp_path / "store")
+    assert not record.exists() and pinned() == truth
+
+    monkeypatch.setattr(fetch_module, "KEPT_FIGURES", 2)  # the newest records are kept, no more
+    for n in range(3):
+        (folder / "a.txt").write_bytes(text[n:20_000])
+        pinned()
+    assert len(list(record.parent.glob("*.json"))) == 2
 
 
 def test_encode_streams_bounded_shards_with_the_rows_of_the_in_memory_encoding(tmp_path, monkeypatch):
