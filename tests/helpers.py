@@ -32,6 +32,19 @@ def play_text(n_bytes: int, seed: int = 0) -> bytes:
     return "".join(out).encode()[:n_bytes]
 
 
+def require(*modules: str) -> None:
+    """Skips the calling test module where one of ``modules`` is not installed, without
+    importing them: collection imports every module in every worker, and torch,
+    transformers or mlflow cost seconds there for the one worker that runs their tests."""
+    import importlib.util
+
+    import pytest
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (the test extra)", allow_module_level=True)
+
+
 def md5_bytes(data: bytes) -> str:
     return hashlib.md5(data).hexdigest()
 

@@ -16,10 +16,9 @@ from bardflow.model.export import flat_params
 from bardflow.model.hf import unmappable
 from bardflow.model.transformer import build_model
 from bardflow.tasks import export
-from tests.helpers import REPO
+from tests.helpers import REPO, require
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+require("torch", "transformers")
 
 
 def _model(cfg, seed: int):

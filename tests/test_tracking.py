@@ -18,10 +18,10 @@ from bardflow.flows.tracking import track_settings
 from bardflow.model.config import ConfigError
 from bardflow.runtime.launch import free_port
 from bardflow.runtime.trackers import scalars
-from tests.helpers import base_args, finish, logged, play_text, start
+from tests.helpers import base_args, finish, logged, play_text, require, start
 from tests.servers import stop
 
-mlflow_tracking = pytest.importorskip("mlflow.tracking")
+require("mlflow")
 
 
 def test_records_become_scalars_with_the_throughput_between_them():
@@ -89,6 +89,8 @@ def wait_up(server: dict, timeout_s: float = 180) -> None:
 
 @pytest.mark.flow
 def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_completes(tmp_path, run_env, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
     wait_up(mlflow_server)
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=12))
@@ -102,7 +104,7 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
                      devices=1)
     log = tmp_path / "run.log"
     run = start(args, log, run_env)
-    client = mlflow_tracking.MlflowClient(mlflow_server["url"])
+    client = MlflowClient(mlflow_server["url"])
     deadline = time.monotonic() + 300
     while True:  # its first records reach the server over HTTP, as training goes on
         assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -123,7 +125,7 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
     assert len(warnings) == 1 and f"TensorBoard at {taken} failed" in warnings[0], stderr[-3000:]
     assert "Traceback" not in stderr
     # What reached the server before it died is in its database; the run was never ended.
-    local = mlflow_tracking.MlflowClient(mlflow_server["db"])
+    local = MlflowClient(mlflow_server["db"])
     (tracked,) = local.search_runs([local.get_experiment_by_name("bardflow").experiment_id])
     assert tracked.info.status == "RUNNING" and tracked.data.tags["prefect.flow_run_id"] == summary["flow_run"]
     steps_logged = [step for step, _ in logged(local, tracked.info.run_id, "train_single/loss")]
