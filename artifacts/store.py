@@ -119,10 +119,10 @@ def file_digest(path: Path, algorithm: str = "sha256") -> str:
 # were (git's "racy" rule); a file this process hashed as it wrote it is, as the writes
 # were all its own and done.
 _HASHED: dict[tuple[int, int], tuple[tuple[int, int, int], str]] = {}
-_SETTLED_NS = 2_000_000_000
+SETTLED_NS = 2_000_000_000
 
 
-def _identity(stat: os.stat_result) -> tuple[tuple[int, int], tuple[int, int, int]]:
+def file_identity(stat: os.stat_result) -> tuple[tuple[int, int], tuple[int, int, int]]:
     return (stat.st_dev, stat.st_ino), (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
@@ -130,12 +130,12 @@ def stored_digest(path: Path) -> str:
     """The sha256 of the file at ``path``, read only if it changed since this process read
     or wrote it."""
     stat = path.stat()
-    identity, times = _identity(stat)
+    identity, times = file_identity(stat)
     known = _HASHED.get(identity)
     if known is not None and known[0] == times:
         return known[1]
     digest = file_digest(path)
-    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > _SETTLED_NS:
+    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > SETTLED_NS:
         _HASHED[identity] = (times, digest)
     return digest
 
@@ -150,7 +150,7 @@ def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None)
             name, stat = p.relative_to(folder).as_posix(), p.stat()
             entry = (known or {}).get(name)
             if entry is not None and entry["bytes"] == stat.st_size:
-                identity, times = _identity(stat)
+                identity, times = file_identity(stat)
                 _HASHED[identity] = (times, entry["sha256"])
             else:
                 entry = {"bytes": stat.st_size, "sha256": file_digest(p)}

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..artifacts import ui
-from ..artifacts.store import Builder
+from ..artifacts.store import SETTLED_NS, Builder, file_identity
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
 from ..model.data import ThreadedDigest, write_all
 from ..runtime import cache_dir
@@ -131,10 +131,6 @@ class Digest:
         if new:
             self.seen = bytes(sorted(set(self.seen) | set(new)))
 
-    @property
-    def distinct(self) -> int:
-        return len(self.seen)
-
 
 # The figures of each local corpus this process pinned, by source, filter and md5: fetch
 # takes the md5 and the byte values from there, and checks the bytes it copies by their
@@ -142,19 +138,16 @@ class Digest:
 _PINNED: dict[tuple[str, str | None, str], Figures] = {}
 
 # This machine's record of local corpora's figures, one file per corpus state, keyed by its
-# files' paths, inodes, sizes and modification and change times: any write changes a file's
-# change time, which no tool can set back. As in the store's memory of digests, a file
-# written within seconds of the read is not recorded (git's "racy" rule: a second write in
-# the same clock tick would leave its times as they were). The newest KEPT_FIGURES are kept.
+# files' paths and identities as the store knows a file it has hashed (device, inode, size,
+# modification and change times), under the same racy rule (SETTLED_NS): a file written
+# within seconds of the read is not recorded. The newest KEPT_FIGURES are kept.
 FIGURES_FORMAT = 1
 KEPT_FIGURES = 64
-SETTLED_NS = 2_000_000_000
 
 
-def _figures_file(path: Path, pattern: str | None, files: list[Path]) -> tuple[Path, list[tuple[int, ...]]]:
-    """Where the record of these files as they are now lives, and their stat figures."""
-    stats = [os.stat(f) for f in files]
-    state = [(s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats]
+def _figures_file(path: Path, pattern: str | None, files: list[Path]) -> tuple[Path, list]:
+    """Where the record of these files as they are now lives, and their identities."""
+    state = [file_identity(os.stat(f)) for f in files]
     key = json.dumps([FIGURES_FORMAT, str(path.resolve()), pattern, [str(f) for f in files], state])
     return cache_dir() / "corpus-figures" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json", state
 
@@ -181,8 +174,8 @@ def read_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures:
     for chunk in decoded_chunks(files):
         corpus.update(chunk)
     figures = corpus.figures()
-    settled = all(started - max(mtime, ctime) > SETTLED_NS for *_, mtime, ctime in before)
-    if settled and _figures_file(path, pattern, files)[1] == before:
+    settled = all(started - max(mtime, ctime) > SETTLED_NS for _, (_, mtime, ctime) in before)
+    if settled and [file_identity(os.stat(f)) for f in files] == before:
         with contextlib.suppress(OSError):  # a record is a saving, never a need
             record.parent.mkdir(parents=True, exist_ok=True)
             partial = record.with_name(f".{record.name}.{os.getpid()}")

@@ -109,7 +109,7 @@ def test_a_lookup_reads_again_only_what_changed_since_this_process_read_it(tmp_p
     read.clear()
     assert store.lookup("demo", key) and store.lookup("demo", key)
     assert sorted(read) == ["a.txt", "a.txt", "b.bin", "b.bin"]  # just written: not yet settled, read each time
-    monkeypatch.setattr(store_module, "_SETTLED_NS", 0)
+    monkeypatch.setattr(store_module, "SETTLED_NS", 0)
     read.clear()
     assert store.lookup("demo", key) and store.lookup("demo", key) and store.require(version)
     assert sorted(read) == ["a.txt", "b.bin"]  # once, then remembered
