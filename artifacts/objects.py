@@ -351,6 +351,9 @@ class ObjectStore(VersionStore):
         files = manifest.get("files", {})
         if any(name not in listed or listed[name]["bytes"] != entry["bytes"] for name, entry in files.items()):
             return None
+        committed = manifest.get("etags")  # as the objects were at commit: any object written since is damage,
+        if committed and any(listed[name]["etag"] != committed.get(name) for name in files):  # shards included
+            return None
         etags = {name: listed[name]["etag"] for name in files}
         local = self.mirror.lookup(stage, key, partial=True)
         if local is not None and local.fingerprint == manifest["fingerprint"] and self._etags(local) == etags:
@@ -440,11 +443,15 @@ class ObjectStore(VersionStore):
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         files = manifest["files"]
         self.bucket.upload({f"{stage}/{key}/{build}/{name}": folder / name for name in files})
+        # The objects' ETags as uploaded go into the commit record: a lookup on any machine then
+        # tells an object written since (a shard read only on demand) before anything reads it.
+        listed = self.bucket.listing(f"{stage}/{key}/{build}")
+        etags = {name: listed.get(name, {}).get("etag") for name in files}
+        manifest["etags"] = etags
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         record = json.dumps(manifest, indent=2, sort_keys=True).encode()
         won = self.bucket.write(f"{stage}/{key}/{MANIFEST}", record, exclusive=not replace)
         if won:  # the mirror's copy is this folder: record the ETags it stands for
-            listed = self.bucket.listing(f"{stage}/{key}/{build}")
-            etags = {name: listed.get(name, {}).get("etag") for name in files}
             (folder / REMOTE).write_text(json.dumps({"uri": self.bucket.uri(stage, key), "etags": etags}))
         keep = build if won else (self._manifest(stage, key) or {}).get("objects")
         stale = {name.split("/", 1)[0] for name in self.bucket.listing(f"{stage}/{key}")

@@ -108,9 +108,25 @@ class TerminalFormatter(logging.Formatter):
         return line if record.levelno == logging.INFO else line.replace(" ", f" {record.levelname.lower()}: ", 1)
 
 
+# Prefect's services that send logs and events say, when the process ends with some still
+# queued (a run that failed at once), "Still processing items: 5 items remaining...": they are
+# sent all the same, so the line only stands after the run's own last line.
+QUEUE_SERVICES = ("EventsWorker", "APILogWorker")
+DRAIN_NOTICE = "Still processing items"
+
+
+def _not_a_drain_notice(record: logging.LogRecord) -> bool:
+    return not (record.levelno == logging.WARNING and record.getMessage().startswith(DRAIN_NOTICE))
+
+
 def quiet_explained_errors() -> None:
     """Each log handler gets the filter above (once); with ``ExplainedErrorFilter.quiet``, the
-    terminal's handler also the short form."""
+    terminal's handler also the short form. Prefect's queue services keep their drain notice
+    to themselves."""
+    for name in QUEUE_SERVICES:
+        service = logging.getLogger(name)
+        if _not_a_drain_notice not in service.filters:
+            service.addFilter(_not_a_drain_notice)
     loggers = [logging.getLogger(name) for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs")]
     for handler in (h for logger in loggers for h in logger.handlers):
         terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)

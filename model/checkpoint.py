@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -167,9 +171,48 @@ def _logits(graphdef, state, tokens):
     return nnx.merge(graphdef, state)(tokens)[0]
 
 
+SEAL = "bardflow-files.json"  # in a step's folder: the size and sha256 of each of its other files
+
+
+def _files_of(step_dir: Path) -> dict[str, list]:
+    """Each file of a checkpoint's folder but its seal, by relative name: [bytes, sha256]."""
+    found = {}
+    for file in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != SEAL):
+        with open(file, "rb") as handle:
+            found[file.relative_to(step_dir).as_posix()] = [file.stat().st_size,
+                                                            hashlib.file_digest(handle, "sha256").hexdigest()]
+    return found
+
+
+def seal_checkpoint(step_dir: Path) -> None:
+    """Writes the seal of a complete checkpoint (written whole, then renamed into place)."""
+    partial = step_dir / f".{SEAL}.partial"
+    partial.write_text(json.dumps(_files_of(step_dir)))
+    os.replace(partial, step_dir / SEAL)
+
+
+def checkpoint_damage(step_dir: Path) -> list[str] | None:
+    """The files of a sealed checkpoint that are missing, added or changed since it was
+    written; None for one without a seal (written before seals were, or by a process that
+    died within the moment between the checkpoint and its seal)."""
+    try:
+        sealed = json.loads((step_dir / SEAL).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return [SEAL]
+    found = _files_of(step_dir)
+    return sorted(name for name in set(sealed) | set(found) if sealed.get(name) != found.get(name))
+
+
 class TrainingCheckpoints:
     """Periodic, resumable training checkpoints: the whole state plus the loop's own
     record (step, data position, loss history, time spent), the last ``keep`` of them.
+
+    Each is sealed once complete (``SEAL``: its files' sizes and sha256). A checkpoint that
+    no longer matches its seal, or that Orbax cannot read, is damaged: it is set aside
+    (renamed ``damaged-<step>``), said through ``note``, and the run resumes from the newest
+    intact one, or from the start.
 
     Saves are asynchronous: ``save`` returns once the arrays are copied off the
     devices, and Orbax writes into a temporary folder that it renames only when
@@ -181,15 +224,64 @@ class TrainingCheckpoints:
     ``_leader_only``); ``latest`` broadcasts what it restored to the other processes.
     """
 
-    def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None):
+    def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None,
+                 note: Callable[[str], None] = lambda message: None):
         self.directory, self.saved, self.manager = Path(directory).absolute(), saved, None
-        multi = jax.process_count() > 1
+        self.keep, self.note = keep, note
+        self._committing: list[int] = []  # steps saved whose seal is not written yet
+        self._sealers: list[threading.Thread] = []
         if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-                preservation_policy=ocp.checkpoint_managers.LatestN(keep), enable_async_checkpointing=True,
-                create=not multi,
-                multiprocessing_options=_leader_only() if multi else ocp.options.MultiprocessingOptions()))
+            for step in reversed(self.steps(self.directory)):  # the newest that is intact stops the search
+                damage = checkpoint_damage(self.directory / str(step))
+                if not damage:
+                    break
+                self.set_aside(step, f"{', '.join(damage[:3])} changed since it was written")
+            self.manager = self._manager()
+
+    def _manager(self) -> ocp.CheckpointManager:
+        multi = jax.process_count() > 1
+        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(self.keep), enable_async_checkpointing=True,
+            create=not multi, async_options=ocp.options.AsyncOptions(post_finalization_callback=self._finalized),
+            multiprocessing_options=_leader_only() if multi else ocp.options.MultiprocessingOptions()))
+
+    def set_aside(self, step: int, why: str) -> None:
+        """Moves a damaged checkpoint out of the way (kept, for a look), and says so."""
+        source = self.directory / str(step)
+        target = self.directory / f"damaged-{step}"
+        suffix = 1
+        while target.exists():
+            suffix += 1
+            target = self.directory / f"damaged-{step}.{suffix}"
+        os.rename(source, target)
+        older = [s for s in self.steps(self.directory) if s < step]
+        self.note(f"the training checkpoint of step {step} in {self.directory} is damaged ({why}); set aside as "
+                  f"{target.name}, resuming from " + (f"step {older[-1]}" if older else "the start"))
+
+    def _finalized(self) -> None:
+        """Orbax's word (on its writing thread) that the oldest pending save is complete and is
+        about to be renamed into place: its seal is written once it is there."""
+        step = self._committing.pop(0)
+        sealer = threading.Thread(target=self._seal_when_there, args=(step,), name=f"bardflow-seal-{step}",
+                                  daemon=True)
+        self._sealers.append(sealer)
+        sealer.start()
+
+    def _seal_when_there(self, step: int, wait_s: float = 60.0) -> None:
+        step_dir, deadline = self.directory / str(step), time.monotonic() + wait_s
+        while not step_dir.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        try:
+            seal_checkpoint(step_dir)
+        except OSError:  # removed meanwhile (only the newest are kept): nothing to seal
+            pass
+
+    def _sealed(self) -> None:
+        """Waits for every seal of the saves that are complete."""
+        for sealer in self._sealers:
+            sealer.join()
+        self._sealers = [t for t in self._sealers if t.is_alive()]
 
     @staticmethod
     def steps(directory: Path) -> list[int]:
@@ -205,37 +297,28 @@ class TrainingCheckpoints:
             return
         if jax.process_index() == 0:
             require_space(self.directory, _nbytes(pure), f"the checkpoint of step {step}")
+        self._committing.append(step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
                                                         record=ocp.args.JsonSave(record)))
         if self.saved is not None:
             self.manager.wait_until_finished()
+            self._sealed()
             self.saved()
 
     def latest(self, template: nnx.State) -> tuple[nnx.State, dict] | None:
         """The newest complete checkpoint restored onto ``template``, or None."""
         multi = jax.process_count() > 1
         step = self.manager.latest_step() if self.manager is not None else None
+        pure = nnx.to_pure_dict(template)
+        restored = None
+        if step is not None and self.manager is not None:  # process 0
+            restored, step = self._restore_newest(step, pure, multi)
         if multi:
             from .multihost import broadcast_json
 
             step = broadcast_json(step)
         if step is None:
             return None
-        pure = nnx.to_pure_dict(template)
-        restored = None
-        if self.manager is not None:
-            abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure) if multi else \
-                jax.tree.map(_abstract, pure)
-            try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
-                )
-            except Exception as error:  # Orbax raises many types for damaged files
-                raise CheckpointError(
-                    f"cannot restore the training checkpoint at step {step} in {self.directory}: "
-                    f"{error}; delete that folder to train from the start"
-                ) from error
         if multi:
             state, record = _from_leader(pure, restored)
         else:
@@ -244,10 +327,28 @@ class TrainingCheckpoints:
         nnx.replace_by_pure_dict(template, state)
         return template, record
 
+    def _restore_newest(self, step: int | None, pure: dict, multi: bool) -> tuple[Any, int | None]:
+        """The newest checkpoint Orbax can read, from ``step`` down; one it cannot is set aside."""
+        abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure) if multi else \
+            jax.tree.map(_abstract, pure)
+        while step is not None and self.manager is not None:
+            try:
+                return self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
+                ), step
+            except Exception as error:  # noqa: BLE001 - Orbax raises many types for damaged files
+                self.manager.close()
+                self.set_aside(step, f"Orbax cannot read it: {' '.join(str(error).split())[:160]}")
+                self.manager = self._manager()
+                step = self.manager.latest_step()
+        return None, None
+
     def close(self) -> None:
         if self.manager is None:
             return
         self.manager.wait_until_finished()
+        self._sealed()
         self.manager.close()
         if self.saved is not None:
             self.saved()

@@ -157,6 +157,8 @@ def check_fits(model: ModelConfig, train: TrainConfig, devices: int, platform: s
     found = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention)
     if free_bytes is None or found.total_bytes <= free_bytes:
         return found
+    if found.state_bytes + found.gradient_bytes > free_bytes:  # no batch, micro-batch or remat shrinks these
+        raise ConfigError(_too_large(model, train, found, devices, platform, seq_len, step, free_bytes))
     fixes = []
     if devices > 1 and found.layout != "fsdp":
         fixes.append("train.sharding=fsdp")
@@ -169,3 +171,21 @@ def check_fits(model: ModelConfig, train: TrainConfig, devices: int, platform: s
         f"{'s' if devices > 1 else ''}, {found.layout}{', remat' if found.remat else ''}: state "
         f"{found.state_bytes / GIB:.1f}, activations {found.activation_bytes / GIB:.1f} GiB), "
         f"{free_bytes / GIB:.1f} GiB free: {fix}")
+
+
+def _too_large(model: ModelConfig, train: TrainConfig, found: Estimate, devices: int, platform: str, seq_len: int,
+               step, free_bytes: int) -> str:
+    """The refusal of a model whose state and gradients alone exceed a device: what shrinks
+    them (FSDP splits the state over devices; a smaller model all of it)."""
+    fixed = found.state_bytes + found.gradient_bytes
+    ways = []
+    if found.gradient_bytes < free_bytes:  # the state is what FSDP splits; the gradient stays whole here
+        sharded = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, sharding="fsdp",
+                           attention=step.attention)
+        fits = devices > 1 and found.layout != "fsdp" and sharded.state_bytes + sharded.gradient_bytes < free_bytes
+        ways.append("train.sharding=fsdp" if fits else "train.sharding=fsdp over more devices")
+    ways.append("a smaller model (lower model.d_model or model.num_layers)")
+    return (f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
+            f"{'s' if devices > 1 else ''}, {found.layout}): the model's state ({found.state_bytes / GIB:.1f} GiB) "
+            f"and gradients ({found.gradient_bytes / GIB:.1f} GiB) alone take {fixed / GIB:.1f} GiB, more than the "
+            f"{free_bytes / GIB:.1f} GiB free whatever the batch; use {' or '.join(ways)}")

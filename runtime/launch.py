@@ -27,6 +27,10 @@ WARNING = "bardflow-warning"  # and its warnings, passed on to the stage's log: 
 NOTE = "bardflow-note"  # and what the terminal shows of it besides (a measurement): "bardflow-note text"
 
 
+LAUNCHER = "BARDFLOW_LAUNCHER_PID"  # a launched process's parent: it stops should that one die
+LAUNCHER_POLL_S = 0.5
+
+
 class ProcessFailure(BardflowError, RuntimeError):
     """A process of the run failed; the message names it, how, the step it had reached and
     its log (a native abort is summed up in its fatal line; any other failure shows the
@@ -91,6 +95,7 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
     raising ``ProcessFailure`` on the first failure. Logs: ``process-<i>.log`` beside the
     spec; each process's id in ``process-<i>.pid``."""
     processes = int(envs[0].get(NUM_PROCESSES, len(envs)))
+    envs = [{**env, LAUNCHER: str(os.getpid())} for env in envs]
     logs = [spec_path.parent / f"process-{i}.log" for i in range(len(envs))]
     running = []
     try:
@@ -209,3 +214,24 @@ def stop(running: list[subprocess.Popen], grace_s: float = 2.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def follow_launcher(poll_s: float = LAUNCHER_POLL_S) -> None:
+    """In a launched process (``LAUNCHER`` set): once the launcher is gone (killed with its run,
+    ``kill -9`` of its process group: each launched process has a session of its own, out of
+    that group's reach), stop as SIGTERM would, at a step, checkpointed, or at once after the
+    grace; never train on for a run that no longer exists, or beside its rerun. Its parent
+    process id is watched, which any platform has (Linux's parent-death signal is tied to the
+    thread that started the process, which a task's thread pool may end)."""
+    launcher = os.environ.get(LAUNCHER)
+    if not launcher:
+        return
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(poll_s)
+        stopping.fail(f"the run that started this training process (pid {launcher}) is gone; its rerun resumes "
+                      "from the newest checkpoint")
+
+    threading.Thread(target=watch, name="bardflow-launcher-watch", daemon=True).start()

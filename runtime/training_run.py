@@ -104,7 +104,7 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
         tuning = choose(request.model, request.train, placement, seq_len, say=note)
     step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])
     graphdef, state = init_state(step.model(request.model), request.train)
-    checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved)
+    checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
     hooks = [stop_hook()]
     if request.report is not None and jax.process_index() == 0:  # process 0 alone writes
         hooks.append(trackers.history_hook(request.report, warn))

@@ -97,10 +97,12 @@ def _shown(url: str) -> str:
     return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
 
-def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> dict:
+def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> tuple[dict, bool]:
+    """The background server's record, and whether this call started it (one already up
+    is kept, whatever port it has)."""
     found = running()
     if found is not None:
-        return found
+        return found, False
     url = f"http://127.0.0.1:{port}"
     if healthy(url):
         raise ServerError(f"something already answers at {url}; stop it, or pick another port with --port")
@@ -125,7 +127,7 @@ def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> d
                               f"see its log {log}")
         time.sleep(0.5)
     path.write_text(json.dumps(record))
-    return record
+    return record, True
 
 
 def stop() -> bool:
@@ -152,8 +154,13 @@ def stop() -> bool:
 
 def command(action: str, port: int, database: str | None = None) -> None:
     if action == "start":
-        record = start(port, database=database)
-        print(f"Prefect server: {record['url']} (pid {record['pid']}, log {record['log']}, "
+        record, started = start(port, database=database)
+        if not started and not record["url"].endswith(f":{port}"):
+            raise ServerError(f"a background Prefect server already runs at {record['url']} (pid {record['pid']}), "
+                              f"so --port {port} was not used; `bardflow server stop`, then start again to move it "
+                              f"to port {port}")
+        print(f"{'' if started else 'already running: '}Prefect server: {record['url']} (pid {record['pid']}, "
+              f"log {record['log']}, "
               f"database {record.get('database')})\n"
               f"`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it.")
     elif action == "stop":

@@ -59,11 +59,17 @@ def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str
                                              "inputs": "params (model.safetensors), tokens int32 (batch, length)"},
                                             indent=1))
     (folder / FORWARD).write_bytes(export_forward(model, portable))
-    # The folder carries its own checksums, so that whoever loads it (examples/) can tell a
-    # damaged or mixed-up file from a model, wherever the folder was copied to.
-    sums = {name: file_digest(folder / name) for name in (WEIGHTS, CONFIG, FORWARD)}
-    (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
+    write_checksums(folder)
     return {"parameters": int(sum(v.size for v in params.values())), "tensors": len(params)}
+
+
+def write_checksums(folder: Path) -> None:
+    """The folder carries its own checksums, so that whoever loads it (examples/) can tell a
+    damaged, edited or mixed-up file from a model, wherever the folder was copied to: every
+    file of it, the transformers folder's too, by its path within the folder."""
+    sums = {p.relative_to(folder).as_posix(): file_digest(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p != folder / CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
 
 
 def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -127,6 +133,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
                           f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export")
     hf = _hf(folder / HF, model, cfg, params)
+    write_checksums(folder)  # now with hf/
     ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     out.metrics.update({"parameters": held["parameters"], "bytes": sum(files.values()),

@@ -15,25 +15,23 @@ and memory does not grow with the corpus."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
-import http.client
+import hmac
 import json
 import os
-import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..artifacts import ui
-from ..artifacts.store import SETTLED_NS, Builder, file_identity
+from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
 from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
 from ..model.data import ThreadedDigest, write_all
 from ..runtime import cache_dir
+from .download import download
 from .registry import FETCH
 from .sources import (
     COMPRESSED,
@@ -50,29 +48,30 @@ from .sources import (
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
-ATTEMPTS = 4
-# No network, no such host, or nothing listening: asking again seconds later changes nothing, so
-# the one line comes at once (offline, four attempts took 21 s). Timeouts, resets and a busy
-# server's 5xx are retried.
-NOT_RETRIED = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED)
-TIMEOUT_S = 30.0
 
 
 def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
     """``data`` with the corpus's md5 filled in where the user gave none: computed for a local
     file or folder (or, ``remembered``, taken from this machine's record of the same files
     unchanged), the known one for the default download. Any other download must name its
-    checksum, which the fetched bytes are then checked against."""
-    if data.md5 is not None:
-        return data
+    checksum, which the fetched bytes are then checked against.
+
+    A local corpus's md5 is taken even when the user gave one, and the two must agree: the
+    md5 keys the fetch version, so a stated one that another corpus in the store has would
+    otherwise hand the run that corpus's bytes (a config file reused for another corpus). A
+    stated md5 of a local corpus that is gone names what the store holds, and stands."""
     path = local_path(data.corpus)
-    if path is not None:  # every figure fetch needs, in the same pass
+    if path is not None and (data.md5 is None or path.exists()):  # every figure fetch needs, in the same pass
         files = corpus_files(path, data.glob)
         figures = recalled_figures(path, data.glob, files) if remembered else None
         if figures is None:
             figures = read_figures(path, data.glob, files)
+        if data.md5 is not None and data.md5 != figures.md5:
+            raise md5_mismatch(data.corpus, data.md5, figures)
         _PINNED[(data.corpus, data.glob, figures.md5)] = figures
         return data.model_copy(update={"md5": figures.md5})
+    if data.md5 is not None:
+        return data
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(data.corpus, data.glob)
         ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
@@ -82,6 +81,32 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
         return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
     raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
                       "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
+
+
+def md5_mismatch(source: str, expected: str, found: Figures) -> FetchError:
+    """The one line for a corpus whose bytes are not the md5 asked for: both checksums, and
+    which way out (another fetch, or the md5 of what is there)."""
+    expected_size = KNOWN_SIZES.get(expected)
+    truncated = (f" ({found.size:,} bytes where {expected_size:,} were expected: truncated or another file)"
+                 if expected_size and found.size != expected_size else "")
+    return FetchError(f"md5 mismatch for {source}: expected {expected}, got {found.md5}{truncated}; fetch it again or "
+                      f"fix the source, or if this is the corpus you want, pass its checksum: --set data.md5="
+                      f"{found.md5}")
+
+
+def accept(settings: DataConfig, version: Version) -> None:
+    """A stored fetch version found by its md5, checked against the figures this run took of a
+    local corpus (read, or remembered): the same sha256 and size, or the version is not this
+    corpus's. A record of this machine that named the wrong md5 is forgotten, so a rerun reads
+    the corpus again."""
+    figures = _PINNED.get((settings.corpus, settings.glob, settings.md5 or ""))
+    stored = version.manifest.get("files", {}).get(CORPUS, {})
+    if figures is None or (stored.get("sha256"), stored.get("bytes")) == (figures.sha256, figures.size):
+        return
+    forget_figures(figures.md5)
+    raise FetchError(f"the stored corpus with md5 {figures.md5} ({version.key}) is not the one at {settings.corpus} "
+                     f"({stored.get('bytes', 0):,} bytes there, {figures.size:,} here, other sha256): this machine's "
+                     "record of its checksum was wrong and is forgotten; rerun to read the corpus again")
 
 
 @dataclass(frozen=True)
@@ -140,35 +165,67 @@ _PINNED: dict[tuple[str, str | None, str], Figures] = {}
 # This machine's record of local corpora's figures, one file per corpus state, keyed by its
 # files' paths and identities as the store knows a file it has hashed (device, inode, size,
 # modification and change times), under the same racy rule (SETTLED_NS): a file written
-# within seconds of the read is not recorded. The newest KEPT_FIGURES are kept.
-FIGURES_FORMAT = 1
+# within seconds of the read is not recorded. The newest KEPT_FIGURES are kept. Each record
+# is sealed with an HMAC over its key and figures, under a key of this cache folder's own
+# (made once, readable by its owner alone): a record edited by hand or by another program,
+# or moved to another corpus's name, is not believed, and the corpus is read again.
+FIGURES_FORMAT = 2
 KEPT_FIGURES = 64
+SEAL_KEY = ".seal-key"
 
 
-def _figures_file(path: Path, pattern: str | None, files: list[Path]) -> tuple[Path, list]:
-    """Where the record of these files as they are now lives, and their identities."""
+def _figures_file(path: Path, pattern: str | None, files: list[Path]) -> tuple[Path, list, str]:
+    """Where the record of these files as they are now lives, their identities, and the key."""
     state = [file_identity(os.stat(f)) for f in files]
     key = json.dumps([FIGURES_FORMAT, str(path.resolve()), pattern, [str(f) for f in files], state])
-    return cache_dir() / "corpus-figures" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json", state
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_dir() / "corpus-figures" / f"{digest}.json", state, key
+
+
+def _seal(folder: Path, key: str, figures: dict, create: bool = False) -> str | None:
+    """The HMAC of a record's key and figures, under this cache folder's seal key (made when
+    ``create``); None where there is none."""
+    secret = folder / SEAL_KEY
+    try:
+        if create and not secret.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".{SEAL_KEY}.{os.getpid()}"
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(os.urandom(32))
+            with contextlib.suppress(FileExistsError):  # another process made one first: theirs
+                os.link(partial, secret)
+            partial.unlink(missing_ok=True)
+        material = secret.read_bytes()
+    except OSError:
+        return None
+    return hmac.new(material, (key + canonical_json(figures)).encode(), hashlib.sha256).hexdigest()
 
 
 def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures | None:
-    """The figures recorded for exactly these files unchanged, if any."""
-    record, _ = _figures_file(path, pattern, files)
+    """The figures recorded for exactly these files unchanged, if any, and sealed by this
+    cache folder's key."""
+    record, _, key = _figures_file(path, pattern, files)
     try:
         found = json.loads(record.read_text())
-        figures = Figures(found["md5"], found["sha256"], int(found["size"]), bytes.fromhex(found["seen"]))
+        kept = found["figures"]
+        seal = _seal(record.parent, key, kept)
+        if seal is None or not hmac.compare_digest(seal, str(found["seal"])):
+            return None
+        figures = Figures(kept["md5"], kept["sha256"], int(kept["size"]), bytes.fromhex(kept["seen"]))
     except (OSError, ValueError, KeyError, TypeError):  # none, or not one this code wrote
         return None
     if len(figures.md5) != 32 or len(figures.sha256) != 64:
         return None
+    if not any(_compressed(f.name) for f in files) and figures.size != sum(f.stat().st_size for f in files):
+        return None  # plain files are their corpus: a record of another size is of another corpus
     return figures
 
 
 def read_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures:
     """The figures of the corpus's bytes, read whole; recorded when its files were settled
     before the read and did not move during it."""
-    record, before = _figures_file(path, pattern, files)
+    record, before, key = _figures_file(path, pattern, files)
     started = time.time_ns()
     corpus = Digest()
     for chunk in decoded_chunks(files):
@@ -177,9 +234,12 @@ def read_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures:
     settled = all(started - max(mtime, ctime) > SETTLED_NS for _, (_, mtime, ctime) in before)
     if settled and [file_identity(os.stat(f)) for f in files] == before:
         with contextlib.suppress(OSError):  # a record is a saving, never a need
-            record.parent.mkdir(parents=True, exist_ok=True)
+            kept = {**asdict(figures), "seen": figures.seen.hex()}
+            seal = _seal(record.parent, key, kept, create=True)
+            if seal is None:
+                return figures
             partial = record.with_name(f".{record.name}.{os.getpid()}")
-            partial.write_text(json.dumps({**asdict(figures), "seen": figures.seen.hex()}))
+            partial.write_text(json.dumps({"figures": kept, "seal": seal}))
             os.replace(partial, record)
             for old in sorted(record.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[:-KEPT_FIGURES]:
                 old.unlink(missing_ok=True)
@@ -190,7 +250,7 @@ def forget_figures(md5: str) -> None:
     """Drops this machine's records that give ``md5``: a copy found other bytes."""
     for record in (cache_dir() / "corpus-figures").glob("*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            if json.loads(record.read_text())["md5"] == md5:
+            if json.loads(record.read_text())["figures"]["md5"] == md5:
                 record.unlink(missing_ok=True)
 
 
@@ -208,79 +268,38 @@ def _compressed(name: str) -> bool:
     return name.lower().endswith((*COMPRESSED, ".zip"))
 
 
-def _download(url: str, target: Path, digest: Digest | None = None, progress=None, attempts: int = ATTEMPTS,
-              timeout_s: float = TIMEOUT_S) -> None:
-    """Downloads ``url`` into ``target`` with ``digest`` (if any) hearing every byte once; a dropped
-    connection resumes where it stopped (an HTTP Range request; a server that answers with
-    the whole file again starts over), with exponential backoff on transient errors."""
-    last: Exception | None = None
-    have = 0
-    with open(target, "wb") as out:
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(2 ** (attempt - 1))
-            request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-            try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    if have and response.status != 206:  # the server sends it all again: start over
-                        out.seek(0)
-                        out.truncate()
-                        have = 0
-                        if digest is not None:
-                            digest.restart()
-                    length = response.headers.get("Content-Length")
-                    total = have + int(length) if length is not None else None
-                    while chunk := response.read(1 << 20):
-                        write_all(out, chunk)
-                        if digest is not None:
-                            digest.update(chunk)
-                        have += len(chunk)
-                        if progress is not None:
-                            progress(have, total)
-                    if total is not None and have < total:
-                        raise http.client.IncompleteRead(b"", total - have)
-                return
-            except urllib.error.HTTPError as error:
-                last = error
-                if error.code == 416 and have:  # nothing past what we have: it was all there
-                    return
-                if error.code < 500 and error.code != 429:
-                    break  # the server said no; asking again will not change that
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as error:
-                last = error
-                cause = getattr(error, "reason", error)
-                if isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in NOT_RETRIED:
-                    break
-    reason = getattr(last, "reason", last)
-    raise FetchError(
-        f"could not download {url} ({reason}) after {attempt + 1} attempt(s); check the network, "
-        "or pass a local copy with --corpus PATH or a mirror with --corpus file:///PATH"
-    ) from last
+class Fetched(NamedTuple):
+    """What ``fetch_to`` wrote: the local files it was made of (None for a download), the
+    figures of what went into the target (its md5 among them), and, for a download that a
+    server redirected to another host, the URL the bytes came from."""
+
+    files: list[Path] | None
+    figures: Figures
+    redirected_to: str | None = None
 
 
 def fetch_to(source: str, target: Path, pattern: str | None = None, progress=None,
-             files: list[Path] | None = None, known: Figures | None = None) -> tuple[list[Path] | None, Figures]:
-    """Writes the corpus to ``target``: the local files it was made of (None for a
-    download), and the figures of what went into ``target`` (its md5 among them).
-    ``progress(done, total)`` hears the source's bytes read so far; ``files``: a local
-    source's files, where the caller has listed them already; ``known``: a local source's
-    figures as ``pin`` read them, which the copy is checked against by size and sha256."""
+             files: list[Path] | None = None, known: Figures | None = None) -> Fetched:
+    """Writes the corpus to ``target``. ``progress(done, total)`` hears the source's bytes
+    read so far; ``files``: a local source's files, where the caller has listed them
+    already; ``known``: a local source's figures as ``pin`` read them, which the copy is
+    checked against by size and sha256."""
     path = local_path(source)
     if path is not None:
         files = corpus_files(path, pattern) if files is None else files
         copied = _written(decoded_chunks(files, progress), target, sha256_only=known is not None)
         if known is None:
-            return files, copied.figures()
+            return Fetched(files, copied.figures())
         if copied.size != known.size or copied.sha256.hexdigest() != known.sha256:
             forget_figures(known.md5)
             raise FetchError(f"the corpus at {source} changed since its md5 was taken ({known.size:,} bytes "
                              f"then, {copied.size:,} now, or other bytes); run again once nothing writes to it")
-        return files, known
+        return Fetched(files, known)
     if is_bucket(source):
         objects = BucketCorpus(source, pattern)
         if progress is not None:
             progress(0, objects.size)
-        return None, _written(objects.chunks(progress), target).figures()
+        return Fetched(None, _written(objects.chunks(progress), target).figures())
     parsed = urllib.parse.urlparse(source)
     if parsed.scheme not in ("http", "https"):
         raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// "
@@ -288,17 +307,23 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
     name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1])
     if not _compressed(name):  # the download is the corpus: every figure as it arrives
         corpus = Digest()
-        _download(source, target, corpus, progress)
-        return None, corpus.figures()
-    download = target.with_name(f".download-{name}")  # an archive is read whole (a zip's index is at its end)
+        came_from = download(source, target, corpus.update, corpus.restart, progress)
+        return Fetched(None, corpus.figures(), _elsewhere(source, came_from))
+    scratch = target.with_name(f".download-{name}")  # an archive is read whole (a zip's index is at its end)
     try:
         # Checked by what it holds: the corpus's md5, after decompression (a damaged archive
         # fails that, or the decompression itself).
-        _download(source, download, None, progress)
-        with open(download, "rb") as handle:
-            return None, _written(decompressed(Path(source), handle, name), target).figures()
+        came_from = download(source, scratch, progress=progress)
+        with open(scratch, "rb") as handle:
+            figures = _written(decompressed(Path(source), handle, name), target).figures()
+        return Fetched(None, figures, _elsewhere(source, came_from))
     finally:
-        download.unlink(missing_ok=True)
+        scratch.unlink(missing_ok=True)
+
+
+def _elsewhere(source: str, came_from: str) -> str | None:
+    """Where a download came from, when a redirect took it to another host."""
+    return None if urllib.parse.urlparse(came_from).netloc == urllib.parse.urlparse(source).netloc else came_from
 
 
 def build(settings: DataConfig, out: Builder) -> None:
@@ -311,7 +336,7 @@ def build(settings: DataConfig, out: Builder) -> None:
     size_hint = sum(os.stat(f).st_size for f in listed) if listed is not None else KNOWN_SIZES.get(settings.md5, 1)
     with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
         known = _PINNED.get((settings.corpus, settings.glob, settings.md5)) if path is not None else None
-        files, corpus = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
+        files, corpus, redirected_to = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
     actual = corpus.md5
     seconds = time.monotonic() - started
@@ -319,16 +344,11 @@ def build(settings: DataConfig, out: Builder) -> None:
     if size == 0:
         raise FetchError(f"the corpus at {settings.corpus} is empty (0 bytes); point --corpus at the text file")
     if actual != settings.md5:
-        expected_size = KNOWN_SIZES.get(settings.md5)
-        truncated = (
-            f" ({size:,} bytes where {expected_size:,} were expected: truncated or another file)"
-            if expected_size and size != expected_size else ""
-        )
-        raise FetchError(
-            f"md5 mismatch for {settings.corpus}: expected {settings.md5}, got {actual}{truncated}; "
-            "fetch it again or fix the source, or if this is the corpus you want, "
-            f"pass its checksum: --set data.md5={actual}"
-        )
+        if redirected_to is not None:  # another host's bytes: where they came from, not what they are
+            raise FetchError(f"md5 mismatch for {settings.corpus}: the server redirected to {redirected_to}, whose "
+                             f"file is not the corpus with md5 {settings.md5}; check the URL, or download the file "
+                             "and pass its path with --corpus")
+        raise md5_mismatch(settings.corpus, settings.md5, corpus)
     out.digests[CORPUS] = {"bytes": size, "sha256": corpus.sha256}
     if files is not None:  # no wider permissions than its source's
         os.chmod(target, source_mode(files))

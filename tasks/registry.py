@@ -15,7 +15,7 @@ FETCH = Stage(
     "fetch", "1", reads=(),
     settings=lambda run: run.config.data,
     recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
-    builds=("corpus.txt",), headline=("bytes", "md5", "distinct_bytes"))
+    builds=("corpus.txt",), headline=("bytes", "md5", "distinct_bytes"), accept="fetch:accept")
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
 # as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a
 # permutation computed a slice at a time (model/data.py).
@@ -56,9 +56,10 @@ CHECKPOINT = Stage(
     "checkpoint", "1", reads=("train_parallel",),
     settings=lambda run: {},
     builds=("model",), headline=("parameters", "bytes"))
-# "2": the folder holds checksums.json, the sha256 of its other files.
+# "4": checksums.json covers the transformers folder's files too. "2": the folder holds
+# checksums.json, the sha256 of its other files.
 EXPORT = Stage(
-    "export", "3", reads=("checkpoint",),
+    "export", "4", reads=("checkpoint",),
     settings=lambda run: {},
     builds=("export",), headline=("bytes", "max_abs_diff", "hf_checked"))
 VERIFY = Stage(

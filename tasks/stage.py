@@ -86,6 +86,9 @@ class Stage:
     # The read versions whose fingerprints enter the key (default: all it reads). A stage
     # may read one only to save work: what it builds does not depend on it.
     keyed_by: tuple[str, ...] | None = None
+    # "module:function" that checks a stored version the lookup found, against what this run
+    # knows of its input (fetch: the local corpus's sha256), raising if it is not the one.
+    accept: str = ""
 
     def key(self, settings: Any, upstream: Mapping[str, Version]) -> str:
         """The version key: the only place one is computed."""
@@ -99,6 +102,13 @@ class Stage:
         if callable(self.function):
             return self.function.__module__
         return f"{__package__}.{(self.function or self.name).partition(':')[0]}"
+
+    def acceptance(self) -> Callable[[Any, Version], None] | None:
+        """The check of a stored version found for this run (``accept``), if the stage has one."""
+        if not self.accept:
+            return None
+        module, _, function = self.accept.partition(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
     def build(self) -> Callable[..., None]:
         if callable(self.function):
@@ -125,8 +135,12 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
             raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")
 
     try:
-        return store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked, work,
-                             force=force, notice=notice)
+        version, built = store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked,
+                                       work, force=force, notice=notice)
+        accept = stage.acceptance()
+        if not built and accept is not None:
+            accept(settings, version)
+        return version, built
     except BardflowError:
         raise
     except Exception as error:

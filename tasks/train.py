@@ -79,10 +79,12 @@ def adopt_checkpoints(resume: Path, request: TrainingRequest) -> tuple[int, int]
 
 
 def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None:
-    """Before training starts: the checkpoint of another layout taken where the run has none
-    of its own (``adopt_checkpoints``), and which one it resumes from said (the resume itself
-    is reported when it ends)."""
-    adopted = adopt_checkpoints(out.resume.path, request)
+    """Before training starts: the resume folder's last writer gone (a training process of a
+    run that was killed stops first), the checkpoint of another layout taken where the run
+    has none of its own (``adopt_checkpoints``), and which one it resumes from said (the
+    resume itself is reported when it ends)."""
+    with out.resume.writing(say=lambda line: ui.say("%s: %s", stage, line)):
+        adopted = adopt_checkpoints(out.resume.path, request)
     if adopted is not None:
         ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage,
                *adopted)
@@ -98,7 +100,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     if settings.steps < settings.train.steps:
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
     _resume_or_adopt(TRAIN_SINGLE.name, out, settings)
-    with ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
+    with out.resume.writing(), ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
                                warn=ui.warning, note=ui.say)
     _finish(TRAIN_SINGLE.name, out, summary)
@@ -125,7 +127,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
         return _build_in_processes(settings, files, out, encode)
     label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
              f"batch {settings.train.per_device_batch * visible})")
-    with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
+    with out.resume.writing(), ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
         summary = run_training(settings, files, jax.devices()[:visible], parallel=True, on_step=progress,
                                warn=ui.warning, note=ui.say)
     _finish(TRAIN_PARALLEL.name, out, summary)

@@ -16,12 +16,14 @@ imported here.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.objects import RemoteResumeFolder, is_remote, open_store
-from ..artifacts.store import StoreError
+from ..artifacts.store import ResumeFolder, StoreError
 from ..model.errors import BardflowError
 from .registry import ENCODE
 
@@ -58,14 +60,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for every process to join (default 300)")
     args = parser.parse_args(argv)
     from ..runtime import stopping
+    from ..runtime.launch import follow_launcher
     from ..runtime.multiprocess import run_process
 
     stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
     stopping.at("in a train_parallel process")
+    follow_launcher()  # and the same stop should the launcher die without a word (kill -9 of its run)
     try:
-        run_process(None if args.follow else args.spec, args.join_timeout, files_of)
+        # Process 0 writes the checkpoints: the resume folder's one writer for as long as it runs.
+        writer = (ResumeFolder(Path(json.loads(args.spec.read_text())["resume"])).writing(wait_s=10.0)
+                  if args.spec is not None else contextlib.nullcontext())
+        with writer:
+            run_process(None if args.follow else args.spec, args.join_timeout, files_of)
     except stopping.Stopped as stop:
-        print(f"bardflow: {stop}", file=sys.stderr, flush=True)
+        why = stopping.failure()  # not a signal: the launcher gone (follow_launcher)
+        print(f"bardflow: {why + ': ' if why else ''}{stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except BardflowError as error:
         print(f"bardflow: error: {error}", file=sys.stderr, flush=True)

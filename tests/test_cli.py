@@ -253,8 +253,8 @@ def test_a_sweep_is_refused_before_its_temporary_server_starts(tmp_path, args, w
     assert "temporary Prefect server" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
-    """It printed the URLs, then `Port 4200 is already in use`, exit 1."""
+def healthy_server():
+    """An HTTP server on 127.0.0.1 whose every answer is Prefect's health check's: ``true``."""
     import http.server
     import threading
 
@@ -269,6 +269,12 @@ def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
+    """It printed the URLs, then `Port 4200 is already in use`, exit 1."""
+    server = healthy_server()
     try:
         done = subprocess.run([sys.executable, "-m", "bardflow", "ui", "--port", str(server.server_port)], cwd=REPO,
                               env={**os.environ, "BARDFLOW_SERVER_FILE": str(tmp_path / "none.json")},
@@ -306,3 +312,43 @@ def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
                                         searched.to_json()], "preset": "tiny", "store": "s"})
     err = capsys.readouterr().err
     assert "run 2 failed: loss became nan at step 3" in err and "run 5 failed: loss became nan at step 4" in err
+
+
+def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not_used(tmp_path):
+    """A background server runs (here: its record, and a health check that answers); asked for
+    another port, `server start` names the running one and that the port was not used, exit
+    1; asked for the same port, it says the server is already running."""
+    import json
+
+    server = healthy_server()
+    url = f"http://127.0.0.1:{server.server_port}"
+    record = tmp_path / "server.json"
+    record.write_text(json.dumps({"pid": os.getpid(), "url": url, "log": str(tmp_path / "server.log")}))
+    env = {**os.environ, "BARDFLOW_SERVER_FILE": str(record)}
+    try:
+        other, same = (subprocess.run([sys.executable, "-m", "bardflow", "server", "start", "--port", str(port)],
+                                      cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
+                       for port in (server.server_port + 1, server.server_port))
+    finally:
+        server.shutdown()
+    assert other.returncode == 1 and other.stderr.strip().splitlines() == [
+        f"bardflow: error: a background Prefect server already runs at {url} (pid {os.getpid()}), so --port "
+        f"{server.server_port + 1} was not used; `bardflow server stop`, then start again to move it to port "
+        f"{server.server_port + 1}"], other.stderr
+    assert same.returncode == 0 and same.stdout.startswith(f"already running: Prefect server: {url}"), same.stderr
+
+
+def test_prefect_s_drain_notice_after_a_failed_run_stays_off_the_terminal(caplog):
+    """A run that fails at once ends with logs and events still queued: Prefect's services
+    sent them all the same, but said "Still processing items: 5 items remaining..." after the
+    run's own last line."""
+    import logging
+
+    from bardflow.flows.pipeline import quiet_explained_errors
+
+    quiet_explained_errors()
+    with caplog.at_level(logging.WARNING):
+        for service in ("EventsWorker", "APILogWorker"):
+            logging.getLogger(service).warning("Still processing items: 5 items remaining...")
+            logging.getLogger(service).warning("Failed to send events")  # anything else still shows
+    assert [record.getMessage() for record in caplog.records] == ["Failed to send events"] * 2

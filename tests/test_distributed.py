@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -235,6 +236,56 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     assert summary["stages"]["verify"]["metrics"]["passed"] is True
     assert not list(store.glob("train_parallel/.resume-*"))  # resume state is removed once published
     assert not list(store.glob("*/.build-*")), "no half-built version is left behind"
+
+
+# A run's launcher, as the train_parallel stage is one: it trains the spec in one supervised
+# process of two emulated devices (what `--cpu-devices 2` does).
+LAUNCHER = ("import sys; from pathlib import Path; from bardflow.runtime.launch import launch_local; "
+            "from bardflow.tasks import train_process; launch_local(train_process, Path(sys.argv[1]), 1, 2, 'cpu')")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.processes
+def test_a_training_process_stops_with_its_run_and_leaves_its_resume_folder_to_the_rerun(tmp_path):
+    """`kill -9` of a run's whole process group, mid-training: the training process (a
+    session of its own, out of that group's reach) stops within seconds instead of training
+    on, and leaves the resume folder to the rerun; while it ran, it was the folder's one
+    writer."""
+    from bardflow.artifacts.store import ResumeFolder, StoreError
+
+    describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 10,
+                                                         "log_every": 10}))
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["request"]["processes"] = 1
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "spec.json")], cwd=REPO,
+                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    resume = ResumeFolder(tmp_path / "resume")
+    deadline = time.monotonic() + 120
+    while not (TrainingCheckpoints.steps(resume.path) and (tmp_path / "process-0.pid").exists()):
+        assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "process-0.log").read_text()[-2000:]
+        time.sleep(0.05)
+    trainer = int((tmp_path / "process-0.pid").read_text())
+    with pytest.raises(StoreError, match=rf"process {trainer} still writes checkpoints"):
+        with resume.writing(wait_s=0):
+            pass
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    killed = time.monotonic()
+    while _alive(trainer):
+        assert time.monotonic() - killed < 15, "the training process trains on without its run"
+        time.sleep(0.1)
+    with resume.writing(wait_s=0):  # free at once
+        steps = TrainingCheckpoints.steps(resume.path)
+    time.sleep(1.0)
+    assert TrainingCheckpoints.steps(resume.path) == steps and not (tmp_path / "result.json").exists()
+    assert "is gone" in (tmp_path / "process-0.log").read_text()
 
 
 @pytest.mark.processes

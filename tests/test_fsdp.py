@@ -89,9 +89,20 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figure_and_the_fix():
     small = build_config("gpt2", {"train.per_device_batch": 1, "train.sharding": "replicated"})
     fits = check_fits(small.model, small.train, 2, "gpu", 1024, 40 * GIB)
     assert fits.layout == "replicated" and fits.total_bytes < 40 * GIB
+    room = fits.state_bytes + fits.gradient_bytes + fits.activation_bytes // 2  # the state fits, not the batch
     with pytest.raises(ConfigError, match=r"GiB free: set train.sharding=fsdp or train.remat=true, or lower "
                                           r"train.per_device_batch$"):
-        check_fits(small.model, small.train, 2, "gpu", 1024, GIB // 2)
+        check_fits(small.model, small.train, 2, "gpu", 1024, room)
+    # The state and gradients alone do not fit: no batch or remat helps, so neither is named.
+    with pytest.raises(ConfigError, match=r"the model's state \([\d.]+ GiB\) and gradients \([\d.]+ GiB\) alone take "
+                                          r"[\d.]+ GiB, more than the 1.0 GiB free whatever the batch; use "
+                                          r"train.sharding=fsdp or a smaller model \(lower model.d_model or "
+                                          r"model.num_layers\)$"):
+        check_fits(small.model, small.train, 2, "gpu", 1024, GIB)
+    wide = build_config("cpu", {"model.d_model": 65536})  # 576 GiB of state: no device count helps here
+    with pytest.raises(ConfigError, match=r"whatever the batch; use a smaller model \(lower model.d_model or "
+                                          r"model.num_layers\)$"):
+        check_fits(wide.model, wide.train, 1, "cpu", wide.data.seq_len, 24 * GIB)
 
 
 def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training(tmp_path):

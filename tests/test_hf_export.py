@@ -4,6 +4,8 @@ bardflow's logits and greedy text, in one fresh interpreter with torch and trans
 without bardflow; one changed weight fails the check."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -89,15 +91,63 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
     with pytest.raises(export.ExportError, match=r"differ from the checkpoint's by .* --refresh export"):
         export.hf_verdict(results[5])
 
-    # Used as people use a Hub model: examples/generate_with_transformers.py, no bardflow.
+    # Used as people use a Hub model: examples/generate_with_transformers.py, no bardflow, on
+    # an export folder as the stage writes it (hf/ inside, checksums.json over every file),
+    # and as the README runs it: no --bytes, so as many as a `tiny` model's 32-byte context
+    # holds after the prompt.
     source = (REPO / "examples" / "generate_with_transformers.py").read_text()
     assert not [line for line in source.splitlines() if "bardflow" in line and "import" in line]
-    done = subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_with_transformers.py"),
-                           str(checks[0][0].parent / "tiny-learned"), "--prompt", "ROMEO:", "--bytes", "20",
-                           "--temperature", "0"], capture_output=True, timeout=300, check=False)
+    exported = tmp_path / "export"
+    shutil.copytree(checks[0][0], exported / "hf")
+    export.write_checksums(exported)
+    assert json.loads((exported / "checksums.json").read_text())["sha256"].keys() >= {
+        "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "hf/generation_config.json"}
+    done = example(exported, "--prompt", "ROMEO:", "--temperature", "0")
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    greedy = checks[0][1]["greedy"][:20].astype(np.uint8).tobytes()
+    greedy = checks[0][1]["greedy"][:32 - len("ROMEO:")].astype(np.uint8).tobytes()
     assert done.stdout.rstrip(b"\n") == b"ROMEO:" + greedy.decode("utf-8", "replace").encode()
+
+
+def example(folder, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_with_transformers.py"), str(folder),
+                           *args], capture_output=True, timeout=300, check=False)
+
+
+def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_for_or_that_asks_for_code(tmp_path):
+    """Swapped weights, an added file, a config that asks for remote code (even with its
+    checksum made to match), a folder without the export's checksums: each one line, exit 1,
+    before transformers reads anything."""
+    cfg = build_config("tiny").model
+    for name, seed in (("good", 0), ("other", 1)):
+        export.write_hf(tmp_path / name / "hf", flat_params(_model(cfg, seed)), cfg)
+        export.write_checksums(tmp_path / name)
+    hf = tmp_path / "good" / "hf"
+
+    def refused(folder, match: str) -> None:
+        done = example(folder, "--temperature", "0")
+        lines = done.stderr.decode().strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and done.stdout == b"", done.stderr.decode()[-2000:]
+        assert re.search(match, lines[0]), lines[0]
+
+    original = (hf / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes((tmp_path / "other" / "hf" / "model.safetensors").read_bytes())
+    refused(tmp_path / "good", r"hf/model.safetensors does not match its checksum \(damaged, edited or from another "
+                               r"export\); export it again")
+    (hf / "model.safetensors").write_bytes(original)
+
+    (hf / "modeling_gpt2.py").write_text("import os\n")
+    refused(tmp_path / "good", r"hf/modeling_gpt2.py is not part of the export")
+    (hf / "modeling_gpt2.py").unlink()
+
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "modeling_gpt2.X"},
+                                                "trust_remote_code": True, "layer_norm_epsilon": 0.5}))
+    refused(tmp_path / "good", r"hf/config.json does not match its checksum")
+    export.write_checksums(tmp_path / "good")  # the checksums rewritten to match: still refused
+    refused(tmp_path / "good", r"hf/config.json asks for code from elsewhere \(auto_map, trust_remote_code\)")
+    (tmp_path / "bare").mkdir()
+    shutil.copytree(tmp_path / "other" / "hf", tmp_path / "bare" / "hf")
+    refused(tmp_path / "bare" / "hf", r"bare/hf has no checksums.json beside it, so its files cannot be checked")
 
 
 def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp_path, monkeypatch):

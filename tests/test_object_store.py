@@ -143,8 +143,17 @@ def test_on_demand_files_come_down_one_by_one_as_they_are_read_and_verified(s3, 
     fs = s3.filesystem()
     fs.pipe_file(f"{bucket[5:]}/demo/{KEY}/{built.manifest['objects']}/val/00000.arrow", b"x" * 1500)
     with pytest.raises(ObjectStoreError, match="differs from its manifest or is gone; rerun with --refresh"):
-        version.bring(version.file("val/00000.arrow"))
+        version.bring(version.file("val/00000.arrow"))  # a handle taken before the change: caught on reading
     assert not version.file("val/00000.arrow").exists()  # nothing half-trusted is left in place
+    # A lookup, on this machine or a fresh one, tells the changed shard by its ETag against the
+    # commit record's, before anything reads it: the version is damaged and rebuilt, as a
+    # changed local shard is.
+    assert worker.lookup("demo", KEY) is None
+    assert ObjectStore(bucket, tmp_path / "fresh").lookup("demo", KEY) is None
+    heard = []
+    rebuilt, again_built = worker.produce("demo", KEY, {}, {}, shards, notice=heard.append)
+    assert again_built and "damaged" in heard[0]
+    assert ObjectStore(bucket, tmp_path / "third").lookup("demo", KEY) is not None
 
 
 def test_a_failed_build_leaves_nothing_in_the_bucket(s3, bucket, tmp_path):

@@ -84,3 +84,50 @@ def test_a_diverging_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_p
     restored, record = TrainingCheckpoints(tmp_path / "ckpt", keep=2).latest(template)
     assert record["step"] == 5
     assert all(np.isfinite(x).all() for x in leaves(restored) if x.dtype.kind == "f")
+
+
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_an_intact_one(tmp_path, batches):
+    """Each checkpoint is sealed with its files' sha256 once complete. One bit flipped in the
+    newest one's data: named as damaged, set aside, and the run resumes from the one before
+    to the same end as an uninterrupted run. One that Orbax cannot read (and has no seal):
+    set aside too, and the run starts over."""
+    from bardflow.model.checkpoint import SEAL
+
+    reference = run(batches)
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    with pytest.raises(Preempted):
+        run(batches, checkpoints, stop_at=13)
+    checkpoints.close()
+    assert all((tmp_path / "ckpt" / step / SEAL).is_file() for step in ("5", "10"))
+
+    newest = tmp_path / "ckpt" / "10"
+    data = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    flipped = bytearray(data.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x40
+    data.write_bytes(bytes(flipped))
+    heard = []
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2, note=heard.append)
+    resumed = run(batches, checkpoints)
+    checkpoints.close()
+    assert heard == [f"the training checkpoint of step 10 in {tmp_path / 'ckpt'} is damaged "
+                     f"({data.relative_to(newest).as_posix()} changed since it was written); set aside as damaged-10, "
+                     "resuming from step 5"]
+    assert resumed.resumed_from == 5 and (tmp_path / "ckpt" / "damaged-10").is_dir()
+    assert without_seconds(resumed.history) == without_seconds(reference.history)
+    for a, b in zip(leaves(resumed.state), leaves(reference.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Unsealed (written before seals were) and unreadable: Orbax's error, then the start.
+    kept = TrainingCheckpoints.steps(tmp_path / "ckpt")
+    for step in kept:
+        (tmp_path / "ckpt" / str(step) / SEAL).unlink()
+        for file in (tmp_path / "ckpt" / str(step) / "state").rglob("*METADATA*"):
+            file.write_text("{")
+    heard.clear()
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2, note=heard.append)
+    again = run(batches, checkpoints)
+    checkpoints.close()
+    assert again.resumed_from is None and len(heard) == len(kept)
+    assert heard[0].startswith(f"the training checkpoint of step {kept[-1]} in {tmp_path / 'ckpt'} is damaged (Orbax "
+                               "cannot read it: ") and heard[-1].endswith("resuming from the start")
+    assert without_seconds(again.history) == without_seconds(reference.history)

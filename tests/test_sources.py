@@ -9,7 +9,9 @@ import http.server
 import json
 import lzma
 import threading
+import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -247,11 +249,12 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)
 
     # A record that lies (a file system whose times did not move): fetch finds other bytes,
-    # refuses in one line, and the record is gone; the next run reads the corpus again.
+    # refuses in one line, and the record is gone; the next run reads the corpus again. (A
+    # record edited by hand is not believed at all: see the next test.)
     truth = pinned()
-    record = fetch_module._figures_file(folder, None, sorted(folder.iterdir()))[0]
-    lie = json.loads(record.read_text())
-    record.write_text(json.dumps({**lie, "md5": "0" * 32, "sha256": "0" * 64}))
+    record, _, key = fetch_module._figures_file(folder, None, sorted(folder.iterdir()))
+    lie = {**json.loads(record.read_text())["figures"], "md5": "0" * 32, "sha256": "0" * 64}
+    record.write_text(json.dumps({"figures": lie, "seal": fetch_module._seal(record.parent, key, lie)}))
     with pytest.raises(FetchError, match="changed since its md5 was taken"):
         make(FETCH, pinned(), tmp_path / "store")
     assert not record.exists() and pinned() == truth
@@ -302,3 +305,169 @@ def test_a_bucket_prefix_is_a_corpus_like_a_folder(tmp_path, object_server, monk
     assert pin(DataConfig(corpus=prefix, glob="*.md")).md5 == md5_bytes(b"left out")
     with pytest.raises(FetchError, match=r"corpus prefix s3://.* holds no objects matching data.glob='\*.rst'"):
         pin(DataConfig(corpus=prefix, glob="*.rst"))
+
+
+def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_path, monkeypatch):
+    """The store holds corpus Y. Corpus X with Y's md5 stated (a config file reused), or X's
+    record on this machine edited to Y's md5 and figures: refused, or read again; a sealed
+    record that names Y is caught by the cached version's own sha256 and forgotten."""
+    import os
+
+    from bardflow.tasks import fetch as fetch_module
+
+    monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)
+    store = tmp_path / "store"
+    y_text, x_text = play_text(70_000, seed=1), play_text(50_000, seed=2)
+    (tmp_path / "y.txt").write_bytes(y_text)
+    (tmp_path / "x.txt").write_bytes(x_text)
+    y = pin(DataConfig(corpus=str(tmp_path / "y.txt")))
+    make(FETCH, y, store)
+    x = str(tmp_path / "x.txt")
+
+    with pytest.raises(FetchError, match=rf"md5 mismatch for {x}: expected {y.md5}, got {md5_bytes(x_text)}; fetch "
+                                         rf"it again or fix the source, .* --set data.md5={md5_bytes(x_text)}$"):
+        pin(DataConfig(corpus=x, md5=y.md5))
+    assert pin(DataConfig(corpus=x, md5=md5_bytes(x_text))).md5 == md5_bytes(x_text)  # stated rightly: fine
+    gone = DataConfig(corpus=str(tmp_path / "gone.txt"), md5=y.md5)
+    assert pin(gone) == gone  # nothing to contradict it: the stored corpus by its md5
+
+    # X's record, edited to Y's figures with its file's times put back: not believed.
+    def pinned() -> DataConfig:
+        fetch_module._PINNED.clear()
+        return pin(DataConfig(corpus=x))
+
+    assert pinned().md5 == md5_bytes(x_text)
+    record, _, key = fetch_module._figures_file(Path(x), None, [Path(x)])
+    y_figures = {"md5": y.md5, "sha256": hashlib.sha256(y_text).hexdigest(), "size": len(y_text),
+                 "seen": bytes(sorted(set(y_text))).hex()}
+    sealed = json.loads(record.read_text())
+    times = os.stat(record)
+    record.write_text(json.dumps({**sealed, "figures": y_figures}))
+    os.utime(record, ns=(times.st_atime_ns, times.st_mtime_ns))
+    reads = []
+    real = fetch_module.decoded_chunks
+    monkeypatch.setattr(fetch_module, "decoded_chunks",
+                        lambda files, progress=None: reads.append(len(files)) or real(files, progress))
+    assert pinned().md5 == md5_bytes(x_text) and reads == [1]  # read again
+    version, built = make(FETCH, pinned(), store)
+    assert built and version.file(CORPUS).read_bytes() == x_text
+
+    # Records sealed as this machine seals them (what a bug would write): one of Y's figures
+    # whole is not X's size, so not believed; one with Y's md5 and X's other figures selects
+    # the stored version of that md5, whose bytes are not X's: one line, and the record goes.
+    def sealed_record(figures: dict) -> None:
+        record.write_text(json.dumps({"figures": figures, "seal": fetch_module._seal(record.parent, key, figures)}))
+
+    sealed_record(y_figures)
+    read_before = len(reads)
+    assert pinned().md5 == md5_bytes(x_text) and len(reads) == read_before + 1
+    sealed_record({**json.loads(record.read_text())["figures"], "md5": y.md5})
+    lied = pinned()
+    assert lied.md5 == y.md5
+    with pytest.raises(FetchError, match=rf"the stored corpus with md5 {y.md5} \(\w+\) is not the one at {x} "
+                                         r"\(70,000 bytes there, 50,000 here, other sha256\).*rerun to read"):
+        make(FETCH, lied, store)
+    assert not record.exists() and pinned().md5 == md5_bytes(x_text)
+
+
+class Trickle:
+    """A server on 127.0.0.1 that answers slowly, its status line and headers one byte at a
+    time (``slow_headers``) or its body, a byte every ``every_s``; or that redirects every
+    path but ``/moved.txt`` to ``redirect`` (``{self}``: its own address; ``{path}``: the path
+    asked for), and serves ``/moved.txt`` at once."""
+
+    def __init__(self, every_s: float, slow_headers: bool = False, redirect: str | None = None):
+        self.requests: list[str] = []
+        requests, server = self.requests, self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                requests.append(self.path)
+                if self.path == "/moved.txt":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "12")
+                    self.end_headers()
+                    self.wfile.write(b"the corpus.\n")
+                    return
+                if redirect is not None:
+                    self.send_response(302)
+                    self.send_header("Location", redirect.format(self=server.url, path=self.path))
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
+                try:
+                    if slow_headers:
+                        for byte in head:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                            time.sleep(every_s)
+                    else:
+                        self.wfile.write(head)
+                    for _ in range(1000):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(every_s)
+                except OSError:  # the client gave up: as it should
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("slow_headers", [False, True], ids=["body", "headers"])
+def test_a_server_that_trickles_bytes_is_given_up_on_and_retried_in_one_line(tmp_path, slow_headers):
+    """A byte every 0.2 s: the 30 s per-read timeout never fires, so the transfer's rate is
+    judged over a window (here 1 s, at least 100 bytes/s), headers or body."""
+    from bardflow.tasks.download import download
+
+    server = Trickle(0.2, slow_headers)
+    try:
+        started = time.monotonic()
+        with pytest.raises(FetchError) as raised:
+            download(f"{server.url}/corpus.txt", tmp_path / "x", attempts=2, stall_s=1.0, min_bytes_per_s=100)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"could not download {server.url}/corpus.txt (slower than 100 "
+                                                 "bytes/s for 1 s) after 2 attempt(s); check the network")
+    assert len(server.requests) == 2 and took < 8, took
+
+
+def test_redirects_stay_within_the_scheme_and_host_and_a_loop_is_one_line(tmp_path):
+    """A redirect to another port of the host (another server) is refused, naming it, and
+    that server is never asked; one within the same server is followed; a redirect loop
+    ends in one line."""
+    from bardflow.tasks.download import download
+
+    other = Trickle(0)
+    servers = [other, Trickle(0, redirect=other.url + "/moved.txt"), Trickle(0, redirect="{self}/moved.txt"),
+               Trickle(0, redirect="{self}{path}x")]
+    away, within, loop = servers[1:]
+    try:
+        with pytest.raises(FetchError, match=rf"{away.url}/corpus.txt redirects to {other.url}/moved.txt, another "
+                                             r"scheme, host or port, which is not followed; if that is where the "
+                                             r"corpus is, pass it with --corpus"):
+            download(f"{away.url}/corpus.txt", tmp_path / "x")
+        assert other.requests == []
+        assert download(f"{within.url}/corpus.txt", tmp_path / "y") == f"{within.url}/moved.txt"
+        assert (tmp_path / "y").read_bytes() == b"the corpus.\n"
+        with pytest.raises(FetchError) as raised:
+            download(f"{loop.url}/a", tmp_path / "z")
+        assert "\n" not in str(raised.value) and "infinite loop" in str(raised.value), str(raised.value)
+    finally:
+        for server in servers:
+            server.close()

@@ -15,7 +15,8 @@ from bardflow.artifacts.store import Store
 from bardflow.model.checkpoint import save_model
 from bardflow.model.config import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.fetch import Digest, FetchError, _download, pin
+from bardflow.tasks.download import download
+from bardflow.tasks.fetch import FetchError, pin
 from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model
@@ -116,7 +117,7 @@ def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
     for url in (f"http://127.0.0.1:{port}/input.txt", "http://bardflow-test.invalid/input.txt"):
         started = time.monotonic()
         with pytest.raises(FetchError, match=r"after 1 attempt\(s\); check the network"):
-            _download(url, tmp_path / "x", Digest(), timeout_s=2)
+            download(url, tmp_path / "x", timeout_s=2)
         assert time.monotonic() - started < 5
 
 
@@ -163,6 +164,9 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert exported.manifest["hf"]["status"].startswith("not checked") and \
         exported.metrics["hf_checked"] is False
+    sums = json.loads((folder / "checksums.json").read_text())["sha256"]  # every file, hf/'s too
+    assert sorted(sums) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                                  if p.is_file() and p.name != "checksums.json")
     weights = load_file(str(folder / "model.safetensors"))
     ours = flat_params(trained_model(Store(store).require(trained))[0])
     assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights
