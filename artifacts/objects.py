@@ -85,8 +85,11 @@ def _filesystem(scheme: str, environment: tuple):
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
     if scheme == "s3":
         # Fail in seconds, not minutes, when the endpoint is down; retry throttling.
-        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
-                                    "retries": {"max_attempts": 3, "mode": "standard"}}
+        options["config_kwargs"] = {
+            "connect_timeout": 5,
+            "read_timeout": 60,
+            "retries": {"max_attempts": 3, "mode": "standard"},
+        }
     return fsspec.filesystem(scheme, **options)
 
 
@@ -123,8 +126,7 @@ class Bucket:
     def endpoint(self) -> str:
         if self.scheme != "s3":
             return f"{self.scheme}://"
-        return (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                or "the default AWS endpoint")
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
 
     @contextlib.contextmanager
     def errors(self, doing: str) -> Iterator[None]:
@@ -150,10 +152,15 @@ class Bucket:
             name = type(error).__name__
             if name in ("NoCredentialsError", "PartialCredentialsError"):
                 raise ObjectStoreError(
-                    f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                    "or AWS_PROFILE") from error
-            if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
-                        "ConnectionError", "ReadTimeoutError") or isinstance(error, (ConnectionError, TimeoutError)):
+                    f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+                ) from error
+            if name in (
+                "EndpointConnectionError",
+                "ConnectTimeoutError",
+                "ClientConnectorError",
+                "ConnectionError",
+                "ReadTimeoutError",
+            ) or isinstance(error, (ConnectionError, TimeoutError)):
                 raise ObjectStoreError(
                     f"cannot reach the object store at {self.endpoint()} while {doing} ({error}); check "
                     "AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and that the server is up"
@@ -213,9 +220,14 @@ class Bucket:
         with self.errors(f"listing {self.uri(prefix)}"):
             found = self.fs.find(self.path(prefix), detail=True)
         base = self.path(prefix) + "/"
-        return {name[len(base):]: {"bytes": info.get("size"), "etag": info.get("ETag") or info.get("etag")
-                                   or info.get("md5Hash") or info.get("generation")}
-                for name, info in found.items() if name.startswith(base) and info.get("type") != "directory"}
+        return {
+            name[len(base) :]: {
+                "bytes": info.get("size"),
+                "etag": info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("generation"),
+            }
+            for name, info in found.items()
+            if name.startswith(base) and info.get("type") != "directory"
+        }
 
     def upload(self, files: Mapping[str, Path]) -> None:
         """``{name: local file}``, several at once."""
@@ -239,7 +251,7 @@ class Bucket:
     def glob(self, pattern: str) -> list[str]:
         with self.errors("listing"):
             base = self.prefix + "/"
-            return [p[len(base):] for p in self.fs.glob(self.path(pattern))]
+            return [p[len(base) :] for p in self.fs.glob(self.path(pattern))]
 
 
 def _fetch_verified(bucket: Bucket, prefix: str, files: Mapping[str, Mapping[str, Any]], into: Path) -> bool:
@@ -292,15 +304,19 @@ class RemoteResumeFolder(ResumeFolder):
             if now.get(step) == committed[step]:
                 raise ObjectStoreError(
                     f"the training checkpoint {bucket.uri(str(step))} is damaged; remove "
-                    f"{bucket.uri()} to train from the start")
+                    f"{bucket.uri()} to train from the start"
+                )
             committed = now
         return None
 
     def push(self) -> None:
         bucket = Bucket(self.url)
         committed = self.committed(bucket)
-        local = sorted(int(p.name) for p in self.path.iterdir() if p.is_dir() and p.name.isdigit()) \
-            if self.path.is_dir() else []
+        local = (
+            sorted(int(p.name) for p in self.path.iterdir() if p.is_dir() and p.name.isdigit())
+            if self.path.is_dir()
+            else []
+        )
         for step in local:
             if step not in committed:
                 files = describe_files(self.path / str(step))
@@ -373,10 +389,21 @@ class ObjectStore(VersionStore):
     def _remote(self, version: Version) -> Version:
         fetch = None
         if version.manifest.get("on_demand"):
-            fetch = functools.partial(self._fetch_on_demand, version.path, version.manifest,
-                                      f"{version.stage}/{version.key}/{version.manifest['objects']}")
-        return Version(version.stage, version.key, version.path, version.manifest,
-                       uri=self.bucket.uri(version.stage, version.key), store=self.location, fetch=fetch)
+            fetch = functools.partial(
+                self._fetch_on_demand,
+                version.path,
+                version.manifest,
+                f"{version.stage}/{version.key}/{version.manifest['objects']}",
+            )
+        return Version(
+            version.stage,
+            version.key,
+            version.path,
+            version.manifest,
+            uri=self.bucket.uri(version.stage, version.key),
+            store=self.location,
+            fetch=fetch,
+        )
 
     def _fetch_on_demand(self, folder: Path, manifest: dict[str, Any], prefix: str, names: list[str]) -> None:
         """Brings ``names`` (``on_demand`` files of the mirrored version in ``folder``) down,
@@ -391,7 +418,8 @@ class ObjectStore(VersionStore):
             if not _fetch_verified(self.bucket, prefix, wanted, incoming):
                 raise ObjectStoreError(
                     f"{', '.join(names)} of {self.bucket.uri(prefix)} differs from its manifest or is gone; "
-                    f"rerun with --refresh {manifest.get('stage', 'the stage')}")
+                    f"rerun with --refresh {manifest.get('stage', 'the stage')}"
+                )
             for name in names:
                 os.replace(incoming / name, folder / name)  # two readers on this host: the same bytes
         finally:
@@ -427,13 +455,26 @@ class ObjectStore(VersionStore):
     def clear_leftovers(self, stage: str, key: str) -> None:
         self.mirror.clear_leftovers(stage, key)
 
-    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
-              force: bool = False) -> contextlib.AbstractContextManager[Builder]:
+    def build(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        inputs: Mapping[str, Version],
+        resume: ResumeFolder,
+        force: bool = False,
+    ) -> contextlib.AbstractContextManager[Builder]:
         """Built in the mirror, then committed to the bucket (see the module doc)."""
         replace = self.remains(stage, key, force)
         build = f"build-{uuid.uuid4().hex[:12]}"
-        return self.mirror.build_folder(stage, key, params, inputs, resume=resume,
-                                        commit=lambda folder: self._commit(stage, key, folder, build, replace))
+        return self.mirror.build_folder(
+            stage,
+            key,
+            params,
+            inputs,
+            resume=resume,
+            commit=lambda folder: self._commit(stage, key, folder, build, replace),
+        )
 
     def _commit(self, stage: str, key: str, folder: Path, build: str, replace: bool) -> bool:
         """Uploads a sealed build folder, then its manifest as the commit record. True if this
@@ -454,8 +495,9 @@ class ObjectStore(VersionStore):
         if won:  # the mirror's copy is this folder: record the ETags it stands for
             (folder / REMOTE).write_text(json.dumps({"uri": self.bucket.uri(stage, key), "etags": etags}))
         keep = build if won else (self._manifest(stage, key) or {}).get("objects")
-        stale = {name.split("/", 1)[0] for name in self.bucket.listing(f"{stage}/{key}")
-                 if name.startswith("build-")} - {keep}
+        stale = {
+            name.split("/", 1)[0] for name in self.bucket.listing(f"{stage}/{key}") if name.startswith("build-")
+        } - {keep}
         self.bucket.remove(*(f"{stage}/{key}/{prefix}" for prefix in sorted(stale)))
         return won
 
@@ -472,8 +514,16 @@ class ObjectStore(VersionStore):
                 continue
             if not isinstance(manifest, dict) or not manifest_intact(manifest):
                 continue
-            found.append(Version(stage_name, key, self.mirror.path(stage_name, key), manifest,
-                                 uri=self.bucket.uri(stage_name, key), store=self.location))
+            found.append(
+                Version(
+                    stage_name,
+                    key,
+                    self.mirror.path(stage_name, key),
+                    manifest,
+                    uri=self.bucket.uri(stage_name, key),
+                    store=self.location,
+                )
+            )
         return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True)
 
 
@@ -501,7 +551,8 @@ def open_store(location: str | os.PathLike, workdir: str | os.PathLike | None = 
     mirrored in ``workdir`` (default ``$BARDFLOW_WORKDIR`` or ``~/.cache/bardflow/mirror``)."""
     if "://" in str(location):
         if not is_remote(location):
-            raise StoreError(f"unsupported store {location}: use a local folder or one of "
-                             f"{', '.join(s + '://' for s in SCHEMES)}")
+            raise StoreError(
+                f"unsupported store {location}: use a local folder or one of {', '.join(s + '://' for s in SCHEMES)}"
+            )
         return ObjectStore(str(location), workdir)
     return Store(location)

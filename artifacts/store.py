@@ -168,10 +168,15 @@ def project_version() -> dict[str, Any]:
     checkout = Path(__file__).resolve().parents[1]
     if (checkout / ".git").exists():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=10)
-            changes = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
-                                     capture_output=True, text=True, timeout=10)
+            head = subprocess.run(
+                ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            )
+            changes = subprocess.run(
+                ["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if head.returncode == 0:
                 found["commit"] = head.stdout.strip() + ("+changes" if changes.stdout.strip() else "")
     return found
@@ -273,10 +278,13 @@ class ResumeFolder:
                     if time.monotonic() > deadline:
                         raise StoreError(
                             f"process {holder} still writes checkpoints into {self.path} (the training of an earlier "
-                            f"run); wait for it to end or stop it (kill {holder}), then rerun") from None
+                            f"run); wait for it to end or stop it (kill {holder}), then rerun"
+                        ) from None
                     if not told and say is not None:
-                        say(f"waiting for process {holder}, the training of an earlier run, to stop writing into "
-                            f"{self.path}")
+                        say(
+                            f"waiting for process {holder}, the training of an earlier run, to stop writing into "
+                            f"{self.path}"
+                        )
                         told = True
                     time.sleep(0.1)
             os.ftruncate(descriptor, 0)
@@ -342,8 +350,9 @@ class VersionStore(abc.ABC):
         """Removes what builders that died left of this version; callers hold the lock."""
 
     @abc.abstractmethod
-    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
-              force: bool) -> contextlib.AbstractContextManager[Builder]:
+    def build(
+        self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder, force: bool
+    ) -> contextlib.AbstractContextManager[Builder]:
         """A builder over a private folder, made the version when the block ends without error."""
 
     @abc.abstractmethod
@@ -361,9 +370,16 @@ class VersionStore(abc.ABC):
             )
         return version
 
-    def produce(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
-                work: Callable[[Builder], None], force: bool = False,
-                notice: Callable[[str], None] | None = None) -> tuple[Version, bool]:
+    def produce(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        inputs: Mapping[str, Version],
+        work: Callable[[Builder], None],
+        force: bool = False,
+        notice: Callable[[str], None] | None = None,
+    ) -> tuple[Version, bool]:
         """The version ``stage/key``: reused if a complete one exists (unless ``force``),
         else built by ``work`` and made the version. Returns it and whether ``work`` ran.
         ``notice`` hears of a damaged version about to be rebuilt."""
@@ -494,14 +510,27 @@ class Store(VersionStore):
             for stale in self.path(stage, key).parent.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def build(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version], resume: ResumeFolder,
-              force: bool = False) -> contextlib.AbstractContextManager[Builder]:
+    def build(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        inputs: Mapping[str, Version],
+        resume: ResumeFolder,
+        force: bool = False,
+    ) -> contextlib.AbstractContextManager[Builder]:
         return self.build_folder(stage, key, params, inputs, resume)
 
     @contextlib.contextmanager
-    def build_folder(self, stage: str, key: str, params: Any, inputs: Mapping[str, Version],
-                     resume: ResumeFolder | None = None,
-                     commit: Callable[[Path], bool] | None = None) -> Iterator[Builder]:
+    def build_folder(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        inputs: Mapping[str, Version],
+        resume: ResumeFolder | None = None,
+        commit: Callable[[Path], bool] | None = None,
+    ) -> Iterator[Builder]:
         """Yields a builder over a private folder; on success publishes it as the version.
 
         If the stage fails, the folder is removed and any earlier version stays as it was.
@@ -533,9 +562,10 @@ class Store(VersionStore):
 
     def _seal(self, builder: Builder, params: Any, inputs: Mapping[str, Version]) -> None:
         files = describe_files(builder.dir, builder.digests)
-        fingerprint = builder.fingerprint or hashlib.sha256(
-            canonical_json({n: f["sha256"] for n, f in files.items()}).encode()
-        ).hexdigest()
+        fingerprint = (
+            builder.fingerprint
+            or hashlib.sha256(canonical_json({n: f["sha256"] for n, f in files.items()}).encode()).hexdigest()
+        )
         manifest = {
             "stage": builder.stage,
             "key": builder.key,
@@ -579,9 +609,7 @@ class Store(VersionStore):
     def versions(self, stage: str | None = None) -> list[Version]:
         """Every complete version in the store, newest first."""
         found = []
-        stages = [stage] if stage else sorted(
-            p.name for p in self.root.glob("*") if p.is_dir() and _NAME.match(p.name)
-        )
+        stages = [stage] if stage else sorted(p.name for p in self.root.glob("*") if p.is_dir() and _NAME.match(p.name))
         for name in stages:
             for path in self._stage_dir(name).glob("*"):
                 if not _KEY.match(path.name):

@@ -103,8 +103,15 @@ class Progress:
 
     CLOSE_WAIT_S = 5.0  # the last value gets this long to reach the server
 
-    def __init__(self, stage: str, total: int, label: str, every_s: float = 2.0, in_bytes: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        stage: str,
+        total: int,
+        label: str,
+        every_s: float = 2.0,
+        in_bytes: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         import contextvars
         import threading
 
@@ -119,11 +126,16 @@ class Progress:
         self._closed = False
         self._sender: threading.Thread | None = None
         if _in_run():
-            self._artifact = cast("UUID", create_progress_artifact(  # the synchronous call's result
-                progress=0.0, key=artifact_key(stage, "progress"), description=label))
+            self._artifact = cast(
+                "UUID",
+                create_progress_artifact(  # the synchronous call's result
+                    progress=0.0, key=artifact_key(stage, "progress"), description=label
+                ),
+            )
             # In this run's context (its settings: which server), as Prefect's own threads are.
-            self._sender = threading.Thread(target=contextvars.copy_context().run, args=(self._send,),
-                                            name="bardflow-progress", daemon=True)
+            self._sender = threading.Thread(
+                target=contextvars.copy_context().run, args=(self._send,), name="bardflow-progress", daemon=True
+            )
             self._sender.start()
         import shutil
 
@@ -161,12 +173,22 @@ class Progress:
         seconds = max(now - self._started, 1e-9)
         if self._first is None:
             self._first = (now, done)
-        if self._bar.disable and done * 10 // self.total > self._logged * 10 // self.total and \
-                (not self.in_bytes or seconds > 2.0):  # bytes: a second's copy needs no account
+        if (
+            self._bar.disable
+            and done * 10 // self.total > self._logged * 10 // self.total
+            and (not self.in_bytes or seconds > 2.0)
+        ):  # bytes: a second's copy needs no account
             left = time_left(self._seconds_left(now, done, seconds))
             if self.in_bytes:
-                say("%s: %.1f of %.1f MB (%d%%), %.1f MB/s, %s", self.label, done / 1e6, self.total / 1e6,
-                    100 * done // self.total, done / 1e6 / seconds, left)
+                say(
+                    "%s: %.1f of %.1f MB (%d%%), %.1f MB/s, %s",
+                    self.label,
+                    done / 1e6,
+                    self.total / 1e6,
+                    100 * done // self.total,
+                    done / 1e6 / seconds,
+                    left,
+                )
             else:
                 say("%s: %d/%d (%d%%), %s", self.label, done, self.total, 100 * done // self.total, left)
         self._logged = done

@@ -41,8 +41,9 @@ def host_sampling_loop(last_logits, prompt: bytes, max_new: int, temperature: fl
     return bytes(tokens)
 
 
-def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int,
-                     absolute: bool = False) -> bytes:
+def codelab_generate(
+    model, prompt: bytes, max_new: int, temperature: float, seed: int, window: int, absolute: bool = False
+) -> bytes:
     """``absolute``: the window's positions are where its bytes sit in the whole text, not
     0.. (for a rotary model the same function, computed with the sampler's angles)."""
     graphdef, state = nnx.split(model)
@@ -56,8 +57,9 @@ def codelab_generate(model, prompt: bytes, max_new: int, temperature: float, see
     return host_sampling_loop(last_logits, prompt, max_new, temperature, seed)
 
 
-def codelab_generate_batch(model, prompt: bytes, max_new: int, temperature: float, seeds: list[int],
-                           window: int) -> list[bytes]:
+def codelab_generate_batch(
+    model, prompt: bytes, max_new: int, temperature: float, seeds: list[int], window: int
+) -> list[bytes]:
     """The same host loop over a batch: one full forward pass of every row per new byte,
     row ``i`` drawing from its own key exactly as ``codelab_generate`` with ``seeds[i]``."""
     graphdef, state = nnx.split(model)

@@ -48,8 +48,16 @@ def train_once(steps: int, eval_every: int) -> dict:
     from bardflow.model.step import init_state
     from bardflow.model.step_settings import CPU_TOKENS_PER_PASS, resolve
 
-    cfg = build_config("cpu", {"train.steps": steps, "train.single_device_steps": 0, "train.log_every": eval_every,
-                               "train.eval_every": 0, "train.warmup_steps": min(20, steps // 2)})
+    cfg = build_config(
+        "cpu",
+        {
+            "train.steps": steps,
+            "train.single_device_steps": 0,
+            "train.log_every": eval_every,
+            "train.eval_every": 0,
+            "train.warmup_steps": min(20, steps // 2),
+        },
+    )
     text = SHARED_CORPUS.read_bytes() if SHARED_CORPUS.exists() else _generated_text()
     seq = cfg.data.seq_len + 1  # every position trained: windows of seq_len + 1 bytes
     data = np.frombuffer(text, np.uint8)
@@ -65,10 +73,20 @@ def train_once(steps: int, eval_every: int) -> dict:
     # The evaluation batches the training stage uses on a CPU (runtime/training_run.py).
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
-    result = train(graphdef, state, lambda step: train_rows[(step * batch) % (len(train_rows) - batch):][:batch]
-                   .astype(np.int32), val, placement, train_cfg, step=step)
-    return {"seconds": round(time.perf_counter() - started, 2), "ms_per_step": round(result.ms_per_step, 1),
-            "history": [{k: h[k] for k in ("step", "loss", "val_loss")} for h in result.history]}
+    result = train(
+        graphdef,
+        state,
+        lambda step: train_rows[(step * batch) % (len(train_rows) - batch) :][:batch].astype(np.int32),
+        val,
+        placement,
+        train_cfg,
+        step=step,
+    )
+    return {
+        "seconds": round(time.perf_counter() - started, 2),
+        "ms_per_step": round(result.ms_per_step, 1),
+        "history": [{k: h[k] for k in ("step", "loss", "val_loss")} for h in result.history],
+    }
 
 
 def _generated_text() -> bytes:
@@ -80,17 +98,26 @@ def _generated_text() -> bytes:
 
 
 def run_child(steps: int, eval_every: int, hog: bool, timeout_s: float) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2 "
-           f"--xla_cpu_collective_call_warn_stuck_timeout_seconds={STALL_S} "
-           f"--xla_cpu_collective_call_terminate_timeout_seconds={ABORT_S}".strip(),
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2 "
+        f"--xla_cpu_collective_call_warn_stuck_timeout_seconds={STALL_S} "
+        f"--xla_cpu_collective_call_terminate_timeout_seconds={ABORT_S}".strip(),
+        "JAX_PLATFORMS": "cpu",
+    }
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)] if hog else []
     for process in hogs:
         process.start()
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "bench.collectives", "--child", str(steps), str(eval_every)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.collectives", "--child", str(steps), str(eval_every)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         code, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as expired:
         code, out, err = None, expired.stdout or "", (expired.stderr or "") if isinstance(expired.stderr, str) else ""
@@ -98,8 +125,14 @@ def run_child(steps: int, eval_every: int, hog: bool, timeout_s: float) -> dict:
         for process in hogs:
             process.terminate()
     last = out.strip().splitlines()[-1] if out.strip() else ""
-    record = {"hog": hog, "exit": code, "wall_s": round(time.monotonic() - started, 1),
-              "stalls": err.count("may be stuck"), "aborted": code in ABORTED, "timed_out": code is None}
+    record = {
+        "hog": hog,
+        "exit": code,
+        "wall_s": round(time.monotonic() - started, 1),
+        "stalls": err.count("may be stuck"),
+        "aborted": code in ABORTED,
+        "timed_out": code is None,
+    }
     if code == 0 and last.startswith("{"):
         record.update(json.loads(last))
     else:
@@ -111,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--child"]:
         print(json.dumps(train_once(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
         return 0
-    parser = argparse.ArgumentParser(prog="python -m bench.collectives", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.collectives", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quiet-runs", type=int, default=1, help="runs on a quiet machine (default 1)")
     parser.add_argument("--hog-runs", type=int, default=2, help="runs beside a busy loop on every core (default 2)")
     parser.add_argument("--steps", type=int, default=150, help="training steps a run (default 150)")
@@ -125,24 +159,33 @@ def main(argv: list[str] | None = None) -> int:
     for hog in [False] * args.quiet_runs + [True] * args.hog_runs:
         record = run_child(args.steps, args.eval_every, hog, args.timeout)
         runs.append(record)
-        print(f"{'beside a hog' if hog else 'quiet':>12}: exit {record['exit']}, {record['stalls']} stall(s), "
-              f"{record['wall_s']} s" + (f", {record['ms_per_step']} ms/step" if "ms_per_step" in record else ""),
-              flush=True)
+        print(
+            f"{'beside a hog' if hog else 'quiet':>12}: exit {record['exit']}, {record['stalls']} stall(s), "
+            f"{record['wall_s']} s" + (f", {record['ms_per_step']} ms/step" if "ms_per_step" in record else ""),
+            flush=True,
+        )
     reference = next((r["history"] for r in runs if "history" in r), None)
     for record in runs:
         record["same_losses"] = "history" in record and record["history"] == reference
     bad = [r for r in runs if r["exit"] != 0 or r["stalls"] or not r["same_losses"]]
-    flat = {"runs": len(runs), "aborted": sum(r["aborted"] for r in runs),
-            "timed_out": sum(r["timed_out"] for r in runs), "stalls": sum(r["stalls"] for r in runs),
-            "losses_differ": sum(not r["same_losses"] for r in runs),
-            "evaluations_per_run": args.steps // args.eval_every + 1, "stall_bound_s": STALL_S}
+    flat = {
+        "runs": len(runs),
+        "aborted": sum(r["aborted"] for r in runs),
+        "timed_out": sum(r["timed_out"] for r in runs),
+        "stalls": sum(r["stalls"] for r in runs),
+        "losses_differ": sum(not r["same_losses"] for r in runs),
+        "evaluations_per_run": args.steps // args.eval_every + 1,
+        "stall_bound_s": STALL_S,
+    }
     report = {"machine": machine(), "steps": args.steps, "eval_every": args.eval_every, "runs": runs}
     out = write_report(report, flat, args.out, "collectives")
     print(f"written to {out}")
     for record in bad:
-        print(f"FAILED ({'beside a hog' if record['hog'] else 'quiet'}): exit {record['exit']}, {record['stalls']} "
-              f"stall(s), losses {'equal' if record['same_losses'] else 'differ'}\n{record.get('stderr_tail', '')}",
-              file=sys.stderr)
+        print(
+            f"FAILED ({'beside a hog' if record['hog'] else 'quiet'}): exit {record['exit']}, {record['stalls']} "
+            f"stall(s), losses {'equal' if record['same_losses'] else 'differ'}\n{record.get('stderr_tail', '')}",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 

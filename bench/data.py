@@ -148,16 +148,22 @@ def measure(what: str, data, folder: Path) -> dict:
         metrics = version.metrics
     seconds = time.perf_counter() - started
     cpu = cpu_seconds() - cpu
-    return {"seconds": round(seconds, 3), "mb_per_s": round(corpus.stat().st_size / 1e6 / seconds, 1),
-            "cpu_s": round(cpu, 2), "metrics": metrics}
+    return {
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(corpus.stat().st_size / 1e6 / seconds, 1),
+        "cpu_s": round(cpu, 2),
+        "metrics": metrics,
+    }
 
 
 def cpu_seconds() -> float:
     """User and system CPU time of this process and its finished children (cp, sha256sum)."""
     import resource
 
-    return sum(usage.ru_utime + usage.ru_stime
-               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
 
 
 def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
@@ -170,45 +176,85 @@ def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
 
     fetched = produce(FETCH, data, {}, store)[0]
     encoded = produce(ENCODE, data, {"fetch": fetched}, store)[0]
-    cfg = build_config("tiny", {"train.steps": job["steps"], "train.log_every": job["steps"],
-                                "train.checkpoint_every": job["steps"], **job.get("settings", {})})
+    cfg = build_config(
+        "tiny",
+        {
+            "train.steps": job["steps"],
+            "train.log_every": job["steps"],
+            "train.checkpoint_every": job["steps"],
+            **job.get("settings", {}),
+        },
+    )
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
     first: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="bench-data-train-"))
     started = time.perf_counter()
-    summary = run_training(request, RunFiles(encoded.file("train"), encoded.file("val"), scratch / "resume",
-                                             scratch / "state"), jax.devices()[:1], parallel=False,
-                           on_step=lambda done, total: first.append(time.perf_counter()) if not first else None)
+    summary = run_training(
+        request,
+        RunFiles(encoded.file("train"), encoded.file("val"), scratch / "resume", scratch / "state"),
+        jax.devices()[:1],
+        parallel=False,
+        on_step=lambda done, total: first.append(time.perf_counter()) if not first else None,
+    )
     shutil.rmtree(scratch, ignore_errors=True)
     metrics = summary["metrics"]
-    return {"first_step_s": round(first[0] - started, 2) if first else None,
-            "tokens_per_s": metrics["tokens_per_s"], "eval_rows": metrics["eval_rows"],
-            "val_split_rows": metrics["val_split_rows"], "val_loss": metrics["val_loss"],
-            "idle_anon_mib": round(idle / 2**20, 1), "peak_anon_mib": round(memory.peak / 2**20, 1)}
+    return {
+        "first_step_s": round(first[0] - started, 2) if first else None,
+        "tokens_per_s": metrics["tokens_per_s"],
+        "eval_rows": metrics["eval_rows"],
+        "val_split_rows": metrics["val_split_rows"],
+        "val_loss": metrics["val_loss"],
+        "idle_anon_mib": round(idle / 2**20, 1),
+        "peak_anon_mib": round(memory.peak / 2**20, 1),
+    }
 
 
 def in_child(job: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "bench.data", "--child", json.dumps(job)], cwd=REPO,
-                          capture_output=True, text=True, env={**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"})
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.data", "--child", json.dumps(job)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"},
+    )
     if done.returncode:
         raise SystemExit(f"{job['what']} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="100M", help="corpus size: 100M, 1G, 4G (default 100M)")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     parser.add_argument("--rounds", type=int, default=2, help="training runs per corpus, alternated (default 2)")
-    parser.add_argument("--stage-rounds", type=int, default=3, help="rounds of cp + sha256sum, fetch and encode, "
-                        "alternated; the best of each is compared (default 3; 0: training only)")
-    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of the training runs (both corpora), as bardflow run --set takes it")
-    parser.add_argument("--work", type=Path, default=None, help="folder for the corpus and stores (default: a "
-                        "temporary one; it needs about 4x the size)")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 when a stage's anonymous memory grows by "
-                        f"more than {MEMORY_BOUND_MIB} MiB")
+    parser.add_argument(
+        "--stage-rounds",
+        type=int,
+        default=3,
+        help="rounds of cp + sha256sum, fetch and encode, "
+        "alternated; the best of each is compared (default 3; 0: training only)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the training runs (both corpora), as bardflow run --set takes it",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="folder for the corpus and stores (default: a temporary one; it needs about 4x the size)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 when a stage's anonymous memory grows by more than {MEMORY_BOUND_MIB} MiB",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -231,13 +277,28 @@ def main(argv: list[str] | None = None) -> int:
         stage_rounds: dict[str, list[dict]] = {"cp_sha256sum": [], "fetch": [], "encode": []}
         for _ in range(args.stage_rounds):
             for what in stage_rounds:
-                stage_rounds[what].append(in_child({"what": what, "corpus": str(corpus),
-                                                    "store": str(work / f"store-{what}")}))
+                stage_rounds[what].append(
+                    in_child({"what": what, "corpus": str(corpus), "store": str(work / f"store-{what}")})
+                )
                 shutil.rmtree(work / f"store-{what}", ignore_errors=True)
-            print("  ".join(f"{what}: {' then '.join(str(p['mb_per_s']) for p in done[-1]['passes'])} MB/s"
-                            for what, done in stage_rounds.items()), flush=True)
-        best = [{what: min((r["passes"][number] for r in done), key=lambda p: p["seconds"])
-                 for what, done in stage_rounds.items()} for number in range(2)] if args.stage_rounds else []
+            print(
+                "  ".join(
+                    f"{what}: {' then '.join(str(p['mb_per_s']) for p in done[-1]['passes'])} MB/s"
+                    for what, done in stage_rounds.items()
+                ),
+                flush=True,
+            )
+        best = (
+            [
+                {
+                    what: min((r["passes"][number] for r in done), key=lambda p: p["seconds"])
+                    for what, done in stage_rounds.items()
+                }
+                for number in range(2)
+            ]
+            if args.stage_rounds
+            else []
+        )
         small = SHARED_CORPUS if SHARED_CORPUS.exists() else None
         if small is None:
             small = work / "small.txt"
@@ -246,17 +307,31 @@ def main(argv: list[str] | None = None) -> int:
         runs = [("tinyshakespeare", small), ("large", corpus)]
         for number in range(args.rounds):  # alternated, the best of each kept: a host's noise is not the data's
             for name, path in runs if number % 2 == 0 else runs[::-1]:  # each first as often as the other
-                rounds[name].append(in_child({"what": "train", "corpus": str(path),
-                                              "store": str(work / f"store-{name}"), "steps": args.steps,
-                                              "settings": settings}))
-            print("  ".join(f"{name}: {done[-1]['tokens_per_s']:,.0f} tokens/s" for name, done in rounds.items()),
-                  flush=True)
+                rounds[name].append(
+                    in_child(
+                        {
+                            "what": "train",
+                            "corpus": str(path),
+                            "store": str(work / f"store-{name}"),
+                            "steps": args.steps,
+                            "settings": settings,
+                        }
+                    )
+                )
+            print(
+                "  ".join(f"{name}: {done[-1]['tokens_per_s']:,.0f} tokens/s" for name, done in rounds.items()),
+                flush=True,
+            )
         trained = {name: max(runs_of, key=lambda r: r["tokens_per_s"]) for name, runs_of in rounds.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = size / 1e6
-    growth = {what: max((p["peak_anon_mib"] - p["idle_anon_mib"] for r in stage_rounds[what] for p in r["passes"]),
-                        default=0.0) for what in ("fetch", "encode")}
+    growth = {
+        what: max(
+            (p["peak_anon_mib"] - p["idle_anon_mib"] for r in stage_rounds[what] for p in r["passes"]), default=0.0
+        )
+        for what in ("fetch", "encode")
+    }
     growth["train"] = trained["large"]["peak_anon_mib"] - trained["tinyshakespeare"]["peak_anon_mib"]
     flat: dict[str, float | int | None] = {"corpus_mb": round(mb, 1)}
     # A local corpus is read once before the run for its checksum (the fetch version's key),
@@ -265,34 +340,58 @@ def main(argv: list[str] | None = None) -> int:
     for number, runs in enumerate(best):  # the first pass's figures, then the second's
         stages_s = runs["fetch"]["seconds"] + runs["encode"]["seconds"]
         suffix = ("_as_it_comes", "_memory_just_freed")[number]
-        flat.update({
-            f"fetch_mb_per_s{suffix}": runs["fetch"]["mb_per_s"],
-            f"encode_mb_per_s{suffix}": runs["encode"]["mb_per_s"],
-            f"fetch_encode_mb_per_s{suffix}": round(mb / stages_s, 1),
-            f"cp_sha256sum_mb_per_s{suffix}": runs["cp_sha256sum"]["mb_per_s"],
-            f"fetch_encode_vs_cp_sha256sum{suffix}": round(runs["cp_sha256sum"]["seconds"] / stages_s, 3),
-            f"checksum_fetch_encode_vs_cp_sha256sum{suffix}": round(runs["cp_sha256sum"]["seconds"]
-                                                                    / (checksum_s + stages_s), 3),
-            f"fetch_encode_cpu_s{suffix}": round(runs["fetch"]["cpu_s"] + runs["encode"]["cpu_s"], 2),
-            f"cp_sha256sum_cpu_s{suffix}": runs["cp_sha256sum"]["cpu_s"]})
+        flat.update(
+            {
+                f"fetch_mb_per_s{suffix}": runs["fetch"]["mb_per_s"],
+                f"encode_mb_per_s{suffix}": runs["encode"]["mb_per_s"],
+                f"fetch_encode_mb_per_s{suffix}": round(mb / stages_s, 1),
+                f"cp_sha256sum_mb_per_s{suffix}": runs["cp_sha256sum"]["mb_per_s"],
+                f"fetch_encode_vs_cp_sha256sum{suffix}": round(runs["cp_sha256sum"]["seconds"] / stages_s, 3),
+                f"checksum_fetch_encode_vs_cp_sha256sum{suffix}": round(
+                    runs["cp_sha256sum"]["seconds"] / (checksum_s + stages_s), 3
+                ),
+                f"fetch_encode_cpu_s{suffix}": round(runs["fetch"]["cpu_s"] + runs["encode"]["cpu_s"], 2),
+                f"cp_sha256sum_cpu_s{suffix}": runs["cp_sha256sum"]["cpu_s"],
+            }
+        )
     if best:
-        flat.update({"local_checksum_before_run_s": checksum_s, "fetch_anon_growth_mib": round(growth["fetch"], 1),
-                     "encode_anon_growth_mib": round(growth["encode"], 1)})
-    flat.update({
-        "train_anon_vs_tinyshakespeare_mib": round(growth["train"], 1),
-        "first_step_s": trained["large"]["first_step_s"],
-        "first_step_s_tinyshakespeare": trained["tinyshakespeare"]["first_step_s"],
-        "tokens_per_s": trained["large"]["tokens_per_s"],
-        "tokens_per_s_tinyshakespeare": trained["tinyshakespeare"]["tokens_per_s"],
-        "tokens_per_s_ratio": round(trained["large"]["tokens_per_s"] / trained["tinyshakespeare"]["tokens_per_s"],
-                                    3),
-        # Each round's two runs ran back to back: their ratios show the spread of the best's.
-        "tokens_per_s_ratio_median": round(statistics.median(
-            large["tokens_per_s"] / small["tokens_per_s"]
-            for large, small in zip(rounds["large"], rounds["tinyshakespeare"], strict=True)), 3),
-        "eval_rows": trained["large"]["eval_rows"], "val_split_rows": trained["large"]["val_split_rows"]})
-    report = {"machine": machine(), "size_bytes": size, "steps": args.steps, "settings": settings,
-              "stages": stage_rounds, "train": rounds}
+        flat.update(
+            {
+                "local_checksum_before_run_s": checksum_s,
+                "fetch_anon_growth_mib": round(growth["fetch"], 1),
+                "encode_anon_growth_mib": round(growth["encode"], 1),
+            }
+        )
+    flat.update(
+        {
+            "train_anon_vs_tinyshakespeare_mib": round(growth["train"], 1),
+            "first_step_s": trained["large"]["first_step_s"],
+            "first_step_s_tinyshakespeare": trained["tinyshakespeare"]["first_step_s"],
+            "tokens_per_s": trained["large"]["tokens_per_s"],
+            "tokens_per_s_tinyshakespeare": trained["tinyshakespeare"]["tokens_per_s"],
+            "tokens_per_s_ratio": round(
+                trained["large"]["tokens_per_s"] / trained["tinyshakespeare"]["tokens_per_s"], 3
+            ),
+            # Each round's two runs ran back to back: their ratios show the spread of the best's.
+            "tokens_per_s_ratio_median": round(
+                statistics.median(
+                    large["tokens_per_s"] / small["tokens_per_s"]
+                    for large, small in zip(rounds["large"], rounds["tinyshakespeare"], strict=True)
+                ),
+                3,
+            ),
+            "eval_rows": trained["large"]["eval_rows"],
+            "val_split_rows": trained["large"]["val_split_rows"],
+        }
+    )
+    report = {
+        "machine": machine(),
+        "size_bytes": size,
+        "steps": args.steps,
+        "settings": settings,
+        "stages": stage_rounds,
+        "train": rounds,
+    }
     write_report(report, flat, args.out, f"data-{args.size.lower()}")
     over = {what: grown for what, grown in growth.items() if grown > MEMORY_BOUND_MIB}
     if args.check and over:

@@ -41,8 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 530  # 9 minutes less a margin for the wheel kit's install
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-GPU_TESTS = ["tests/test_kernels.py", "tests/test_checkpoint_and_sampling.py", "tests/test_bench_baselines.py",
-             "tests/test_train.py::test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss"]
+GPU_TESTS = [
+    "tests/test_kernels.py",
+    "tests/test_checkpoint_and_sampling.py",
+    "tests/test_bench_baselines.py",
+    "tests/test_train.py::test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss",
+]
 
 
 class MemorySampler:
@@ -55,8 +59,11 @@ class MemorySampler:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            )
             values = [float(v) for v in done.stdout.split() if v.replace(".", "").isdigit()]
             if values:
                 self.peak_mib = max(self.peak_mib or 0.0, max(values))
@@ -79,9 +86,14 @@ class Check:
         self.deadline = time.monotonic() + budget_s
         self.results: dict[str, dict] = {}
         self.log = (out / "gpu-check.log").open("w")
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(work / "prefect"),
-                    "BARDFLOW_SERVER_FILE": str(work / "server.json"), "PREFECT_WORKER_QUERY_SECONDS": "2",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PREFECT_HOME": str(work / "prefect"),
+            "BARDFLOW_SERVER_FILE": str(work / "server.json"),
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+        }
         self.env.pop("PREFECT_API_URL", None)
         if dry_run:
             # A GPU host never measures a CPU step; on CPU the tuner would time the quality
@@ -114,8 +126,11 @@ class Check:
         with MemorySampler() as memory:
             try:
                 figures = body(limit_s)
-                result = ({"status": "skipped", "why": f"{name} is not installed", "optional": True}
-                          if figures is None else {"status": "passed", **figures})
+                result = (
+                    {"status": "skipped", "why": f"{name} is not installed", "optional": True}
+                    if figures is None
+                    else {"status": "passed", **figures}
+                )
             except Exception as error:  # noqa: BLE001 - one part's failure must not lose the others
                 result = {"status": "failed", "why": str(error)[:500]}
         result["seconds"] = round(time.monotonic() - started, 1)
@@ -126,8 +141,9 @@ class Check:
     # --- the parts ---
 
     def tests(self, limit_s: float) -> dict:
-        done = self.sh("tests", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS,
-                       limit_s=limit_s)
+        done = self.sh(
+            "tests", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS, limit_s=limit_s
+        )
         return {"summary": _last_line(done.stdout)}
 
     def corpus(self) -> Path:
@@ -158,12 +174,15 @@ class Check:
         figures = {}
         for label in ("fresh", "cached"):
             started = time.monotonic()
-            done = self.sh("pipeline", sys.executable, "-m", "bardflow", "run", *self.run_args(), "--json",
-                           limit_s=limit_s)
+            done = self.sh(
+                "pipeline", sys.executable, "-m", "bardflow", "run", *self.run_args(), "--json", limit_s=limit_s
+            )
             summary = json.loads(done.stdout)
-            figures[label] = {"wall_s": round(time.monotonic() - started, 1),
-                              "stages_s": {n: s["seconds"] for n, s in summary["stages"].items()},
-                              "states": {n: s["state"] for n, s in summary["stages"].items()}}
+            figures[label] = {
+                "wall_s": round(time.monotonic() - started, 1),
+                "stages_s": {n: s["seconds"] for n, s in summary["stages"].items()},
+                "states": {n: s["state"] for n, s in summary["stages"].items()},
+            }
         if set(figures["cached"]["states"].values()) != {"cached"}:
             raise RuntimeError(f"the rerun was not fully cached: {figures['cached']['states']}")
         train = json.loads(done.stdout)["stages"]["train_parallel"]["metrics"]
@@ -178,20 +197,70 @@ class Check:
         prefect = [sys.executable, "-m", "prefect"]
         worker = None
         try:
-            self.sh("deployment", sys.executable, "-m", "bardflow", "server", "start", "--port", str(port),
-                    limit_s=limit_s, env=env)
-            self.sh("deployment", *prefect, "work-pool", "create", "--overwrite", "--type", "process", "gpu-check",
-                    limit_s=60, env=env)
-            self.sh("deployment", *prefect, "--no-prompt", "deploy", "--name", "pipeline", "--pool", "gpu-check",
-                    limit_s=60, env=env)
-            worker = subprocess.Popen([*prefect, "worker", "start", "--pool", "gpu-check"], cwd=REPO, env=env,
-                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.sh(
+                "deployment",
+                sys.executable,
+                "-m",
+                "bardflow",
+                "server",
+                "start",
+                "--port",
+                str(port),
+                limit_s=limit_s,
+                env=env,
+            )
+            self.sh(
+                "deployment",
+                *prefect,
+                "work-pool",
+                "create",
+                "--overwrite",
+                "--type",
+                "process",
+                "gpu-check",
+                limit_s=60,
+                env=env,
+            )
+            self.sh(
+                "deployment",
+                *prefect,
+                "--no-prompt",
+                "deploy",
+                "--name",
+                "pipeline",
+                "--pool",
+                "gpu-check",
+                limit_s=60,
+                env=env,
+            )
+            worker = subprocess.Popen(
+                [*prefect, "worker", "start", "--pool", "gpu-check"],
+                cwd=REPO,
+                env=env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             args = self.run_args()
-            params = {"preset": args[args.index("--preset") + 1], "corpus": args[1], "store": args[3],
-                      "refresh": ["generate"]}
+            params = {
+                "preset": args[args.index("--preset") + 1],
+                "corpus": args[1],
+                "store": args[3],
+                "refresh": ["generate"],
+            }
             started = time.time()
-            done = self.sh("deployment", *prefect, "deployment", "run", "bardflow-pipeline/pipeline", "--params",
-                           json.dumps(params), "--watch", limit_s=limit_s, env=env)
+            done = self.sh(
+                "deployment",
+                *prefect,
+                "deployment",
+                "run",
+                "bardflow-pipeline/pipeline",
+                "--params",
+                json.dumps(params),
+                "--watch",
+                limit_s=limit_s,
+                env=env,
+            )
             finished = time.time()
             run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/flow_runs/{run_id}") as answer:
@@ -201,8 +270,10 @@ class Check:
             flow_start = datetime.fromisoformat(run["start_time"]).timestamp()
             if run["state"]["type"] != "COMPLETED":
                 raise RuntimeError(f"the deployment run ended {run['state']['name']}")
-            return {"run_to_flow_start_s": round(flow_start - started, 1),
-                    "run_to_done_s": round(finished - started, 1)}
+            return {
+                "run_to_flow_start_s": round(flow_start - started, 1),
+                "run_to_done_s": round(finished - started, 1),
+            }
         finally:
             if worker is not None:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
@@ -212,26 +283,45 @@ class Check:
                             worker.wait(timeout=10)
                         except subprocess.TimeoutExpired:
                             continue
-            subprocess.run([sys.executable, "-m", "bardflow", "server", "stop"], cwd=REPO, env=env,
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                [sys.executable, "-m", "bardflow", "server", "stop"], cwd=REPO, env=env, capture_output=True, timeout=30
+            )
 
     def bench(self, limit_s: float) -> dict:
         # The quick mode: the full one's generation and precision rounds ran past the part's
         # limit on an H200 (docs/gpu-check.md).
         steps = ["--smoke"] if self.dry_run else ["--quick", "--steps", "100", "--pairs", "3"]
         # The pipeline part has timed the whole pipeline already.
-        done = self.sh("bench", sys.executable, "-m", "bench", *steps, "--no-pipeline", "--out", str(self.out),
-                       limit_s=limit_s)
+        done = self.sh(
+            "bench", sys.executable, "-m", "bench", *steps, "--no-pipeline", "--out", str(self.out), limit_s=limit_s
+        )
         return {"table": done.stdout.strip().splitlines()[-25:]}
 
     def gpt2(self, limit_s: float) -> dict:
         shape = ["--steps", "20"]
         if self.dry_run:  # its shape, smaller, on two emulated CPU devices
-            shape = ["--steps", "2", "--cpu-devices", "2"] + [arg for item in (
-                "model.num_layers=2", "data.seq_len=64", "model.max_seq_len=64", "train.per_device_batch=2")
-                for arg in ("--set", item)]
-        done = self.sh("gpt2", sys.executable, "-m", "bench.fsdp", "--preset", "gpt2", *shape, "--out",
-                       str(self.out), limit_s=limit_s)
+            shape = ["--steps", "2", "--cpu-devices", "2"] + [
+                arg
+                for item in (
+                    "model.num_layers=2",
+                    "data.seq_len=64",
+                    "model.max_seq_len=64",
+                    "train.per_device_batch=2",
+                )
+                for arg in ("--set", item)
+            ]
+        done = self.sh(
+            "gpt2",
+            sys.executable,
+            "-m",
+            "bench.fsdp",
+            "--preset",
+            "gpt2",
+            *shape,
+            "--out",
+            str(self.out),
+            limit_s=limit_s,
+        )
         return {"table": done.stdout.strip().splitlines()[-21:]}
 
     def vllm(self, limit_s: float) -> dict | None:
@@ -240,22 +330,45 @@ class Check:
         versions = sorted((self.work / "store" / "export").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
         if not versions:
             raise RuntimeError("the pipeline part wrote no export to serve")
-        done = self.sh("vllm", sys.executable, str(REPO / "bench" / "vllm_check.py"), str(versions[-1].parent),
-                       limit_s=limit_s)
+        done = self.sh(
+            "vllm", sys.executable, str(REPO / "bench" / "vllm_check.py"), str(versions[-1].parent), limit_s=limit_s
+        )
         figures = json.loads(done.stdout.strip().splitlines()[-1])
         if not figures["greedy_equal"]:
-            raise RuntimeError(f"vLLM's greedy continuation differs from the export's at byte "
-                               f"{figures['first_difference']} of {figures['bytes']}")
+            raise RuntimeError(
+                f"vLLM's greedy continuation differs from the export's at byte "
+                f"{figures['first_difference']} of {figures['bytes']}"
+            )
         return figures
 
     def quality(self, limit_s: float) -> dict:
         extra = []
         if self.dry_run:
-            extra = ["--corpus", str(self.corpus())] + [arg for item in (
-                "train.steps=2", "train.warmup_steps=0", "train.single_device_steps=0", "train.per_device_batch=1",
-                "train.log_every=1") for arg in ("--set", item)]
-        done = self.sh("quality", sys.executable, "-m", "bench.quality", "--preset", "quality", "--target",
-                       "100" if self.dry_run else "1.47", "--out", str(self.out), *extra, limit_s=limit_s)
+            extra = ["--corpus", str(self.corpus())] + [
+                arg
+                for item in (
+                    "train.steps=2",
+                    "train.warmup_steps=0",
+                    "train.single_device_steps=0",
+                    "train.per_device_batch=1",
+                    "train.log_every=1",
+                )
+                for arg in ("--set", item)
+            ]
+        done = self.sh(
+            "quality",
+            sys.executable,
+            "-m",
+            "bench.quality",
+            "--preset",
+            "quality",
+            "--target",
+            "100" if self.dry_run else "1.47",
+            "--out",
+            str(self.out),
+            *extra,
+            limit_s=limit_s,
+        )
         return {"table": done.stdout.strip().splitlines()[-12:]}
 
 
@@ -269,21 +382,34 @@ def _last_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dry-run", action="store_true", help="on CPU: the tiny preset and a handful of steps")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "results")))
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
-    parser.add_argument("--parts", type=lambda text: text.split(","), default=None, metavar="NAME,NAME",
-                        help="only these parts (e.g. to run again those that failed); default: all")
+    parser.add_argument(
+        "--parts",
+        type=lambda text: text.split(","),
+        default=None,
+        metavar="NAME,NAME",
+        help="only these parts (e.g. to run again those that failed); default: all",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         check = Check(args.out, Path(work), args.dry_run, args.budget_s)
         # The benchmark after the parts that check the product: on an H200 its generation rounds
         # alone outran a 100-s limit, and what is left of the budget is what it gets.
-        limits = {"tests": 90, "pipeline": 150, "deployment": 120, "gpt2": 100, "quality": 150, "bench": 180,
-                  "vllm": 120}
+        limits = {
+            "tests": 90,
+            "pipeline": 150,
+            "deployment": 120,
+            "gpt2": 100,
+            "quality": 150,
+            "bench": 180,
+            "vllm": 120,
+        }
         unknown = set(args.parts or ()) - set(limits)
         if unknown:
             parser.error(f"no part named {', '.join(sorted(unknown))}; the parts: {', '.join(limits)}")
@@ -302,8 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         report["devices"] = f"jax: {error}"
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1))
     table = [f"{'part':<11} {'status':<7} {'seconds':>7}  {'peak MiB':>8}  why"]
-    table += [f"{name:<11} {r['status']:<7} {r.get('seconds', 0):>7.1f}  {r.get('peak_gpu_mib') or '—':>8}  "
-              f"{r.get('why', '')}" for name, r in check.results.items()]
+    table += [
+        f"{name:<11} {r['status']:<7} {r.get('seconds', 0):>7.1f}  {r.get('peak_gpu_mib') or '—':>8}  "
+        f"{r.get('why', '')}"
+        for name, r in check.results.items()
+    ]
     (args.out / "gpu-check.txt").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     return 0 if all(r["status"] == "passed" or r.get("optional") for r in check.results.values()) else 1

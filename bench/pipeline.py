@@ -28,8 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
             trees["baseline"] = Path(tmp) / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(trees["baseline"]), args.baseline],
-                           cwd=REPO, check=True, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", str(trees["baseline"]), args.baseline],
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+            )
         try:
             runs: dict[str, list[dict]] = {name: [] for name in trees}
             for _ in range(args.rounds):

@@ -43,9 +43,17 @@ def compiled_step(cfg, precision: str, placement, seq_len: int) -> CompiledStep:
     state = placement.put_state(state)
     rows = train_cfg.per_device_batch * len(placement.devices)
     example = placement.put_batch(np.zeros((rows, seq_len), np.int32))
-    program = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, jnp.dtype(precision),
-                              passes=step.passes(train_cfg.per_device_batch)).lower(state, example).compile(
-        compiler_options=step.xla_options)
+    program = (
+        make_train_step(
+            graphdef,
+            placement.state_sharding,
+            placement.batch_sharding,
+            jnp.dtype(precision),
+            passes=step.passes(train_cfg.per_device_batch),
+        )
+        .lower(state, example)
+        .compile(compiler_options=step.xla_options)
+    )
     return CompiledStep(program, state, rows, step)
 
 
@@ -76,8 +84,9 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
     cfg = build_config(preset)
     devices = jax.devices()
     placement = Placement.data_parallel(devices) if parallel else Placement.single(devices[0])
-    split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
-                   cfg.data.every_position)
+    split = encode(
+        corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed, cfg.data.every_position
+    )
     built = {p: compiled_step(cfg, p, placement, split.train.shape[1]) for p in PRECISIONS}
     batches = Batches(split.train, built["float32"].rows)
     timing_batch = placement.put_batch(batches(0))
@@ -92,6 +101,7 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
                 holder["state"], loss = program(holder["state"], timing_batch)
             jax.block_until_ready(loss)
             return 1e3 * (time.perf_counter() - started) / steps
+
         return run
 
     ms = dict(zip(PRECISIONS, alternating([timed(p) for p in PRECISIONS], rounds), strict=True))
@@ -104,43 +114,70 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
             history.append(float(loss))
         losses[precision] = float(np.mean(history[-10:]))  # the last ten steps' training loss
     f32, bf16 = (statistics.median(ms[p]) for p in PRECISIONS)
-    return {"preset": preset, "devices": len(placement.devices), "global_batch": built["float32"].rows,
-            "seq_len": cfg.data.seq_len, "step_settings": built["float32"].settings.as_json(), "timed_steps": steps,
-            "rounds": rounds, "ms_per_step": ms, "float32_ms": f32, "bfloat16_ms": bf16,
-            "bfloat16_speedup": f32 / bf16,
-            "loss_steps": loss_steps, "loss": losses,
-            "bfloat16_minus_float32_loss": losses["bfloat16"] - losses["float32"]}
+    return {
+        "preset": preset,
+        "devices": len(placement.devices),
+        "global_batch": built["float32"].rows,
+        "seq_len": cfg.data.seq_len,
+        "step_settings": built["float32"].settings.as_json(),
+        "timed_steps": steps,
+        "rounds": rounds,
+        "ms_per_step": ms,
+        "float32_ms": f32,
+        "bfloat16_ms": bf16,
+        "bfloat16_speedup": f32 / bf16,
+        "loss_steps": loss_steps,
+        "loss": losses,
+        "bfloat16_minus_float32_loss": losses["bfloat16"] - losses["float32"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.precision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS, help="a local copy of TinyShakespeare")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
     args = parser.parse_args(argv)
     if not args.corpus.is_file():
-        print(f"bench.precision: error: no corpus at {args.corpus}; pass --corpus PATH to a copy of TinyShakespeare",
-              file=sys.stderr)
+        print(
+            f"bench.precision: error: no corpus at {args.corpus}; pass --corpus PATH to a copy of TinyShakespeare",
+            file=sys.stderr,
+        )
         return 2
 
     from bardflow.flows.environment import prepare_environment
 
     prepare_environment()  # one emulated device per core on a CPU, as a run has
     quick = args.quick
-    shapes = [("cpu", False, 10, 60 if quick else 200), ("cpu", True, 10, 60 if quick else 200),
-              ("codelab", False, 2 if quick else 3, 12 if quick else 40)]
-    results = [compare(preset, parallel, steps, loss_steps, 2 if quick else 5, args.corpus)
-               for preset, parallel, steps, loss_steps in shapes]
+    shapes = [
+        ("cpu", False, 10, 60 if quick else 200),
+        ("cpu", True, 10, 60 if quick else 200),
+        ("codelab", False, 2 if quick else 3, 12 if quick else 40),
+    ]
+    results = [
+        compare(preset, parallel, steps, loss_steps, 2 if quick else 5, args.corpus)
+        for preset, parallel, steps, loss_steps in shapes
+    ]
     products = {p: product_rate(p) for p in PRECISIONS}
     flat = {"product.float32_gflops": products["float32"], "product.bfloat16_gflops": products["bfloat16"]}
     for r in results:
         name = f"{r['preset']}.{r['devices']}dev"
-        flat.update({f"{name}.float32_ms": r["float32_ms"], f"{name}.bfloat16_ms": r["bfloat16_ms"],
-                     f"{name}.bfloat16_speedup": r["bfloat16_speedup"],
-                     f"{name}.bf16_minus_f32_loss": r["bfloat16_minus_float32_loss"]})
-    out = write_report({"machine": machine(), "precision": results, "product_gflops": products}, flat, args.out,
-                       "precision-quick" if quick else "precision")
+        flat.update(
+            {
+                f"{name}.float32_ms": r["float32_ms"],
+                f"{name}.bfloat16_ms": r["bfloat16_ms"],
+                f"{name}.bfloat16_speedup": r["bfloat16_speedup"],
+                f"{name}.bf16_minus_f32_loss": r["bfloat16_minus_float32_loss"],
+            }
+        )
+    out = write_report(
+        {"machine": machine(), "precision": results, "product_gflops": products},
+        flat,
+        args.out,
+        "precision-quick" if quick else "precision",
+    )
     print(f"written to {out}")
     return 0
 

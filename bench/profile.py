@@ -70,8 +70,12 @@ def profile(compiled, state, stream, steps: int) -> dict:
     print("    the eight slowest operations:")
     for (name, kind, shape), ms in by_op.most_common(8):
         print(f"      {ms:7,.1f} ms  {kind:<22} {shape:<28} {name}")
-    return {"state": state, "wall_ms_per_step": wall_ms, "ms_per_step_by_kind": dict(by_kind.most_common()),
-            "slowest": [{"name": n, "kind": k, "shape": s, "ms": ms} for (n, k, s), ms in by_op.most_common(20)]}
+    return {
+        "state": state,
+        "wall_ms_per_step": wall_ms,
+        "ms_per_step_by_kind": dict(by_kind.most_common()),
+        "slowest": [{"name": n, "kind": k, "shape": s, "ms": ms} for (n, k, s), ms in by_op.most_common(20)],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     # over the whole batch; and that with XLA's default CPU options, where every matrix
     # product is a synchronous YNNPACK call, so the trace accounts for all of it (in the
     # other builds the products run asynchronously in Eigen's pool and only partly show).
-    variants = {"production": (production.passes(32), production.xla_options), "one pass": (1, production.xla_options),
-                "xla-default": (1, {})}
+    variants = {
+        "production": (production.passes(32), production.xla_options),
+        "one pass": (1, production.xla_options),
+        "xla-default": (1, {}),
+    }
     report = {"machine": machine(), "variants": {}}
     for variant, (passes, options) in variants.items():
         print(f"codelab model, batch 32 x 256, {backend}, {variant} build ({passes} passes per step):")

@@ -19,10 +19,16 @@ from bench.run import RESULTS, SHARED_CORPUS, machine, write_report
 
 # nanoGPT's README (config/train_shakespeare_char.py): its GPU recipe, and the small CPU one.
 NANOGPT = {
-    "gpu": {"val_loss": 1.4697, "recipe": "6 layers, width 384, context 256, batch 64, 5,000 iterations "
-            "(82 M tokens), dropout 0.2", "seconds": "about 3 minutes on one A100"},
-    "cpu": {"val_loss": 1.88, "recipe": "4 layers, width 128, context 64, batch 12, 2,000 iterations "
-            "(1.5 M tokens)", "seconds": "about 3 minutes on a laptop CPU"},
+    "gpu": {
+        "val_loss": 1.4697,
+        "recipe": "6 layers, width 384, context 256, batch 64, 5,000 iterations (82 M tokens), dropout 0.2",
+        "seconds": "about 3 minutes on one A100",
+    },
+    "cpu": {
+        "val_loss": 1.88,
+        "recipe": "4 layers, width 128, context 64, batch 12, 2,000 iterations (1.5 M tokens)",
+        "seconds": "about 3 minutes on a laptop CPU",
+    },
 }
 DEFAULT_TARGET = {"cpu": 1.70, "quality": 1.47}
 
@@ -40,8 +46,9 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     from bardflow.runtime.training_run import RunFiles, run_training
 
     cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
-    split = encode(corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed,
-                   cfg.data.every_position)
+    split = encode(
+        corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed, cfg.data.every_position
+    )
     devices = jax.devices()
     request = TrainingRequest(model=cfg.model, train=cfg.train, devices=len(devices), platform=devices[0].platform)
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,22 +56,44 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
         write_split(folder / "train", split.train, {})
         write_split(folder / "val", split.val, {})
         started = time.perf_counter()
-        summary = run_training(request, RunFiles(folder / "train", folder / "val", folder / "resume",
-                                                 folder / "state"), devices, parallel=True)
+        summary = run_training(
+            request,
+            RunFiles(folder / "train", folder / "val", folder / "resume", folder / "state"),
+            devices,
+            parallel=True,
+        )
         wall = time.perf_counter() - started
     metrics, history = summary["metrics"], summary["history"]
     reached = first_reaching(history, target)
-    curve = [{"step": h["step"], "tokens": h["tokens"], "seconds": h["seconds"], "val_loss": round(h["val_loss"], 4),
-              "val_bpb": round(h["val_bpb"], 4)} for h in history if h["val_loss"] is not None]
+    curve = [
+        {
+            "step": h["step"],
+            "tokens": h["tokens"],
+            "seconds": h["seconds"],
+            "val_loss": round(h["val_loss"], 4),
+            "val_bpb": round(h["val_bpb"], 4),
+        }
+        for h in history
+        if h["val_loss"] is not None
+    ]
     return {
-        "preset": preset, "overrides": overrides, "target": target, "devices": len(devices),
-        "platform": devices[0].platform, "val_loss": metrics["val_loss"], "val_bpb": metrics["val_bpb"],
-        "tokens": history[-1]["tokens"], "training_s": metrics["elapsed_s"], "compile_s": metrics["compile_s"],
-        "wall_s": wall, "tokens_per_s": metrics["tokens_per_s"],
+        "preset": preset,
+        "overrides": overrides,
+        "target": target,
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "val_loss": metrics["val_loss"],
+        "val_bpb": metrics["val_bpb"],
+        "tokens": history[-1]["tokens"],
+        "training_s": metrics["elapsed_s"],
+        "compile_s": metrics["compile_s"],
+        "wall_s": wall,
+        "tokens_per_s": metrics["tokens_per_s"],
         # Compilation included: the figure a user waits for. Evaluation is not (history's seconds).
         "seconds_to_target": None if reached is None else reached["seconds"] + metrics["compile_s"],
         "tokens_to_target": None if reached is None else reached["tokens"],
-        "curve": curve, "nanogpt": NANOGPT,
+        "curve": curve,
+        "nanogpt": NANOGPT,
     }
 
 
@@ -77,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
     args = parser.parse_args(argv)
     if not args.corpus.is_file():
-        print(f"bench.quality: error: no corpus at {args.corpus}; pass --corpus PATH to a copy of "
-              "TinyShakespeare", file=sys.stderr)
+        print(
+            f"bench.quality: error: no corpus at {args.corpus}; pass --corpus PATH to a copy of TinyShakespeare",
+            file=sys.stderr,
+        )
         return 2
 
     from bardflow.flows.environment import prepare_environment
@@ -91,14 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     result = time_to_quality(args.preset, overrides, target, args.corpus)
     print(f"{'step':>6} {'tokens':>11} {'seconds':>8} {'val loss':>9} {'bits/byte':>9}")
     for point in result["curve"]:
-        print(f"{point['step']:>6} {point['tokens']:>11,} {point['seconds']:>8.1f} {point['val_loss']:>9.4f} "
-              f"{point['val_bpb']:>9.4f}")
+        print(
+            f"{point['step']:>6} {point['tokens']:>11,} {point['seconds']:>8.1f} {point['val_loss']:>9.4f} "
+            f"{point['val_bpb']:>9.4f}"
+        )
     reference = NANOGPT["cpu" if result["platform"] == "cpu" else "gpu"]
     print(f"nanoGPT shakespeare_char ({reference['recipe']}): {reference['val_loss']} in {reference['seconds']}")
-    flat = {"preset": args.preset, "devices": result["devices"], "val_loss": result["val_loss"],
-            "val_bpb": result["val_bpb"], "tokens": result["tokens"], "training_s": result["training_s"],
-            "compile_s": result["compile_s"], "tokens_per_s": result["tokens_per_s"], "target": target,
-            "seconds_to_target": result["seconds_to_target"], "tokens_to_target": result["tokens_to_target"]}
+    flat = {
+        "preset": args.preset,
+        "devices": result["devices"],
+        "val_loss": result["val_loss"],
+        "val_bpb": result["val_bpb"],
+        "tokens": result["tokens"],
+        "training_s": result["training_s"],
+        "compile_s": result["compile_s"],
+        "tokens_per_s": result["tokens_per_s"],
+        "target": target,
+        "seconds_to_target": result["seconds_to_target"],
+        "tokens_to_target": result["tokens_to_target"],
+    }
     report = {"machine": machine(), "quality": result}
     out = write_report(report, {k: v for k, v in flat.items()}, args.out, f"quality-{args.preset}")
     print(f"written to {out}")

@@ -27,6 +27,7 @@ SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 class Mode(NamedTuple):
     """How much one run of the benchmark measures."""
+
     pairs: int  # alternating rounds of each comparison
     steps: int  # training steps per timed run
     new_bytes: int  # bytes sampled per call
@@ -39,9 +40,11 @@ class Mode(NamedTuple):
 # The quick mode times the same work per call as the full one (300 bytes: past the contexts,
 # where the window slides or the cache wraps), in fewer rounds of fewer steps; the smoke mode
 # only shows that every part runs.
-MODES = {"full": Mode(6, 10, 300, "codelab", ("cpu", "codelab"), (10, 200, 5), "cpu"),
-         "quick": Mode(4, 3, 300, "codelab", ("cpu", "codelab"), (10, 60, 2), "tiny"),
-         "smoke": Mode(1, 2, 20, "tiny", ("tiny",), (2, 2, 1), "tiny")}
+MODES = {
+    "full": Mode(6, 10, 300, "codelab", ("cpu", "codelab"), (10, 200, 5), "cpu"),
+    "quick": Mode(4, 3, 300, "codelab", ("cpu", "codelab"), (10, 60, 2), "tiny"),
+    "smoke": Mode(1, 2, 20, "tiny", ("tiny",), (2, 2, 1), "tiny"),
+}
 
 
 def machine() -> dict:
@@ -51,10 +54,16 @@ def machine() -> dict:
     from bardflow.runtime.cpu_tuning import cpu_signature
 
     signature = cpu_signature()  # the CPU model and the vector instructions that decide its speed
-    return {"cpu": signature["cpu"], "cpu_flags": signature["flags"], "cores": os.cpu_count(),
-            "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
-            "libraries": library_versions(), "date": time.strftime("%Y-%m-%d")}
+    return {
+        "cpu": signature["cpu"],
+        "cpu_flags": signature["flags"],
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "libraries": library_versions(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def alternating(runs, rounds: int) -> list[list[float]]:
@@ -71,8 +80,13 @@ def alternating(runs, rounds: int) -> list[list[float]]:
 
 
 def summary(a: list[float], b: list[float]) -> dict:
-    return {"a_median": statistics.median(a), "b_median": statistics.median(b),
-            "ratio_median": statistics.median(y / x for x, y in zip(a, b, strict=True)), "a": a, "b": b}
+    return {
+        "a_median": statistics.median(a),
+        "b_median": statistics.median(b),
+        "ratio_median": statistics.median(y / x for x, y in zip(a, b, strict=True)),
+        "a": a,
+        "b": b,
+    }
 
 
 def bench_train(cfg, pairs: int, steps: int) -> dict:
@@ -101,8 +115,11 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     graphdef, state = init_state(step.model(cfg.model), cfg.train)
     started = time.perf_counter()
     dtype, passes = jax.numpy.dtype(step.precision), step.passes(batch)
-    compiled = make_train_step(graphdef, dtype=dtype, passes=passes).lower(state, stream[0]).compile(
-        compiler_options=step.xla_options)
+    compiled = (
+        make_train_step(graphdef, dtype=dtype, passes=passes)
+        .lower(state, stream[0])
+        .compile(compiler_options=step.xla_options)
+    )
     bardflow_compile = time.perf_counter() - started
     box = {"state": state}
 
@@ -126,19 +143,27 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     a, b, *c = alternating([codelab, bardflow] + ([peer] if peer else []), pairs)
     result = summary(a, b)
     torch_result = summary(c[0], b) if c else None
-    return {"codelab_tok_s": result["a_median"], "bardflow_tok_s": result["b_median"],
-            "bardflow_over_codelab": result["ratio_median"],
-            "codelab_ms_step": 1e3 * batch * (seq_len - 1) / result["a_median"],
-            "bardflow_ms_step": 1e3 * batch * (seq_len - 1) / result["b_median"],
-            "codelab_compile_s": codelab_compile, "bardflow_compile_s": bardflow_compile,
-            "torch_tok_s": torch_result and torch_result["a_median"],
-            "bardflow_over_torch": torch_result and torch_result["ratio_median"],
-            "bardflow_precision": dtype.name,
-            "bardflow_rows_per_pass": batch // passes,
-            "flops_per_token": flops_per_token(cfg), **utilisation(cfg, result["b_median"], dtype.name),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "batch": [batch, seq_len], "steps_per_run": steps, "pairs": pairs, "raw": result,
-            "raw_torch": torch_result}
+    return {
+        "codelab_tok_s": result["a_median"],
+        "bardflow_tok_s": result["b_median"],
+        "bardflow_over_codelab": result["ratio_median"],
+        "codelab_ms_step": 1e3 * batch * (seq_len - 1) / result["a_median"],
+        "bardflow_ms_step": 1e3 * batch * (seq_len - 1) / result["b_median"],
+        "codelab_compile_s": codelab_compile,
+        "bardflow_compile_s": bardflow_compile,
+        "torch_tok_s": torch_result and torch_result["a_median"],
+        "bardflow_over_torch": torch_result and torch_result["ratio_median"],
+        "bardflow_precision": dtype.name,
+        "bardflow_rows_per_pass": batch // passes,
+        "flops_per_token": flops_per_token(cfg),
+        **utilisation(cfg, result["b_median"], dtype.name),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "batch": [batch, seq_len],
+        "steps_per_run": steps,
+        "pairs": pairs,
+        "raw": result,
+        "raw_torch": torch_result,
+    }
 
 
 def flops_per_token(cfg) -> int:
@@ -152,8 +177,10 @@ def flops_per_token(cfg) -> int:
 
 
 # Dense peak FLOP/s of the accelerators the benchmark knows, by device kind.
-PEAK_FLOPS = {"NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
-              "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "float32": 67e12}}
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
+    "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "float32": 67e12},
+}
 
 
 def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
@@ -162,8 +189,7 @@ def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
     kind = jax.devices()[0].device_kind
     peak = PEAK_FLOPS.get(kind, {}).get(precision)
     achieved = tokens_per_s * flops_per_token(cfg)
-    return {"achieved_tflops": achieved / 1e12, "device_kind": kind,
-            "mfu": achieved / peak if peak else None}
+    return {"achieved_tflops": achieved / 1e12, "device_kind": kind, "mfu": achieved / peak if peak else None}
 
 
 def bench_precision(mode: Mode) -> dict:
@@ -203,30 +229,61 @@ def bench_generate(cfg, pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> 
     greedy_codelab = codelab_generate(model, b"ROMEO:", new_bytes, 0.0, 42, window)
     greedy_bardflow = generate(model, "ROMEO:", new_bytes, 0.0, 42, window)
 
-    a, b = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
-                        timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)], pairs)
+    a, b = alternating(
+        [
+            timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+            timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+        ],
+        pairs,
+    )
     result = summary(a, b)
-    seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == \
-        generate(model, "ROMEO:", new_bytes, 0.8, 7, window)
+    seeded = generate(model, "ROMEO:", new_bytes, 0.8, 7, window) == generate(
+        model, "ROMEO:", new_bytes, 0.8, 7, window
+    )
     seeds = list(range(8))
     codelab_generate_batch(model, b"ROMEO:", 1, 0.8, seeds, window)  # compile both for batch 8 first
     generate_batch(model, "ROMEO:", 1, 0.8, seeds, window)
     a8, b8 = alternating(
-        [timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
-         timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes)], pairs)
+        [
+            timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
+            timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), 8 * new_bytes),
+        ],
+        pairs,
+    )
     batch8 = summary(a8, b8)
     within = min(new_bytes, window - len(b"ROMEO:"))  # at most the longest sample that never slides
-    a_in, b_in = alternating([timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
-                              timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within)], pairs)
+    a_in, b_in = alternating(
+        [
+            timed_n(lambda: codelab_generate(model, b"ROMEO:", within, 0.8, 42, window), within),
+            timed_n(lambda: generate(model, "ROMEO:", within, 0.8, 42, window), within),
+        ],
+        pairs,
+    )
     inside = summary(a_in, b_in)
     rotary = bench_rotary_generate(pairs, new_bytes, shapes)
-    return {"rotary": rotary, "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
-            "bardflow_over_codelab": result["ratio_median"], "greedy_identical": greedy_codelab == greedy_bardflow,
-            "sampled_reproducible": seeded, "new_bytes": new_bytes, "batch": 1, "raw": result,
-            "batch8": {"codelab_bytes_s": batch8["a_median"], "bardflow_bytes_s": batch8["b_median"],
-                       "bardflow_over_codelab": batch8["ratio_median"], "raw": batch8},
-            "within_context": {"new_bytes": within, "codelab_bytes_s": inside["a_median"],
-                               "bardflow_bytes_s": inside["b_median"], "bardflow_over_codelab": inside["ratio_median"]}}
+    return {
+        "rotary": rotary,
+        "codelab_bytes_s": result["a_median"],
+        "bardflow_bytes_s": result["b_median"],
+        "bardflow_over_codelab": result["ratio_median"],
+        "greedy_identical": greedy_codelab == greedy_bardflow,
+        "sampled_reproducible": seeded,
+        "new_bytes": new_bytes,
+        "batch": 1,
+        "raw": result,
+        "batch8": {
+            "codelab_bytes_s": batch8["a_median"],
+            "bardflow_bytes_s": batch8["b_median"],
+            "bardflow_over_codelab": batch8["ratio_median"],
+            "raw": batch8,
+        },
+        "within_context": {
+            "new_bytes": within,
+            "codelab_bytes_s": inside["a_median"],
+            "bardflow_bytes_s": inside["b_median"],
+            "bardflow_over_codelab": inside["ratio_median"],
+        },
+    }
 
 
 def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> dict:
@@ -243,9 +300,13 @@ def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -
         for batch in (1, 8):
             result = summary(*alternating(_sampler_runs(model, cfg.model.max_seq_len, batch, new_bytes), pairs))
             results[f"{preset}.batch{batch}"] = {
-                "codelab_bytes_s": result["a_median"], "bardflow_bytes_s": result["b_median"],
-                "bardflow_over_codelab": result["ratio_median"], "new_bytes": new_bytes,
-                "window": cfg.model.max_seq_len, "raw": result}
+                "codelab_bytes_s": result["a_median"],
+                "bardflow_bytes_s": result["b_median"],
+                "bardflow_over_codelab": result["ratio_median"],
+                "new_bytes": new_bytes,
+                "window": cfg.model.max_seq_len,
+                "raw": result,
+            }
     return results
 
 
@@ -256,10 +317,14 @@ def _sampler_runs(model, window: int, batch: int, new_bytes: int) -> list:
 
     seeds = list(range(batch))
     if batch == 1:
-        return [timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
-                timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes)]
-    return [timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes),
-            timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes)]
+        return [
+            timed_n(lambda: codelab_generate(model, b"ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+            timed_n(lambda: generate(model, "ROMEO:", new_bytes, 0.8, 42, window), new_bytes),
+        ]
+    return [
+        timed_n(lambda: codelab_generate_batch(model, b"ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes),
+        timed_n(lambda: generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window), batch * new_bytes),
+    ]
 
 
 def timed_n(fn, count: int):
@@ -269,6 +334,7 @@ def timed_n(fn, count: int):
         started = time.perf_counter()
         fn()
         return count / (time.perf_counter() - started)
+
     return run
 
 
@@ -289,13 +355,28 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
     except ImportError:
         return {"skipped": "prefect is not installed"}
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "JAX_COMPILATION_CACHE_DIR": f"{tmp}/jax",
-               "BARDFLOW_SERVER_FILE": f"{tmp}/server.json"}
+        env = {
+            **os.environ,
+            "PREFECT_HOME": f"{tmp}/prefect",
+            "JAX_COMPILATION_CACHE_DIR": f"{tmp}/jax",
+            "BARDFLOW_SERVER_FILE": f"{tmp}/server.json",
+        }
         env.pop("PREFECT_API_URL", None)
 
         def run(store: str) -> dict:
-            command = [sys.executable, "-m", "bardflow", "run", "--preset", preset, "--corpus", str(SHARED_CORPUS),
-                       "--store", f"{tmp}/{store}", "--json"]
+            command = [
+                sys.executable,
+                "-m",
+                "bardflow",
+                "run",
+                "--preset",
+                preset,
+                "--corpus",
+                str(SHARED_CORPUS),
+                "--store",
+                f"{tmp}/{store}",
+                "--json",
+            ]
             started = time.perf_counter()
             done = subprocess.run(command, cwd=repo, env=env, check=True, capture_output=True, text=True)
             wall = time.perf_counter() - started
@@ -303,26 +384,39 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
             stages = {name: stage["seconds"] for name, stage in summary.items()}
             # Everything outside the stage calls: interpreter and imports, the embedded
             # Prefect server's start and stop, the flow run's own bookkeeping.
-            return {"wall_s": wall, "stages_s": sum(stages.values()), "outside_stages_s": wall - sum(stages.values()),
-                    "per_stage_s": stages,
-                    # the model that is checkpointed, verified and sampled
-                    "val_loss": summary["train_parallel"]["metrics"].get("val_loss")}
+            return {
+                "wall_s": wall,
+                "stages_s": sum(stages.values()),
+                "outside_stages_s": wall - sum(stages.values()),
+                "per_stage_s": stages,
+                # the model that is checkpointed, verified and sampled
+                "val_loss": summary["train_parallel"]["metrics"].get("val_loss"),
+            }
 
         runs = [run(store) for store in ("store", "store", "store-2")]
         embedded = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
         from bardflow.runtime.launch import free_port
 
         server = [sys.executable, "-m", "bardflow", "server"]
-        subprocess.run([*server, "start", "--port", str(free_port())], cwd=repo, env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [*server, "start", "--port", str(free_port())], cwd=repo, env=env, check=True, capture_output=True
+        )
         try:
             background = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
         finally:
             subprocess.run([*server, "stop"], cwd=repo, env=env, check=False, capture_output=True)
-    return {"preset": preset, "fresh_s": runs[0]["wall_s"], "cached_rerun_s": runs[1]["wall_s"],
-            "warm_compile_s": runs[2]["wall_s"], "val_loss": runs[0]["val_loss"],
-            "cached_embedded_s": statistics.median(embedded), "cached_background_s": statistics.median(background),
-            "fresh": runs[0], "cached_rerun": runs[1], "warm_compile": runs[2]}
+    return {
+        "preset": preset,
+        "fresh_s": runs[0]["wall_s"],
+        "cached_rerun_s": runs[1]["wall_s"],
+        "warm_compile_s": runs[2]["wall_s"],
+        "val_loss": runs[0]["val_loss"],
+        "cached_embedded_s": statistics.median(embedded),
+        "cached_background_s": statistics.median(background),
+        "fresh": runs[0],
+        "cached_rerun": runs[1],
+        "warm_compile": runs[2],
+    }
 
 
 @contextlib.contextmanager
@@ -330,13 +424,17 @@ def checkout(revision: str):
     """``revision`` of this repository in a temporary work tree (removed afterwards)."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), revision], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), revision],
+            check=True,
+            capture_output=True,
+        )
         try:
             yield tree
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True
+            )
 
 
 def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
@@ -372,21 +470,29 @@ def pipeline_only(preset: str, against: str | None, folder: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps than the full run")
-    parser.add_argument("--smoke", action="store_true",
-                        help="every part once at its smallest (the tiny preset's shape, 20 sampled bytes, "
-                             "2 steps): shows that the benchmark runs; its figures mean nothing")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every part once at its smallest (the tiny preset's shape, 20 sampled bytes, "
+        "2 steps): shows that the benchmark runs; its figures mean nothing",
+    )
     parser.add_argument("--steps", type=int, help="training steps per timed run (default 10, quick 3, smoke 2)")
     parser.add_argument("--pairs", type=int, help="A/B pairs (default 6, quick 4, smoke 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
-    parser.add_argument("--no-pipeline", action="store_true",
-                        help="skip the whole-pipeline timing (the GPU check times the pipeline on its own)")
+    parser.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="skip the whole-pipeline timing (the GPU check times the pipeline on its own)",
+    )
     parser.add_argument("--pipeline-only", action="store_true", help="time the whole pipeline alone")
-    parser.add_argument("--against", metavar="REVISION",
-                        help="time the whole pipeline of this git revision too, beside this checkout's")
+    parser.add_argument(
+        "--against", metavar="REVISION", help="time the whole pipeline of this git revision too, beside this checkout's"
+    )
     args = parser.parse_args(argv)
     if args.pipeline_only:
-        return pipeline_only(MODES["smoke" if args.smoke else "quick" if args.quick else "full"].pipeline,
-                             args.against, args.out)
+        return pipeline_only(
+            MODES["smoke" if args.smoke else "quick" if args.quick else "full"].pipeline, args.against, args.out
+        )
 
     from bardflow.model.config import build_config
 
@@ -395,10 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, preset = build_config(mode.shape), mode.pipeline
     pairs, steps = args.pairs or mode.pairs, args.steps or mode.steps
     report = {"machine": machine(), "mode": name}
-    sections = {"train": lambda: bench_train(cfg, pairs, steps),
-                "generate": lambda: bench_generate(cfg, pairs, mode.new_bytes, mode.sampler_shapes),
-                "precision": lambda: bench_precision(mode),
-                "pipeline": lambda: {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset)}
+    sections = {
+        "train": lambda: bench_train(cfg, pairs, steps),
+        "generate": lambda: bench_generate(cfg, pairs, mode.new_bytes, mode.sampler_shapes),
+        "precision": lambda: bench_precision(mode),
+        "pipeline": lambda: {"skipped": "--no-pipeline"} if args.no_pipeline else bench_pipeline(preset),
+    }
     for section, measure in sections.items():
         started = time.perf_counter()
         report[section] = measure()
@@ -415,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         "generate.batch8_codelab_bytes_s": report["generate"]["batch8"]["codelab_bytes_s"],
         "generate.batch8_bardflow_bytes_s": report["generate"]["batch8"]["bardflow_bytes_s"],
         "generate.within_context_over_codelab": report["generate"]["within_context"]["bardflow_over_codelab"],
-        **{f"generate.rotary_{shape}_over_codelab": figures["bardflow_over_codelab"]
-           for shape, figures in report["generate"]["rotary"].items()},
+        **{
+            f"generate.rotary_{shape}_over_codelab": figures["bardflow_over_codelab"]
+            for shape, figures in report["generate"]["rotary"].items()
+        },
         "train.mfu": report["train"]["mfu"],
         "precision.bfloat16_speedup": report["precision"].get("bfloat16_speedup"),
         "precision.bf16_minus_f32_loss": report["precision"].get("bfloat16_minus_float32_loss"),
@@ -430,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = write_report(report, flat, args.out, report["mode"])
     versus_torch = report["train"]["bardflow_over_torch"]
-    print(f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x, bardflow/torch = "
-          f"{f'{versus_torch:.2f}x' if versus_torch else 'no torch'} (medians of {pairs} rounds); "
-          f"generate: {report['generate']['bardflow_over_codelab']:.1f}x")
+    print(
+        f"train: bardflow/codelab = {report['train']['bardflow_over_codelab']:.2f}x, bardflow/torch = "
+        f"{f'{versus_torch:.2f}x' if versus_torch else 'no torch'} (medians of {pairs} rounds); "
+        f"generate: {report['generate']['bardflow_over_codelab']:.1f}x"
+    )
     print(f"written to {out}")
     return 0

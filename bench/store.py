@@ -22,19 +22,37 @@ from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 
 def timed_run(env: dict, store: str, workdir: Path, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "bardflow", "run", "--preset", "tiny", "--corpus", str(SHARED_CORPUS),
-               "--store", store, "--json", "--cpu-devices", "2", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "bardflow",
+        "run",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(SHARED_CORPUS),
+        "--store",
+        store,
+        "--json",
+        "--cpu-devices",
+        "2",
+        *extra,
+    ]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env={**env, "BARDFLOW_WORKDIR": str(workdir)},
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        command, cwd=REPO, env={**env, "BARDFLOW_WORKDIR": str(workdir)}, capture_output=True, text=True
+    )
     wall = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(f"bench run failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout)
     stages = summary["stages"]
-    return {"wall_s": round(wall, 2), "stages_s": round(sum(s["seconds"] for s in stages.values()), 3),
-            "states": sorted({s["state"] for s in stages.values()}),
-            "train_single_tok_s": stages["train_single"]["metrics"]["tokens_per_s"]}
+    return {
+        "wall_s": round(wall, 2),
+        "stages_s": round(sum(s["seconds"] for s in stages.values()), 3),
+        "states": sorted({s["state"] for s in stages.values()}),
+        "train_single_tok_s": stages["train_single"]["metrics"]["tokens_per_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, store in stores.items():
                 fresh = timed_run(env, store, root / f"{name}-workdir", extra)
                 cached = [timed_run(env, store, root / f"{name}-workdir", extra) for _ in range(args.rounds)]
-                report[name] = {"fresh": fresh, "cached": cached,
-                                "cached_wall_s": statistics.median(c["wall_s"] for c in cached),
-                                "cached_stages_s": statistics.median(c["stages_s"] for c in cached)}
+                report[name] = {
+                    "fresh": fresh,
+                    "cached": cached,
+                    "cached_wall_s": statistics.median(c["wall_s"] for c in cached),
+                    "cached_stages_s": statistics.median(c["stages_s"] for c in cached),
+                }
             other = timed_run(env, stores["s3"], root / "another-machine", extra)
             report["s3"]["another_machine_cached"] = other
         finally:

@@ -25,8 +25,9 @@ def record_ms(target, records: int) -> list[float]:
 
     hook, record, times = history_hook(target), RunRecord([]), []
     for n in range(records):
-        record.history.append({"step": 10 * n, "loss": 2.0, "val_loss": 2.1, "val_bpb": 3.0, "tokens": 1000 * n,
-                               "seconds": 0.1 * n})
+        record.history.append(
+            {"step": 10 * n, "loss": 2.0, "val_loss": 2.1, "val_bpb": 3.0, "tokens": 1000 * n, "seconds": 0.1 * n}
+        )
         info = StepInfo(10 * n, 10 * records, None, None, 1000 * n, record)
         started = time.perf_counter()
         hook.run(info)
@@ -51,28 +52,52 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     stream = np.random.default_rng(0).integers(0, 256, (16, batch, seq_len), dtype=np.int32)
     step = resolve(cfg.model, cfg.train, seq_len, jax.default_backend())
     graphdef, state = init_state(step.model(cfg.model), cfg.train)
-    compiled = make_train_step(graphdef, dtype=jax.numpy.dtype(step.precision), passes=step.passes(batch)).lower(
-        state, stream[0]).compile(compiler_options=step.xla_options)
+    compiled = (
+        make_train_step(graphdef, dtype=jax.numpy.dtype(step.precision), passes=step.passes(batch))
+        .lower(state, stream[0])
+        .compile(compiler_options=step.xla_options)
+    )
     box = {"state": state}
 
     def records(info) -> None:
-        info.record.history.append({"step": info.step, "loss": float(info.loss), "val_loss": 2.0, "val_bpb": 2.9,
-                                    "tokens": info.tokens, "seconds": info.record.trained_s()})
+        info.record.history.append(
+            {
+                "step": info.step,
+                "loss": float(info.loss),
+                "val_loss": 2.0,
+                "val_bpb": 2.9,
+                "tokens": info.tokens,
+                "seconds": info.record.trained_s(),
+            }
+        )
 
     def timed(tracked: bool):
         def run() -> float:
             hooks = [Hook(records, every(log_every, and_last=True))] + ([history_hook(target)] if tracked else [])
             record = RunRecord([])
             started = record.started = time.perf_counter()
-            box["state"] = run_steps(compiled, box["state"], lambda s: stream[s % len(stream)], range(steps),
-                                     batch * (seq_len - 1), hooks, record)
+            box["state"] = run_steps(
+                compiled,
+                box["state"],
+                lambda s: stream[s % len(stream)],
+                range(steps),
+                batch * (seq_len - 1),
+                hooks,
+                record,
+            )
             jax.block_until_ready(box["state"])
             return 1e3 * (time.perf_counter() - started) / steps
+
         return run
 
     without, with_tracker = alternating([timed(False), timed(True)], rounds)
-    return {"steps": steps, "rounds": rounds, "log_every": log_every, "without_ms_per_step": without,
-            "with_ms_per_step": with_tracker}
+    return {
+        "steps": steps,
+        "rounds": rounds,
+        "log_every": log_every,
+        "without_ms_per_step": without,
+        "with_ms_per_step": with_tracker,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,15 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         measured = {}
         for name, uri in destinations.items():
             run = MlflowRun.create(uri, "bench-tracking", name, {}, print)
-            measured[name] = record_ms(TrackingTarget(stage="train_single", mlflow=uri, mlflow_run=run.run_id),
-                                       args.records)
+            measured[name] = record_ms(
+                TrackingTarget(stage="train_single", mlflow=uri, mlflow_run=run.run_id), args.records
+            )
             run.end("FINISHED")
-        measured["tensorboard"] = record_ms(TrackingTarget(stage="train_single", tensorboard=f"{tmp}/tb"),
-                                            args.records)
+        measured["tensorboard"] = record_ms(TrackingTarget(stage="train_single", tensorboard=f"{tmp}/tb"), args.records)
         loop_uri = destinations.get("mlflow_http", destinations["mlflow_sqlite"])
         run = MlflowRun.create(loop_uri, "bench-tracking", "loop", {}, print)
-        loop = loop_ms_per_step(TrackingTarget(stage="train_single", mlflow=loop_uri, mlflow_run=run.run_id,
-                                               tensorboard=f"{tmp}/tb-loop"), args.loop_steps, args.rounds)
+        loop = loop_ms_per_step(
+            TrackingTarget(stage="train_single", mlflow=loop_uri, mlflow_run=run.run_id, tensorboard=f"{tmp}/tb-loop"),
+            args.loop_steps,
+            args.rounds,
+        )
         loop["destinations"] = [loop_uri.split(":")[0], "tensorboard"]
     log_every = {preset: build_config(preset).train.log_every for preset in PRESETS}
     flat = {}
@@ -112,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             flat[f"{name}_ms_per_step_{preset}"] = round(median / every, 4)
     flat["cpu_loop_ms_per_step_without"] = round(statistics.median(loop["without_ms_per_step"]), 2)
     flat["cpu_loop_ms_per_step_with"] = round(statistics.median(loop["with_ms_per_step"]), 2)
-    report = {"machine": machine(), "records": args.records, "log_every": log_every,
-              "ms_per_record": {name: times for name, times in measured.items()}, "cpu_loop": loop}
+    report = {
+        "machine": machine(),
+        "records": args.records,
+        "log_every": log_every,
+        "ms_per_record": {name: times for name, times in measured.items()},
+        "cpu_loop": loop,
+    }
     write_report(report, flat, args.out, "tracking")
     return 0
 

@@ -26,12 +26,18 @@ def main(version: Path) -> dict:
     started = time.perf_counter()
     llm = LLM(model=str(folder), dtype="float32", max_model_len=window, enforce_eager=True, seed=0)
     loaded_s = time.perf_counter() - started
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0.0, max_tokens=len(expected), ignore_eos=True))
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=len(expected), ignore_eos=True)
+    )
     got = list(out[0].outputs[0].token_ids)
     same = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), len(expected))
-    return {"greedy_equal": got == expected, "bytes": len(expected), "first_difference": same,
-            "load_s": round(loaded_s, 1), "architecture": context["architectures"][0]}
+    return {
+        "greedy_equal": got == expected,
+        "bytes": len(expected),
+        "first_difference": same,
+        "load_s": round(loaded_s, 1),
+        "architecture": context["architectures"][0],
+    }
 
 
 if __name__ == "__main__":

@@ -1,2 +1,1 @@
-"""The ``bardflow`` command line: its arguments, what it prints, and the runs it reads.
-"""
+"""The ``bardflow`` command line: its arguments, what it prints, and the runs it reads."""

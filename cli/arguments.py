@@ -19,32 +19,64 @@ STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLO
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     """What `run` and `sweep` share."""
-    parser.add_argument("--preset", choices=PRESET_NAMES,
-                        help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
-                             "on a GPU), tiny (seconds); auto (the default, unless --config names one) picks "
-                             "codelab on a GPU, else cpu")
-    parser.add_argument("--config", metavar="FILE",
-                        help="YAML or JSON file with any of the sections of `bardflow presets` and optionally "
-                             "a preset; --set applies on top (start from `bardflow presets --yaml NAME`)")
-    parser.add_argument("--corpus", help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
-                                         "or the public TinyShakespeare URL)")
+    parser.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
+        "on a GPU), tiny (seconds); auto (the default, unless --config names one) picks "
+        "codelab on a GPU, else cpu",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML or JSON file with any of the sections of `bardflow presets` and optionally "
+        "a preset; --set applies on top (start from `bardflow presets --yaml NAME`)",
+    )
+    parser.add_argument(
+        "--corpus",
+        help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
+        "or the public TinyShakespeare URL)",
+    )
     parser.add_argument("--store", help=STORE_HELP)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                        help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)")
-    parser.add_argument("--track", action="append", default=[], metavar="mlflow[=URI]|tensorboard[=DIR]",
-                        help="track the run as it trains: MLflow (default $MLFLOW_TRACKING_URI or ./mlflow.db) "
-                             "or TensorBoard event files (default ./runs); repeatable")
-    parser.add_argument("--cpu-devices", type=int, metavar="N",
-                        help="emulate N CPU devices so train_parallel shards on a machine without accelerators")
-    parser.add_argument("--processes", type=int, default=1, metavar="N",
-                        help="run train_parallel as N processes of this host sharing its devices (default 1). "
-                             "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
-                             "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
-                             "runs the pipeline, the others join its train_parallel")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="override a setting, e.g. --set train.steps=100 (see `bardflow presets`)",
+    )
+    parser.add_argument(
+        "--track",
+        action="append",
+        default=[],
+        metavar="mlflow[=URI]|tensorboard[=DIR]",
+        help="track the run as it trains: MLflow (default $MLFLOW_TRACKING_URI or ./mlflow.db) "
+        "or TensorBoard event files (default ./runs); repeatable",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        metavar="N",
+        help="emulate N CPU devices so train_parallel shards on a machine without accelerators",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run train_parallel as N processes of this host sharing its devices (default 1). "
+        "On a cluster, start `bardflow run` once per host with BARDFLOW_COORDINATOR, "
+        "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
+        "runs the pipeline, the others join its train_parallel",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show every line of the run's log here too (Prefect's own included); by default the "
-                             "terminal shows each stage's end, progress, warnings and errors, the UI everything")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of the run's log here too (Prefect's own included); by default the "
+        "terminal shows each stage's end, progress, warnings and errors, the UI everything",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,43 +84,70 @@ def parser() -> argparse.ArgumentParser:
         prog="bardflow",
         description="Train a byte-level transformer on TinyShakespeare as a Prefect flow of cached, versioned stages.",
     )
-    parser.add_argument("--debug", action="store_true",
-                        help=f"show the full traceback of explained errors too (or {DEBUG}=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show the full traceback of explained errors too (or {DEBUG}=1)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run the pipeline (stages already in the store come back cached)",
-                              description="Run the whole pipeline on Prefect's embedded server "
-                                          "(or the server PREFECT_API_URL points at).")
+    run = commands.add_parser(
+        "run",
+        help="run the pipeline (stages already in the store come back cached)",
+        description="Run the whole pipeline on Prefect's embedded server (or the server PREFECT_API_URL points at).",
+    )
     _pipeline_options(run)
-    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
-                     help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}")
-    run.add_argument("--join-timeout", type=int, default=3600, metavar="S",
-                     help="cluster processes other than 0: seconds to wait for process 0 to reach "
-                          "train_parallel (default 3600)")
+    run.add_argument(
+        "--refresh",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help=f"rerun this stage even if cached; repeatable; one of {', '.join(NAMES)}",
+    )
+    run.add_argument(
+        "--join-timeout",
+        type=int,
+        default=3600,
+        metavar="S",
+        help="cluster processes other than 0: seconds to wait for process 0 to reach train_parallel (default 3600)",
+    )
 
     _sweep_command(commands)
 
-    runs = commands.add_parser("runs", help="list trained versions and how they differ (no server needed)",
-                               description="List the trained versions in the store with the settings in which "
-                                           "they differ; --diff A B compares two of them in full.")
+    runs = commands.add_parser(
+        "runs",
+        help="list trained versions and how they differ (no server needed)",
+        description="List the trained versions in the store with the settings in which "
+        "they differ; --diff A B compares two of them in full.",
+    )
     runs.add_argument("--store", help=STORE_HELP)
     runs.add_argument("--diff", nargs=2, metavar=("A", "B"), help="two version keys (or unique key prefixes)")
     runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    presets = commands.add_parser("presets", help="show each preset's full configuration",
-                                  description="Print the configuration of each preset (or one) as JSON.")
+    presets = commands.add_parser(
+        "presets",
+        help="show each preset's full configuration",
+        description="Print the configuration of each preset (or one) as JSON.",
+    )
     presets.add_argument("name", nargs="?", choices=PRESET_NAMES[1:])
-    presets.add_argument("--yaml", action="store_true", help="print the preset (one must be named) as a complete "
-                                                             "config file for --config")
+    presets.add_argument(
+        "--yaml",
+        action="store_true",
+        help="print the preset (one must be named) as a complete config file for --config",
+    )
 
-    listing = commands.add_parser("artifacts", help="list the versions in the store (no server needed)",
-                                  description="List the stage versions in the store, newest first.")
+    listing = commands.add_parser(
+        "artifacts",
+        help="list the versions in the store (no server needed)",
+        description="List the stage versions in the store, newest first.",
+    )
     listing.add_argument("stage", nargs="?", choices=NAMES)
     listing.add_argument("--store", help=STORE_HELP)
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ui = commands.add_parser("ui", help="start the Prefect server and UI on 127.0.0.1 and print its URL",
-                             description="Start `prefect server start` with bardflow's settings "
-                                         "(bound to 127.0.0.1, no telemetry) in the foreground.")
+    ui = commands.add_parser(
+        "ui",
+        help="start the Prefect server and UI on 127.0.0.1 and print its URL",
+        description="Start `prefect server start` with bardflow's settings "
+        "(bound to 127.0.0.1, no telemetry) in the foreground.",
+    )
     ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ui.add_argument("--port", type=int, default=4200)
     _pool_commands(commands)
@@ -97,50 +156,86 @@ def parser() -> argparse.ArgumentParser:
 
 def _sweep_command(commands) -> None:
     sweep = commands.add_parser(
-        "sweep", help="run the pipeline once per configuration of a grid, and compare the runs",
+        "sweep",
+        help="run the pipeline once per configuration of a grid, and compare the runs",
         description="Run one pipeline per configuration (child flow runs of one parent flow, on one store, so "
-                    "stages the configurations share are built once) and compare them in one table.")
-    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
-                       help="a setting and its values; several --grid make every combination")
-    sweep.add_argument("--list", action="append", default=[], metavar="JSON", dest="listed",
-                       help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable")
-    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
-                       help="refuse sweeps of more than N runs (default 32)")
-    sweep.add_argument("--search", type=int, metavar="N",
-                       help="search instead of a grid: N trials proposed by Optuna (pip install 'bardflow[search]') "
-                            "within the ranges given as --set KEY=LOW..HIGH[:log] (and --grid KEY=A,B as choices), "
-                            "minimising the validation loss; the study is kept in the store, and the same command "
-                            "again resumes it (more trials with a larger N)")
-    sweep.add_argument("--parallel", type=int, default=1, metavar="K",
-                       help="with --search and --pool: K trials at a time on the pool's workers (default 1)")
+        "stages the configurations share are built once) and compare them in one table.",
+    )
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,…",
+        help="a setting and its values; several --grid make every combination",
+    )
+    sweep.add_argument(
+        "--list",
+        action="append",
+        default=[],
+        metavar="JSON",
+        dest="listed",
+        help="one more configuration as a JSON object, e.g. '{\"train.steps\": 100}'; repeatable",
+    )
+    sweep.add_argument(
+        "--max-runs", type=int, default=None, metavar="N", help="refuse sweeps of more than N runs (default 32)"
+    )
+    sweep.add_argument(
+        "--search",
+        type=int,
+        metavar="N",
+        help="search instead of a grid: N trials proposed by Optuna (pip install 'bardflow[search]') "
+        "within the ranges given as --set KEY=LOW..HIGH[:log] (and --grid KEY=A,B as choices), "
+        "minimising the validation loss; the study is kept in the store, and the same command "
+        "again resumes it (more trials with a larger N)",
+    )
+    sweep.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --search and --pool: K trials at a time on the pool's workers (default 1)",
+    )
     sweep.add_argument("--seed", type=int, default=0, help="with --search: the sampler's seed (default 0)")
-    sweep.add_argument("--pool", metavar="NAME",
-                       help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this "
-                            "work pool, all at once: every worker of the pool trains one (needs a running server)")
+    sweep.add_argument(
+        "--pool",
+        metavar="NAME",
+        help="run each configuration as a run of the `bardflow-pipeline/sweep` deployment on this "
+        "work pool, all at once: every worker of the pool trains one (needs a running server)",
+    )
     _pipeline_options(sweep)
 
 
 def _pool_commands(commands) -> None:
     """What an operator of a pool runs: the background server, and the messages it sends."""
     server = commands.add_parser(
-        "server", help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
+        "server",
+        help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
         description="start: a Prefect server in the background, bound to 127.0.0.1, which `run` and `sweep` "
-                    "use while it runs (unless PREFECT_API_URL names another); stop: stop it; status: say "
-                    "whether it runs (exit 3 if not).")
+        "use while it runs (unless PREFECT_API_URL names another); stop: stop it; status: say "
+        "whether it runs (exit 3 if not).",
+    )
     server.add_argument("action", choices=("start", "stop", "status"))
     server.add_argument("--port", type=int, default=4200)
-    server.add_argument("--database", metavar="URL",
-                        help="start: keep the server's state in PostgreSQL (postgresql://USER:PASSWORD@HOST:5432/DB), "
-                             "as a pool of workers needs, instead of a SQLite file in PREFECT_HOME")
+    server.add_argument(
+        "--database",
+        metavar="URL",
+        help="start: keep the server's state in PostgreSQL (postgresql://USER:PASSWORD@HOST:5432/DB), "
+        "as a pool of workers needs, instead of a SQLite file in PREFECT_HOME",
+    )
     notify = commands.add_parser(
-        "notify", help="a message when a run fails or crashes, or a sweep finishes (automations on the server)",
+        "notify",
+        help="a message when a run fails or crashes, or a sweep finishes (automations on the server)",
         description="add: send a message to a webhook URL (or through a notification block made in the UI) "
-                    "when a pipeline run fails or crashes and when a sweep finishes, naming the run, the stage "
-                    "and the error (or the best configuration), with a link; list: show them; remove: stop one. "
-                    "Needs the server the runs report to (PREFECT_API_URL, or `bardflow server start`).")
+        "when a pipeline run fails or crashes and when a sweep finishes, naming the run, the stage "
+        "and the error (or the best configuration), with a link; list: show them; remove: stop one. "
+        "Needs the server the runs report to (PREFECT_API_URL, or `bardflow server start`).",
+    )
     notify.add_argument("action", choices=("add", "list", "remove"))
     notify.add_argument("url", nargs="?", help="add: an http(s) webhook URL (Slack's are sent in its format)")
     notify.add_argument("--name", default="default", help="the destination's name (default: default)")
-    notify.add_argument("--block", metavar="TYPE/NAME",
-                        help="add: send through this notification block instead of a URL, e.g. slack-webhook/alerts")
+    notify.add_argument(
+        "--block",
+        metavar="TYPE/NAME",
+        help="add: send through this notification block instead of a URL, e.g. slack-webhook/alerts",
+    )
     notify.add_argument("--json", action="store_true", help="list: print JSON")

@@ -55,8 +55,10 @@ def _ui(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (server/notify.py)
     os.environ.setdefault("PREFECT_SERVER_API_HOST", args.host)
     os.environ.setdefault("PREFECT_SERVER_API_PORT", str(args.port))
-    print(f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\n"
-          f"Runs use it with: export PREFECT_API_URL={url}/api", flush=True)
+    print(
+        f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\nRuns use it with: export PREFECT_API_URL={url}/api",
+        flush=True,
+    )
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
     os.execv(sys.executable, command)
 
@@ -83,8 +85,10 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
         probe_devices()
     check_chosen_server()
     if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
-        raise UsageError(f"--pool {args.pool} needs a Prefect server that its workers share: start one "
-                         "(`bardflow server start`) or set PREFECT_API_URL")
+        raise UsageError(
+            f"--pool {args.pool} needs a Prefect server that its workers share: start one "
+            "(`bardflow server start`) or set PREFECT_API_URL"
+        )
     from ..flows.run_config import resolve_run_config
     from ..model.config import ConfigError
 
@@ -158,8 +162,9 @@ def _terminal_run(verbose: bool):
         from ..server.process import watch_chosen
 
         watch = watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
-    asked = any(name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
-                                                  "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"))
+    asked = any(
+        name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+    )
     try:
         with nullcontext() if asked else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
@@ -182,8 +187,14 @@ def _run(args: argparse.Namespace) -> RunSummary:
     from ..flows.pipeline import pipeline
 
     with _terminal_run(args.verbose):
-        return pipeline(preset=args.preset, config=config, corpus=args.corpus, store=root, refresh=args.refresh,
-                        processes=args.processes)
+        return pipeline(
+            preset=args.preset,
+            config=config,
+            corpus=args.corpus,
+            store=root,
+            refresh=args.refresh,
+            processes=args.processes,
+        )
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,25 +210,45 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         if find_spec("optuna") is None:  # refused before a run is recorded, not by the failed sweep
             raise UsageError("--search needs Optuna: pip install 'bardflow[search]'")
     if args.search is not None and not 1 <= args.search <= (args.max_runs or MAX_SWEEP_RUNS):
-        raise UsageError(f"--search takes 1 to {args.max_runs or MAX_SWEEP_RUNS} trials (raise the limit with "
-                         "--max-runs)")
+        raise UsageError(
+            f"--search takes 1 to {args.max_runs or MAX_SWEEP_RUNS} trials (raise the limit with --max-runs)"
+        )
     if args.parallel < 1 or (args.parallel > 1 and not args.pool):
-        raise UsageError("--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
-                         "(here, trials run one at a time)")
+        raise UsageError(
+            "--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
+            "(here, trials run one at a time)"
+        )
     root, base = _prepare(args, start_server=False)
     from ..artifacts.objects import checked_store
 
     preset = pick_preset(args.preset)
-    planned = plan(preset, base, args.grid, args.listed, ranges, args.search, args.parallel, args.seed,
-                   args.max_runs or MAX_SWEEP_RUNS)
+    planned = plan(
+        preset,
+        base,
+        args.grid,
+        args.listed,
+        ranges,
+        args.search,
+        args.parallel,
+        args.seed,
+        args.max_runs or MAX_SWEEP_RUNS,
+    )
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
     _start_server()
     from ..flows.sweep import sweep
 
     with _terminal_run(args.verbose):
-        return sweep(configurations=planned.configurations, preset=cast("Preset", preset), settings=base,
-                     corpus=args.corpus, store=root, processes=args.processes, pool=args.pool, search=planned.search)
+        return sweep(
+            configurations=planned.configurations,
+            preset=cast("Preset", preset),
+            settings=base,
+            corpus=args.corpus,
+            store=root,
+            processes=args.processes,
+            pool=args.pool,
+            search=planned.search,
+        )
 
 
 def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
@@ -226,15 +257,20 @@ def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
     import subprocess
 
     prepare_environment(cpu_devices)
-    print(f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
-          f"process 0 at {group.coordinator or 'the coordinator the cluster names'}", file=sys.stderr, flush=True)
+    print(
+        f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
+        f"process 0 at {group.coordinator or 'the coordinator the cluster names'}",
+        file=sys.stderr,
+        flush=True,
+    )
     from ..runtime.launch import process_command
     from ..tasks import train_process
 
     code = subprocess.call(process_command(train_process, None, join_timeout))
     if code:
-        raise FollowerError(f"process {group.process_id} of {group.num_processes} failed (exit status {code}); "
-                            "see its output above")
+        raise FollowerError(
+            f"process {group.process_id} of {group.num_processes} failed (exit status {code}); see its output above"
+        )
 
 
 class FollowerError(BardflowError, RuntimeError):
@@ -276,10 +312,19 @@ def memory_table(config) -> dict[str, dict]:
         step = resolve(config.model, config.train, config.data.seq_len, platform)
         for devices in (1, 8):
             for remat in (False, True):
-                found = estimate(config.model, config.train, devices, config.data.seq_len, step.rows_per_pass,
-                                 step.precision, remat=remat, attention=step.attention)
-                name = f"{platform}, {devices} device{'s' if devices > 1 else ''}, {found.layout}" + \
-                    (", remat" if remat else "")
+                found = estimate(
+                    config.model,
+                    config.train,
+                    devices,
+                    config.data.seq_len,
+                    step.rows_per_pass,
+                    step.precision,
+                    remat=remat,
+                    attention=step.attention,
+                )
+                name = f"{platform}, {devices} device{'s' if devices > 1 else ''}, {found.layout}" + (
+                    ", remat" if remat else ""
+                )
                 table[name] = {**found.as_json(), "rows_per_pass": step.rows_per_pass, "precision": step.precision}
     return table
 
@@ -289,9 +334,18 @@ def _artifacts(args: argparse.Namespace) -> int:
 
     store = readable_store(store_location(args.store))
     manifests = manifests_of(store)
-    rows = [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
-             "bytes": sum(f["bytes"] for f in v.manifest.get("files", {}).values()), "metrics": v.metrics,
-             "corpus": corpus_of(v, manifests), "path": v.location} for v in store.versions(args.stage)]
+    rows = [
+        {
+            "stage": v.stage,
+            "key": v.key,
+            "created": v.manifest.get("created"),
+            "bytes": sum(f["bytes"] for f in v.manifest.get("files", {}).values()),
+            "metrics": v.metrics,
+            "corpus": corpus_of(v, manifests),
+            "path": v.location,
+        }
+        for v in store.versions(args.stage)
+    ]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -326,15 +380,19 @@ def _notify(args: argparse.Namespace) -> int:
         args.name = args.url  # `notify remove NAME` reads naturally too
     use_running_server()
     if not os.environ.get("PREFECT_API_URL"):
-        raise UsageError("notifications live on the Prefect server that runs report to: start one "
-                         "(`bardflow server start`) or set PREFECT_API_URL")
+        raise UsageError(
+            "notifications live on the Prefect server that runs report to: start one "
+            "(`bardflow server start`) or set PREFECT_API_URL"
+        )
     check_chosen_server()
     from ..server import notify
 
     if args.action == "add":
         created = notify.add(args.url, args.name, args.block)
-        print(f"bardflow: {args.name}: a message for every failed or crashed run and finished sweep reported to "
-              f"{os.environ['PREFECT_API_URL']} (automations {', '.join(created)})")
+        print(
+            f"bardflow: {args.name}: a message for every failed or crashed run and finished sweep reported to "
+            f"{os.environ['PREFECT_API_URL']} (automations {', '.join(created)})"
+        )
     elif args.action == "remove":
         notify.remove(args.name)
         print(f"bardflow: {args.name}: removed")
@@ -361,8 +419,16 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _run_command, "sweep": _sweep_command, "runs": _runs, "presets": _presets,
-            "artifacts": _artifacts, "ui": _ui, "server": _server, "notify": _notify}
+COMMANDS = {
+    "run": _run_command,
+    "sweep": _sweep_command,
+    "runs": _runs,
+    "presets": _presets,
+    "artifacts": _artifacts,
+    "ui": _ui,
+    "server": _server,
+    "notify": _notify,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,8 +465,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bardflow: error: {stopping.failure()}", file=sys.stderr)
             return 1
         # What a stop breaks on its way out (a client call cut short) is not news.
-        print(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
-              file=sys.stderr)
+        print(
+            f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
+            file=sys.stderr,
+        )
         return 128 + signum
 
 
@@ -408,9 +476,11 @@ def _out_of_resources(error: BaseException) -> str | None:
     """One line for a process that could not get memory or a thread, naming the limits."""
     if isinstance(error, MemoryError) or "can't start new thread" in str(error):
         what = "memory" if isinstance(error, MemoryError) else "a new thread"
-        return (f"the run could not get {what} ({type(error).__name__}: {str(error)[:80]}); check this shell's limits "
-                "(ulimit -v for virtual memory, ulimit -u for processes) and the memory free, then rerun the same "
-                "command to go on (finished stages come back cached)")
+        return (
+            f"the run could not get {what} ({type(error).__name__}: {str(error)[:80]}); check this shell's limits "
+            "(ulimit -v for virtual memory, ulimit -u for processes) and the memory free, then rerun the same "
+            "command to go on (finished stages come back cached)"
+        )
     return None
 
 

@@ -33,17 +33,26 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.markup import escape
 
     columns = [Column("stage", 3), Column("state", 1), Column("version", 2), Column("key figures", 0, text=True)]
-    rows = [[name, f"[{'green' if stage['state'].startswith('ran') else 'cyan'}]{stage['state']}",
-             stage["key"][:SHORT_KEY], headline(name, stage["metrics"])] for name, stage in summary["stages"].items()]
+    rows = [
+        [
+            name,
+            f"[{'green' if stage['state'].startswith('ran') else 'cyan'}]{stage['state']}",
+            stage["key"][:SHORT_KEY],
+            headline(name, stage["metrics"]),
+        ]
+        for name, stage in summary["stages"].items()
+    ]
     console = Console()
     console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
     console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
     if any(stage["state"] == "ran (unchanged)" for stage in summary["stages"].values()):
-        console.print("ran (unchanged): built again with the same output as the stored version, which is kept: "
-                      "its figures (timings too) are that version's, not this run's")
+        console.print(
+            "ran (unchanged): built again with the same output as the stored version, which is kept: "
+            "its figures (timings too) are that version's, not this run's"
+        )
     for sample in summary.get("samples", []):
         prompt, text = sample["prompt"], sample["text"]
-        rest = text[len(prompt):] if text.startswith(prompt) else text
+        rest = text[len(prompt) :] if text.startswith(prompt) else text
         console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
         console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
     for line in summary.get("warnings", []):
@@ -55,8 +64,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("ui"):
         console.print()
         later = "" if summary.get("ui_served") else " (its server was this run's own: `bardflow ui` serves it there)"
-        console.print(f"This run in the Prefect UI: {summary['ui']}{later}", soft_wrap=True, highlight=False,
-                      markup=False)
+        console.print(
+            f"This run in the Prefect UI: {summary['ui']}{later}", soft_wrap=True, highlight=False, markup=False
+        )
 
 
 def print_sweep(result: dict[str, Any]) -> None:
@@ -65,19 +75,38 @@ def print_sweep(result: dict[str, Any]) -> None:
     rows = result["rows"]
     where = f", work pool {result['pool']}" if result.get("pool") else ""
     # What tells the runs apart stays longest; versions and timings go first at a narrow width.
-    ranks = {"run": 5, "status": 4, "val_loss": 4, "tokens_per_s": 2, "val_bpb": 1, "training_s": 1,
-             "train_parallel": 0, "generate": 0}
+    ranks = {
+        "run": 5,
+        "status": 4,
+        "val_loss": 4,
+        "tokens_per_s": 2,
+        "val_bpb": 1,
+        "training_s": 1,
+        "train_parallel": 0,
+        "generate": 0,
+    }
     # A setting in which the runs differ is what the table is about: it stays as long as the
     # run numbers; one that every run shares goes before the figures.
     differ = {name for name in rows[0] if name not in ranks and len({str(row[name]) for row in rows}) > 1}
     columns = [Column(name, ranks.get(name, 5 if name in differ else 1)) for name in rows[0]]
     cells = []
     for row in rows:
-        shown = [_setting(v) if k in differ or (k not in ranks and isinstance(v, str)) else
-                 f"{v:.4f}" if isinstance(v, float) and k.startswith("val") else
-                 f"{v:,.0f}" if isinstance(v, float) and k == "tokens_per_s" else
-                 f"{v:.1f}" if isinstance(v, float) else "—" if v is None else
-                 str(v)[:SHORT_KEY] if k in ("train_parallel", "generate") else str(v) for k, v in row.items()]
+        shown = [
+            _setting(v)
+            if k in differ or (k not in ranks and isinstance(v, str))
+            else f"{v:.4f}"
+            if isinstance(v, float) and k.startswith("val")
+            else f"{v:,.0f}"
+            if isinstance(v, float) and k == "tokens_per_s"
+            else f"{v:.1f}"
+            if isinstance(v, float)
+            else "—"
+            if v is None
+            else str(v)[:SHORT_KEY]
+            if k in ("train_parallel", "generate")
+            else str(v)
+            for k, v in row.items()
+        ]
         if row["status"] != "completed":
             shown[list(row).index("status")] = f"[red]{row['status']}"
         cells.append(shown)
@@ -89,8 +118,12 @@ def print_sweep(result: dict[str, Any]) -> None:
             print(f"run {run.get('trial') or number} failed: {run['error']}", file=sys.stderr)
     if "best" in result:  # last, whole and unwrapped: the line to paste into the next `bardflow run`
         best = result["best"]
-        console.print(f"best: {best['line']}" if best else "best: none (every run failed)", soft_wrap=True,
-                      highlight=False, markup=False)
+        console.print(
+            f"best: {best['line']}" if best else "best: none (every run failed)",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
 
 
 def _setting(value: Any) -> str:
@@ -109,17 +142,40 @@ def print_versions(title: str, rows: list[dict[str, Any]], paths: bool = False) 
     made from; for one stage, then each version's folder, whole, to copy."""
     from rich.console import Console
 
-    columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
-               Column("key figures", 2, text=True)]
-    cells = [[row["stage"], row["key"], short_time(row["created"]), f"{row['bytes'] / 1e6:.2f} MB",
-              "\n".join(filter(None, [headline(row["stage"], row["metrics"]),
-                                      row.get("corpus") and f"corpus={row['corpus'].split(' (')[0]}"]))]
-             for row in rows]  # the corpus by name here; its size and md5 in --json
+    columns = [
+        Column("stage", 4),
+        Column("key", 3),
+        Column("created", 1),
+        Column("size", 0),
+        Column("key figures", 2, text=True),
+    ]
+    cells = [
+        [
+            row["stage"],
+            row["key"],
+            short_time(row["created"]),
+            f"{row['bytes'] / 1e6:.2f} MB",
+            "\n".join(
+                filter(
+                    None,
+                    [
+                        headline(row["stage"], row["metrics"]),
+                        row.get("corpus") and f"corpus={row['corpus'].split(' (')[0]}",
+                    ],
+                )
+            ),
+        ]
+        for row in rows
+    ]  # the corpus by name here; its size and md5 in --json
     console = Console()
     console.print(fitted(title, columns, cells))
     for row in rows if paths else []:
-        console.print(f"{row['key'][:SHORT_KEY]} {short_time(row['created'])}  {row['path']}", soft_wrap=True,
-                      highlight=False, markup=False)
+        console.print(
+            f"{row['key'][:SHORT_KEY]} {short_time(row['created'])}  {row['path']}",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
 
 
 def show(result: dict[str, Any], as_json: bool, table) -> None:

@@ -79,8 +79,9 @@ def differing(described: list[dict[str, Any]]) -> list[str]:
 def readable_store(root: str):
     """The store at ``root`` for reading: one that does not exist is an error, not an empty list."""
     if not is_remote(root) and not Path(root).is_dir():
-        raise RunsError(f"there is no store at {root}; pass --store with the folder a run wrote (or set "
-                        "BARDFLOW_STORE)")
+        raise RunsError(
+            f"there is no store at {root}; pass --store with the folder a run wrote (or set BARDFLOW_STORE)"
+        )
     store = open_store(root)
     store.check()
     return store
@@ -105,9 +106,16 @@ def find(versions: list[Version], prefix: str) -> Version:
 def listing(versions: list[Version], manifests: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     described = [describe(v, manifests) for v in versions]
     varying = [key for key in differing(described) if key.startswith(("settings.", "data.corpus"))]
-    return [{"stage": v.stage, "key": v.key, "created": v.manifest.get("created"),
-             "differs": {key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
-             **{name: v.metrics.get(name) for name in FIGURES}} for v, d in zip(versions, described, strict=True)]
+    return [
+        {
+            "stage": v.stage,
+            "key": v.key,
+            "created": v.manifest.get("created"),
+            "differs": {key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
+            **{name: v.metrics.get(name) for name in FIGURES},
+        }
+        for v, d in zip(versions, described, strict=True)
+    ]
 
 
 def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -117,9 +125,12 @@ def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]
         x, y = a.metrics.get(name), b.metrics.get(name)
         change = y - x if isinstance(x, (int, float)) and isinstance(y, (int, float)) else None
         figures[name] = {"a": x, "b": y, "b_minus_a": change}
-    return {"a": f"{a.stage}/{a.key}", "b": f"{b.stage}/{b.key}",
-            "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
-            "figures": figures}
+    return {
+        "a": f"{a.stage}/{a.key}",
+        "b": f"{b.stage}/{b.key}",
+        "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
+        "figures": figures,
+    }
 
 
 def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
@@ -146,13 +157,26 @@ def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
     else:
         from .tables import Column, fitted, short_time
 
-        columns = [Column("stage", 5), Column("key", 4), Column("created", 0),
-                   Column("settings that differ", 3, text=True), Column("val loss", 3), Column("tokens/s", 2),
-                   Column("training s", 1)]
-        cells = [[row["stage"], row["key"], short_time(row["created"]),
-                  "\n".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
-                  "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
-                  "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
-                  "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}"] for row in result]
+        columns = [
+            Column("stage", 5),
+            Column("key", 4),
+            Column("created", 0),
+            Column("settings that differ", 3, text=True),
+            Column("val loss", 3),
+            Column("tokens/s", 2),
+            Column("training s", 1),
+        ]
+        cells = [
+            [
+                row["stage"],
+                row["key"],
+                short_time(row["created"]),
+                "\n".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
+                "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
+                "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+                "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}",
+            ]
+            for row in result
+        ]
         table = fitted(f"trained versions in {root}, newest first", columns, cells)
     Console().print(table)

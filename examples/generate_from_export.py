@@ -32,8 +32,10 @@ def export_folder(path: Path) -> Path:
     for folder in (path, path / "export"):
         if all((folder / name).is_file() for name in FILES):
             return folder
-    raise ExportError(f"{path} holds no bardflow export (expected {', '.join(FILES)} in it or in {path}/export); "
-                      "give the path that `bardflow artifacts export` shows")
+    raise ExportError(
+        f"{path} holds no bardflow export (expected {', '.join(FILES)} in it or in {path}/export); "
+        "give the path that `bardflow artifacts export` shows"
+    )
 
 
 def checksums(folder: Path) -> dict:
@@ -46,8 +48,9 @@ def checksums(folder: Path) -> dict:
     if manifest.is_file():
         files = json.loads(manifest.read_text()).get("files", {})
         return {name: files[f"{folder.name}/{name}"]["sha256"] for name in FILES if f"{folder.name}/{name}" in files}
-    raise ExportError(f"{folder} has no checksums.json: it cannot be checked; export it again (bardflow run "
-                      "--refresh export)")
+    raise ExportError(
+        f"{folder} has no checksums.json: it cannot be checked; export it again (bardflow run --refresh export)"
+    )
 
 
 def verified(folder: Path):
@@ -61,24 +64,32 @@ def verified(folder: Path):
     for name in FILES:
         digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
         if sums.get(name) != digest:
-            raise ExportError(f"{folder / name} does not match its checksum (damaged, edited or from another "
-                              "export); export it again (bardflow run --refresh export) or copy the whole folder")
+            raise ExportError(
+                f"{folder / name} does not match its checksum (damaged, edited or from another "
+                "export); export it again (bardflow run --refresh export) or copy the whole folder"
+            )
     params = load_file(str(folder / "model.safetensors"))
     try:
         forward = export.deserialize(bytearray((folder / "forward.jax").read_bytes()))
     except Exception as error:  # noqa: BLE001 - any failure to load is one line
-        raise ExportError(f"{folder / 'forward.jax'} cannot be loaded ({type(error).__name__}); export it again "
-                          "with this jax, or use the jax it was exported with") from None
+        raise ExportError(
+            f"{folder / 'forward.jax'} cannot be loaded ({type(error).__name__}); export it again "
+            "with this jax, or use the jax it was exported with"
+        ) from None
     tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
     _, tree = jax.tree.flatten(((params, tokens), {}))
     if tree != forward.in_tree:
-        raise ExportError(f"{folder / 'forward.jax'} was exported for other weights than model.safetensors holds "
-                          f"({len(params)} tensors); the two files come from different exports")
-    for (name, array), aval in zip(sorted(params.items()), forward.in_avals[:len(params)], strict=True):
+        raise ExportError(
+            f"{folder / 'forward.jax'} was exported for other weights than model.safetensors holds "
+            f"({len(params)} tensors); the two files come from different exports"
+        )
+    for (name, array), aval in zip(sorted(params.items()), forward.in_avals[: len(params)], strict=True):
         if tuple(array.shape) != tuple(aval.shape) or np.dtype(array.dtype) != np.dtype(aval.dtype):
-            raise ExportError(f"model.safetensors holds {name} as {array.dtype}{list(array.shape)}, where "
-                              f"forward.jax expects {aval.dtype}{list(aval.shape)}; the two files come from "
-                              "different exports")
+            raise ExportError(
+                f"model.safetensors holds {name} as {array.dtype}{list(array.shape)}, where "
+                f"forward.jax expects {aval.dtype}{list(aval.shape)}; the two files come from "
+                "different exports"
+            )
     return params, forward
 
 

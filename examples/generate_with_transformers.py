@@ -29,8 +29,10 @@ def hf_folder(path: Path) -> Path:
     for candidate in (path, path / "hf", path / "export" / "hf"):
         if (candidate / "config.json").is_file() and (candidate / "tokenizer.json").is_file():
             return candidate
-    raise SystemExit(f"generate_with_transformers: {path} holds no transformers folder (config.json and "
-                     "tokenizer.json); pass STORE/export/KEY of a bardflow export")
+    raise SystemExit(
+        f"generate_with_transformers: {path} holds no transformers folder (config.json and "
+        "tokenizer.json); pass STORE/export/KEY of a bardflow export"
+    )
 
 
 def check(folder: Path) -> None:
@@ -38,36 +40,53 @@ def check(folder: Path) -> None:
     more, and a config that names no code of its own."""
     sums_file = folder.parent / "checksums.json"
     if not sums_file.is_file():
-        raise SystemExit(f"generate_with_transformers: {folder} has no checksums.json beside it, so its files cannot "
-                         "be checked; pass the whole export folder (STORE/export/KEY), as bardflow wrote it")
+        raise SystemExit(
+            f"generate_with_transformers: {folder} has no checksums.json beside it, so its files cannot "
+            "be checked; pass the whole export folder (STORE/export/KEY), as bardflow wrote it"
+        )
     sums = json.loads(sums_file.read_text())["sha256"]
     prefix = f"{folder.name}/"
-    expected = {name[len(prefix):]: digest for name, digest in sums.items() if name.startswith(prefix)}
+    expected = {name[len(prefix) :]: digest for name, digest in sums.items() if name.startswith(prefix)}
     found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     if not expected:
-        raise SystemExit(f"generate_with_transformers: {sums_file} lists no file of {folder.name}/ (an export "
-                         "written before it did); export it again (bardflow run --refresh export)")
+        raise SystemExit(
+            f"generate_with_transformers: {sums_file} lists no file of {folder.name}/ (an export "
+            "written before it did); export it again (bardflow run --refresh export)"
+        )
     for name in sorted(found | set(expected)):
         file = folder / name
         digest = hashlib.sha256(file.read_bytes()).hexdigest() if name in found else None
         if digest != expected.get(name):
-            what = "is not part of the export" if name not in expected else "is missing" if digest is None else \
-                "does not match its checksum (damaged, edited or from another export)"
-            raise SystemExit(f"generate_with_transformers: {file} {what}; export it again (bardflow run "
-                             "--refresh export) or copy the whole folder")
+            what = (
+                "is not part of the export"
+                if name not in expected
+                else "is missing"
+                if digest is None
+                else "does not match its checksum (damaged, edited or from another export)"
+            )
+            raise SystemExit(
+                f"generate_with_transformers: {file} {what}; export it again (bardflow run "
+                "--refresh export) or copy the whole folder"
+            )
     config = json.loads((folder / "config.json").read_text())
     asked = [key for key in REMOTE_CODE if key in config]
     if asked:
-        raise SystemExit(f"generate_with_transformers: {folder / 'config.json'} asks for code from elsewhere "
-                         f"({', '.join(asked)}); a bardflow export never does, so this folder is not one")
+        raise SystemExit(
+            f"generate_with_transformers: {folder / 'config.json'} asks for code from elsewhere "
+            f"({', '.join(asked)}); a bardflow export never does, so this folder is not one"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--prompt", default="ROMEO:")
-    parser.add_argument("--bytes", type=int, default=None, help="new bytes to sample (default: up to 100, as the "
-                                                                "model's context allows)")
+    parser.add_argument(
+        "--bytes",
+        type=int,
+        default=None,
+        help="new bytes to sample (default: up to 100, as the model's context allows)",
+    )
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -79,8 +98,10 @@ def main() -> None:
     room = GenerationConfig.from_pretrained(folder).max_length - len(args.prompt.encode())
     n_bytes = min(100, room) if args.bytes is None else args.bytes
     if not 0 < n_bytes <= room:
-        raise SystemExit(f"generate_with_transformers: --bytes must be 1 to {room}: the model's context holds "
-                         f"{room + len(args.prompt.encode())} bytes, the prompt included")
+        raise SystemExit(
+            f"generate_with_transformers: --bytes must be 1 to {room}: the model's context holds "
+            f"{room + len(args.prompt.encode())} bytes, the prompt included"
+        )
     set_seed(args.seed)
     generator = pipeline("text-generation", model=str(folder), device="cpu", trust_remote_code=False)
     sampled = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}

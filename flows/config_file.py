@@ -34,8 +34,10 @@ def read(path: str | Path) -> tuple[str | None, dict[str, Any]]:
     try:
         size = path.stat().st_size
         if size > MAX_BYTES:
-            raise ConfigError(f"config file {path} has {size:,} bytes; a config file holds at most {MAX_BYTES:,} "
-                              "(a whole preset is about 2,000): check --config")
+            raise ConfigError(
+                f"config file {path} has {size:,} bytes; a config file holds at most {MAX_BYTES:,} "
+                "(a whole preset is about 2,000): check --config"
+            )
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config") from None
@@ -56,8 +58,10 @@ def parse(text: str, source: str) -> Any:
             return None
         values = _expanded_size(node, source)
         if values > MAX_VALUES:
-            raise ConfigError(f"config file {source} expands to more than {MAX_VALUES:,} values (aliases that "
-                              "repeat aliases); write the settings out plainly")
+            raise ConfigError(
+                f"config file {source} expands to more than {MAX_VALUES:,} values (aliases that "
+                "repeat aliases); write the settings out plainly"
+            )
         return loader.construct_document(node)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
@@ -65,8 +69,9 @@ def parse(text: str, source: str) -> Any:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"config file {source} is not valid YAML or JSON{where}: {problem}") from None
     except RecursionError:
-        raise ConfigError(f"config file {source} nests deeper than {MAX_DEPTH} levels; a config file has "
-                          "sections of settings") from None
+        raise ConfigError(
+            f"config file {source} nests deeper than {MAX_DEPTH} levels; a config file has sections of settings"
+        ) from None
     finally:
         loader.dispose()
 
@@ -89,8 +94,10 @@ def _loader_class():
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, Hashable) and key in lines:
-                    raise ConfigError(f"config file {self.source}: the key {key!r} is given twice (lines "
-                                      f"{lines[key]} and {line}); keep one")
+                    raise ConfigError(
+                        f"config file {self.source}: the key {key!r} is given twice (lines "
+                        f"{lines[key]} and {line}); keep one"
+                    )
                 if isinstance(key, Hashable):
                     lines[key] = line
             return super().construct_mapping(node, deep)
@@ -111,13 +118,14 @@ def _expanded_size(node, source: str) -> int:
         if depth > MAX_DEPTH:
             raise RecursionError
         if key in visiting:
-            raise ConfigError(f"config file {source} refers to itself (a recursive alias); write the settings out "
-                              "plainly")
+            raise ConfigError(
+                f"config file {source} refers to itself (a recursive alias); write the settings out plainly"
+            )
         visiting.add(key)
         children = current.value if isinstance(current.value, list) else []
         total = 1
         for child in children:
-            for part in (child if isinstance(child, tuple) else (child,)):
+            for part in child if isinstance(child, tuple) else (child,):
                 total += size(part, depth + 1)
                 if total > MAX_VALUES:
                     break
@@ -131,12 +139,12 @@ def _expanded_size(node, source: str) -> int:
 def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[str, Any]]:
     """What a config file holds (already parsed), checked: its preset and its overrides."""
     if not isinstance(content, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(KEYS)}), "
-                          f"got {type(content).__name__}")
+        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(KEYS)}), got {type(content).__name__}")
     for key in content:
         if key not in KEYS:
-            raise ConfigError(f"{source}: unknown key {key!r}; the keys are {', '.join(KEYS)} (see `bardflow "
-                              "presets --yaml NAME`)")
+            raise ConfigError(
+                f"{source}: unknown key {key!r}; the keys are {', '.join(KEYS)} (see `bardflow presets --yaml NAME`)"
+            )
     preset = content.get("preset")
     if preset is not None and preset not in ("auto", *PRESETS):
         raise ConfigError(f"{source}: preset: {preset!r} is not a preset; choose one of auto, {', '.join(PRESETS)}")
@@ -183,10 +191,14 @@ def as_yaml(preset: str) -> str:
     note = ""
     if body["data"].get("corpus") == TINYSHAKESPEARE_URL:
         del body["data"]["corpus"]
-        note = ("# data.corpus is left out: the public TinyShakespeare download unless --corpus or BARDFLOW_CORPUS\n"
-                "# names another source (a path, a folder, a file:// or https:// URL).\n")
-    header = (f"# bardflow run --config FILE: the {preset} preset in full. Edit what you need, or delete\n"
-              "# sections to keep the preset's values; --set still applies on top.\n" + note)
+        note = (
+            "# data.corpus is left out: the public TinyShakespeare download unless --corpus or BARDFLOW_CORPUS\n"
+            "# names another source (a path, a folder, a file:// or https:// URL).\n"
+        )
+    header = (
+        f"# bardflow run --config FILE: the {preset} preset in full. Edit what you need, or delete\n"
+        "# sections to keep the preset's values; --set still applies on top.\n" + note
+    )
     return header + yaml.safe_dump({"preset": preset, **body}, sort_keys=False)
 
 

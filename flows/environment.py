@@ -40,8 +40,10 @@ def pick_preset(preset: str) -> str:
 
 def empty_corpus(name: str) -> str:
     """The refusal of an empty corpus source, named as the user gave it."""
-    return (f"{name} is empty; give an https URL, a file:// URL or a path, or leave it out for the public "
-            "TinyShakespeare URL")
+    return (
+        f"{name} is empty; give an https URL, a file:// URL or a path, or leave it out for the public "
+        "TinyShakespeare URL"
+    )
 
 
 def debugging() -> bool:
@@ -91,7 +93,8 @@ def check_resource_limits() -> None:
         raise ResourceLimitError(
             f"this shell limits virtual memory to {soft / 2**30:.1f} GiB (ulimit -v {soft // 1024}); JAX and XLA "
             f"reserve more than that as they start their threads: raise it to at least {MIN_ADDRESS_SPACE >> 30} GiB "
-            f"(ulimit -v {MIN_ADDRESS_SPACE >> 10}) or lift it (ulimit -v unlimited)")
+            f"(ulimit -v {MIN_ADDRESS_SPACE >> 10}) or lift it (ulimit -v unlimited)"
+        )
 
 
 class ResourceLimitError(BardflowError, RuntimeError):
@@ -122,13 +125,18 @@ def store_credentials() -> str | None:
     try:
         found = cast("AwsCredentials", AwsCredentials.load(block))  # the synchronous call's result
     except ValueError:
-        raise ConfigError(f"{STORE_CREDENTIALS}={named}: the Prefect server has no such block; make it in the UI "
-                          "(Blocks, AWS Credentials) or with AwsCredentials(...).save(NAME)") from None
+        raise ConfigError(
+            f"{STORE_CREDENTIALS}={named}: the Prefect server has no such block; make it in the UI "
+            "(Blocks, AWS Credentials) or with AwsCredentials(...).save(NAME)"
+        ) from None
     secret, token = found.aws_secret_access_key, found.aws_session_token  # token: plain text, a secret in some releases
-    values = {"AWS_ACCESS_KEY_ID": found.aws_access_key_id,
-              "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
-              "AWS_SESSION_TOKEN": token.get_secret_value() if isinstance(token, SecretStr) else token,
-              "AWS_REGION": found.region_name, "AWS_PROFILE": found.profile_name,
-              "AWS_ENDPOINT_URL": found.aws_client_parameters.endpoint_url}
+    values = {
+        "AWS_ACCESS_KEY_ID": found.aws_access_key_id,
+        "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
+        "AWS_SESSION_TOKEN": token.get_secret_value() if isinstance(token, SecretStr) else token,
+        "AWS_REGION": found.region_name,
+        "AWS_PROFILE": found.profile_name,
+        "AWS_ENDPOINT_URL": found.aws_client_parameters.endpoint_url,
+    }
     os.environ.update({name: str(value) for name, value in values.items() if value})
     return named

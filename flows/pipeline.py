@@ -60,8 +60,9 @@ SAME = "Unchanged"  # a task that built again what the store held already
 STATES = {"Cached": "cached", SAME: "ran (unchanged)"}
 # Typed parameters: the UI's form offers exactly these (the registry's stages and the presets,
 # written out for type checkers; tests/test_config.py holds them to the registry and presets).
-StageName = Literal["fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "export", "verify",
-                    "generate"]
+StageName = Literal[
+    "fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "export", "verify", "generate"
+]
 Preset = Literal["auto", "codelab", "cpu", "quality", "gpt2", "tiny"]
 
 
@@ -169,19 +170,27 @@ def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
         logger = get_run_logger()
         # One training at a time on a host (server/slots.py).
-        around = partial(training_slot, stage.name, logger.info, flow_run.id,
-                         say=partial(logger.info, extra=ui.TERMINAL)) if isinstance(settings, TrainingRequest) else None
+        around = (
+            partial(training_slot, stage.name, logger.info, flow_run.id, say=partial(logger.info, extra=ui.TERMINAL))
+            if isinstance(settings, TrainingRequest)
+            else None
+        )
         try:
-            version, built = produce(stage, settings, upstream, checked_store(store), force, notice=logger.warning,
-                                     around=around)
+            version, built = produce(
+                stage, settings, upstream, checked_store(store), force, notice=logger.warning, around=around
+            )
         except BaseException:
             # The run's server is gone (runtime/stopping.py, fail): the stage has saved what it
             # could and cleaned up on its way here; Prefect can report nothing more. End now.
             stopping.end_if_failed()
             raise
         if built and version.same_as_stored:
-            return Completed(data=version, name=SAME, message=f"{stage.name} built again: the same output as the "
-                             f"stored version {version.key}, which is kept (its figures are that build's)")
+            return Completed(
+                data=version,
+                name=SAME,
+                message=f"{stage.name} built again: the same output as the "
+                f"stored version {version.key}, which is kept (its figures are that build's)",
+            )
         if built:
             return version
         return Completed(data=version, name="Cached", message=f"the store holds {stage.name} version {version.key}")
@@ -193,9 +202,16 @@ def _stage_task(stage: Stage):
 STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 
-def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, store: str | None,
-               refresh: list[str], processes: int = 1, settings: dict[str, Any] | None = None,
-               track: list[str] | None = None) -> RunSummary:
+def run_stages(
+    preset: str,
+    config: PipelineConfig | None,
+    corpus: str | None,
+    store: str | None,
+    refresh: list[str],
+    processes: int = 1,
+    settings: dict[str, Any] | None = None,
+    track: list[str] | None = None,
+) -> RunSummary:
     """The pipeline's story, in the registry's order; both flows below tell it."""
     quiet_explained_errors()
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
@@ -203,8 +219,14 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     logger = get_run_logger()
     chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
     devices, platform = hardware()
-    logger.info("preset %s%s on %d %s device(s)", chosen, " (auto)" if preset == "auto" else "", devices, platform,
-                extra=ui.TERMINAL)
+    logger.info(
+        "preset %s%s on %d %s device(s)",
+        chosen,
+        " (auto)" if preset == "auto" else "",
+        devices,
+        platform,
+        extra=ui.TERMINAL,
+    )
     plan = RunPlan(config, devices, platform, processes)
     settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
     root = store_location(store)
@@ -222,13 +244,24 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
             stage_settings = settings[stage.name]
             if tracked is not None and isinstance(stage_settings, TrainingRequest):
                 stage_settings = stage_settings.model_copy(update={"report": tracked.target(stage.name)})
-            state = STAGE_TASKS[stage.name](stage_settings, {name: versions[name] for name in stage.reads},
-                                            root, stage.name in refresh, return_state=True)
+            state = STAGE_TASKS[stage.name](
+                stage_settings,
+                {name: versions[name] for name in stage.reads},
+                root,
+                stage.name in refresh,
+                return_state=True,
+            )
             versions[stage.name] = version = cast(Version, state.result())  # raises the stage's error if it failed
-            row = summary[stage.name] = StageRow(STATES.get(state.name or "", "ran"), version.key, version.location,
-                                                 version.metrics, round(time.perf_counter() - started, 3))
-            logger.info("%s: %s in %.1f s (version %s)", stage.name, row.state, row.seconds, version.key[:12],
-                        extra=ui.TERMINAL)
+            row = summary[stage.name] = StageRow(
+                STATES.get(state.name or "", "ran"),
+                version.key,
+                version.location,
+                version.metrics,
+                round(time.perf_counter() - started, 3),
+            )
+            logger.info(
+                "%s: %s in %.1f s (version %s)", stage.name, row.state, row.seconds, version.key[:12], extra=ui.TERMINAL
+            )
             if tracked is not None:
                 tracked.stage_done(stage.name, row.state, version)
     except BaseException as error:
@@ -237,17 +270,26 @@ def run_stages(preset: str, config: PipelineConfig | None, corpus: str | None, s
     _ended(tracked)
     # The run's summary in the UI, which is also how a sweep's parent learns, from another
     # machine, what a child it ran on a worker produced.
-    ui.table(RUN_ARTIFACT, [{"stage": name, "state": row.state, "key": row.key, "seconds": row.seconds}
-                            for name, row in summary.items()], description=f"bardflow run, preset {chosen}")
+    ui.table(
+        RUN_ARTIFACT,
+        [{"stage": name, "state": row.state, "key": row.key, "seconds": row.seconds} for name, row in summary.items()],
+        description=f"bardflow run, preset {chosen}",
+    )
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
-    return RunSummary(chosen, root, str(flow_run.id), summary, samples, _warnings(versions, logger),
-                      tracked.where() if tracked is not None else None)
+    return RunSummary(
+        chosen,
+        root,
+        str(flow_run.id),
+        summary,
+        samples,
+        _warnings(versions, logger),
+        tracked.where() if tracked is not None else None,
+    )
 
 
 def _warnings(versions: dict[str, Version], logger) -> list[str]:
     """What the run's figures say is wrong with it (overfitting), told in the log and the UI."""
-    found = [line for line in [overfitting(json.loads(versions["train_parallel"].file(HISTORY).read_text()))]
-             if line]
+    found = [line for line in [overfitting(json.loads(versions["train_parallel"].file(HISTORY).read_text()))] if line]
     for line in found:
         logger.warning(line)
         ui.markdown(RUN_ARTIFACT, f"**Warning**: {line}\n", "A warning about this run", what="warning")

@@ -18,9 +18,16 @@ from .environment import empty_corpus, pick_preset
 from .tracking import track_settings
 
 
-def resolve_run_config(preset: str, overrides: dict[str, Any] | None = None, *, config: PipelineConfig | None = None,
-                       settings: Any = None, track: list[str] | None = None, corpus: str | None = None,
-                       pin_corpus: bool = True) -> tuple[str, PipelineConfig]:
+def resolve_run_config(
+    preset: str,
+    overrides: dict[str, Any] | None = None,
+    *,
+    config: PipelineConfig | None = None,
+    settings: Any = None,
+    track: list[str] | None = None,
+    corpus: str | None = None,
+    pin_corpus: bool = True,
+) -> tuple[str, PipelineConfig]:
     """The preset a run uses (``auto`` decided) and its whole configuration, validated.
 
     ``settings`` is a config file's content (its own preset, if it names one, over ``preset``);
@@ -30,8 +37,9 @@ def resolve_run_config(preset: str, overrides: dict[str, Any] | None = None, *, 
     overrides = dict(overrides or {})
     if settings is not None:
         if config is not None:
-            raise ConfigError("give either config (a whole configuration) or settings (a config file's content), "
-                              "not both")
+            raise ConfigError(
+                "give either config (a whole configuration) or settings (a config file's content), not both"
+            )
         named, from_file = config_file.settings(settings, "the settings parameter")
         preset = named or preset  # the file's own preset, over a deployment's default one
         overrides = {**from_file, **overrides}
@@ -39,16 +47,18 @@ def resolve_run_config(preset: str, overrides: dict[str, Any] | None = None, *, 
     return chosen, _with_inputs(config or build_config(chosen, overrides), track, corpus, pin_corpus)
 
 
-def _with_inputs(config: PipelineConfig, track: list[str] | None, corpus: str | None,
-                 pin_corpus: bool) -> PipelineConfig:
+def _with_inputs(
+    config: PipelineConfig, track: list[str] | None, corpus: str | None, pin_corpus: bool
+) -> PipelineConfig:
     """``config`` with the flow's own ``track`` and ``corpus`` parameters (as the command line's
     --track and --corpus; BARDFLOW_CORPUS where no corpus is given) and the corpus's md5 pinned:
     computed for a local corpus, it keys the versions."""
     if track:
         fields = {dotted.partition(".")[2]: where for dotted, where in track_settings(track).items()}
         try:
-            config = config.model_copy(update={"track": TrackConfig.model_validate({**config.track.model_dump(),
-                                                                                   **fields})})
+            config = config.model_copy(
+                update={"track": TrackConfig.model_validate({**config.track.model_dump(), **fields})}
+            )
         except ValidationError as error:
             raise ConfigError(f"invalid track parameter: {error.errors()[0]['msg']}") from error
     if corpus is not None and not corpus.strip():

@@ -63,8 +63,9 @@ class Search:
             else:
                 self.path.unlink(missing_ok=True)
         storage = JournalStorage(JournalFileBackend(str(self.path)))
-        self.study = optuna.create_study(study_name=self.name, storage=storage, direction="minimize",
-                                         load_if_exists=True)
+        self.study = optuna.create_study(
+            study_name=self.name, storage=storage, direction="minimize", load_if_exists=True
+        )
         self.resumed = len(self.study.trials)
         self.asked: dict[int, Any] = {}
         for trial in self.study.trials:  # running when the search stopped: asked again, first
@@ -80,8 +81,9 @@ class Search:
     def finished(self) -> int:
         from optuna.trial import TrialState
 
-        return sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) and "run" in t.user_attrs
-                   for t in self.study.trials)
+        return sum(
+            t.state in (TrialState.COMPLETE, TrialState.FAIL) and "run" in t.user_attrs for t in self.study.trials
+        )
 
     def ask(self) -> tuple[int, dict[str, Any]]:
         with warnings.catch_warnings():  # a --list value outside a range is tried as given, on purpose
@@ -95,9 +97,17 @@ class Search:
         """A finished trial: its validation loss, or a failure; its row kept with it."""
         from optuna.trial import TrialState
 
-        kept = Trial({}, run.status, flow_run=run.flow_run, error=run.error, stages={
-            name: StageRow(row.state, row.key, metrics=row.metrics)
-            for name, row in run.stages.items() if name in ("train_parallel", "generate")})
+        kept = Trial(
+            {},
+            run.status,
+            flow_run=run.flow_run,
+            error=run.error,
+            stages={
+                name: StageRow(row.state, row.key, metrics=row.metrics)
+                for name, row in run.stages.items()
+                if name in ("train_parallel", "generate")
+            },
+        )
         self.asked.pop(number).set_user_attr("run", kept.to_json())
         value = run.metric("train_parallel", "val_loss")
         if run.status == "completed" and value is not None:
@@ -110,8 +120,12 @@ class Search:
         """Every finished trial as a sweep run, in trial order, numbered 1, 2, 3… (Optuna's own
         number, which counts the trials a stop interrupted and asked again, is kept beside it)."""
         finished = [t for t in self.study.trials if "run" in t.user_attrs]
-        return [Trial.from_json({**t.user_attrs["run"], "varying": dict(t.params), "trial": position,
-                                 "optuna_trial": t.number}) for position, t in enumerate(finished, 1)]
+        return [
+            Trial.from_json(
+                {**t.user_attrs["run"], "varying": dict(t.params), "trial": position, "optuna_trial": t.number}
+            )
+            for position, t in enumerate(finished, 1)
+        ]
 
     def save(self) -> None:
         if isinstance(self.store, ObjectStore):

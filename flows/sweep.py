@@ -54,13 +54,17 @@ def comparison_rows(runs: list[Trial]) -> list[dict[str, Any]]:
         row.update({key: _shown(run.varying.get(key, "(preset)")) for key in keys})
         trained, generated = run.stages.get("train_parallel"), run.stages.get("generate")
         metrics = trained.metrics if trained else {}
-        row.update({
-            "status": run.status,
-            "val_loss": metrics.get("val_loss"), "val_bpb": metrics.get("val_bpb"),
-            "tokens_per_s": metrics.get("tokens_per_s"), "training_s": metrics.get("elapsed_s"),
-            "train_parallel": trained.key if trained else None,
-            "generate": generated.key if generated else None,
-        })
+        row.update(
+            {
+                "status": run.status,
+                "val_loss": metrics.get("val_loss"),
+                "val_bpb": metrics.get("val_bpb"),
+                "tokens_per_s": metrics.get("tokens_per_s"),
+                "training_s": metrics.get("elapsed_s"),
+                "train_parallel": trained.key if trained else None,
+                "generate": generated.key if generated else None,
+            }
+        )
         rows.append(row)
     return rows
 
@@ -75,14 +79,21 @@ def set_line(varying: dict[str, Any]) -> str:
 def best_run(rows: list[dict[str, Any]], runs: list[Trial]) -> dict[str, Any] | None:
     """The finished run with the lowest validation loss: its number, its loss and its ``--set``
     line (``rows`` as ``comparison_rows`` made them from ``runs``, in the same order)."""
-    finished = [(row["val_loss"], row["run"], run) for row, run in zip(rows, runs, strict=True)
-                if row["status"] == "completed" and row["val_loss"] is not None]
+    finished = [
+        (row["val_loss"], row["run"], run)
+        for row, run in zip(rows, runs, strict=True)
+        if row["status"] == "completed" and row["val_loss"] is not None
+    ]
     if not finished:
         return None
     val_loss, number, run = min(finished, key=lambda entry: entry[:2])
     line = set_line(run.varying)
-    return {"run": number, "val_loss": val_loss, "set": line,
-            "line": f"run {number}, validation loss {val_loss:.4f}: {line}"}
+    return {
+        "run": number,
+        "val_loss": val_loss,
+        "set": line,
+        "line": f"run {number}, validation loss {val_loss:.4f}: {line}",
+    }
 
 
 def _histories(runs: list[Trial], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -135,19 +146,30 @@ def sweep(
         rows.sort(key=lambda row: (row["status"] != "completed", row["val_loss"] is None, row["val_loss"] or 0))
     publish(rows, _histories(runs, root), chosen, best, study=search["study"] if search else None)
     failed = sum(row["status"] != "completed" for row in rows)
-    notify.emit(notify.SWEEP_FINISHED, {"summary": f"{len(rows)} runs, {failed} failed",
-                                        "best": best["line"] if best else "none: every run failed"})
+    notify.emit(
+        notify.SWEEP_FINISHED,
+        {"summary": f"{len(rows)} runs, {failed} failed", "best": best["line"] if best else "none: every run failed"},
+    )
     from prefect.runtime import flow_run
 
-    return {"preset": chosen, "store": root, "pool": pool, "flow_run": flow_run.id, "rows": rows,
-            "runs": [run.to_json() for run in runs], "best": best, **({"study": search["study"]} if search else {})}
+    return {
+        "preset": chosen,
+        "store": root,
+        "pool": pool,
+        "flow_run": flow_run.id,
+        "rows": rows,
+        "runs": [run.to_json() for run in runs],
+        "best": best,
+        **({"study": search["study"]} if search else {}),
+    }
 
 
 class Place:
     """Where and how a sweep's children run: their common settings, and here or on a pool."""
 
-    def __init__(self, preset: str, settings: dict[str, Any], corpus: str | None, root: str, processes: int,
-                 pool: str | None):
+    def __init__(
+        self, preset: str, settings: dict[str, Any], corpus: str | None, root: str, processes: int, pool: str | None
+    ):
         self.preset, self.settings, self.corpus, self.root, self.processes = preset, settings, corpus, root, processes
         self.pool = pool
         if pool:
@@ -159,8 +181,14 @@ class Place:
     def run_here(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> Trial:
         """A child flow run of this process, to its end."""
         child = pipeline.with_options(flow_run_name=_child_name(number, total))
-        state = child(preset=self.preset, config=config, corpus=self.corpus, store=self.root,
-                      processes=self.processes, return_state=True)
+        state = child(
+            preset=self.preset,
+            config=config,
+            corpus=self.corpus,
+            store=self.root,
+            processes=self.processes,
+            return_state=True,
+        )
         stopping.check(f"during sweep run {number} of {total}")  # a stopped child stops the sweep
         run = Trial(varying, number=number)
         if state.is_completed():
@@ -174,9 +202,18 @@ class Place:
         """A run of the ``sweep`` deployment on the pool, started; it runs when a worker takes it."""
         from prefect.deployments import run_deployment
 
-        child = run_deployment(DEPLOYMENT, timeout=0, flow_run_name=_child_name(number, total), parameters={
-            "preset": self.preset, "config": config.model_dump(mode="json"), "corpus": self.corpus,
-            "store": self.root, "processes": self.processes})
+        child = run_deployment(
+            DEPLOYMENT,
+            timeout=0,
+            flow_run_name=_child_name(number, total),
+            parameters={
+                "preset": self.preset,
+                "config": config.model_dump(mode="json"),
+                "corpus": self.corpus,
+                "store": self.root,
+                "processes": self.processes,
+            },
+        )
         return Trial(varying, number=number, flow_run=str(cast("FlowRun", child).id))  # the synchronous call's result
 
     def ended(self, client, run: Trial, total: int) -> bool:
@@ -242,16 +279,24 @@ def check_pool(pool: str) -> None:
         try:
             deployment = client.read_deployment_by_name(DEPLOYMENT)
         except ObjectNotFound:
-            raise ConfigError(f"there is no deployment {DEPLOYMENT} on this server; from the repository folder run "
-                              f"`prefect --no-prompt deploy --name sweep --pool {pool}`") from None
+            raise ConfigError(
+                f"there is no deployment {DEPLOYMENT} on this server; from the repository folder run "
+                f"`prefect --no-prompt deploy --name sweep --pool {pool}`"
+            ) from None
         if deployment.work_pool_name != pool:
-            raise ConfigError(f"deployment {DEPLOYMENT} runs on work pool {deployment.work_pool_name!r}, not {pool!r}; "
-                              f"pass --pool {deployment.work_pool_name} or deploy it on {pool}: "
-                              f"`prefect --no-prompt deploy --name sweep --pool {pool}`")
+            raise ConfigError(
+                f"deployment {DEPLOYMENT} runs on work pool {deployment.work_pool_name!r}, not {pool!r}; "
+                f"pass --pool {deployment.work_pool_name} or deploy it on {pool}: "
+                f"`prefect --no-prompt deploy --name sweep --pool {pool}`"
+            )
         workers = client.read_workers_for_work_pool(pool)
     if not any(worker.status == "ONLINE" for worker in workers):
-        get_run_logger().warning("no worker is polling work pool %s; the sweep's runs wait until one starts "
-                                 "(`prefect worker start --pool %s`)", pool, pool)
+        get_run_logger().warning(
+            "no worker is polling work pool %s; the sweep's runs wait until one starts "
+            "(`prefect worker start --pool %s`)",
+            pool,
+            pool,
+        )
 
 
 def _on_pool(configurations, configs, place: Place, progress) -> list[Trial]:
@@ -260,8 +305,10 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[Trial]:
     from prefect.client.orchestration import get_client
 
     logger, total = get_run_logger(), len(configs)
-    runs = [place.submit(number, total, varying, config)
-            for number, (varying, config) in enumerate(zip(configurations, configs, strict=True), 1)]
+    runs = [
+        place.submit(number, total, varying, config)
+        for number, (varying, config) in enumerate(zip(configurations, configs, strict=True), 1)
+    ]
     logger.info("sweep: %d runs submitted to work pool %s", total, place.pool, extra=ui.TERMINAL)
     done = 0
     with get_client(sync_client=True) as client:
@@ -272,8 +319,9 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[Trial]:
                 if run.status == "running" and place.ended(client, run, total):
                     done += 1
                     progress(done)
-                    logger.info("sweep: %d of %d done (run %d: %s)", done, total, run.number, run.status,
-                                extra=ui.TERMINAL)
+                    logger.info(
+                        "sweep: %d of %d done (run %d: %s)", done, total, run.number, run.status, extra=ui.TERMINAL
+                    )
     return runs
 
 
@@ -287,8 +335,9 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
     logger, total = get_run_logger(), spec["trials"]
     study = Search(spec, place.root, listed)
     if study.resumed:
-        logger.info("search %s: resuming with %d of %d trials finished", study.name, study.finished(), total,
-                    extra=ui.TERMINAL)
+        logger.info(
+            "search %s: resuming with %d of %d trials finished", study.name, study.finished(), total, extra=ui.TERMINAL
+        )
     else:
         logger.info("search %s: a new study of %d trials in %s", study.name, total, place.root, extra=ui.TERMINAL)
 
@@ -343,13 +392,23 @@ def _child_stages(client, run_id, root: str) -> dict[str, StageRow]:
     stages = {}
     for row in rows:
         version = store.lookup(row["stage"], row["key"])
-        stages[row["stage"]] = StageRow(row["state"], row["key"], version.location if version else "",
-                                        version.metrics if version else {}, row["seconds"])
+        stages[row["stage"]] = StageRow(
+            row["state"],
+            row["key"],
+            version.location if version else "",
+            version.metrics if version else {},
+            row["seconds"],
+        )
     return stages
 
 
-def publish(rows: list[dict[str, Any]], curves: list[tuple[str, list[dict[str, Any]]]], preset: str,
-            best: dict[str, Any] | None = None, study: str | None = None) -> None:
+def publish(
+    rows: list[dict[str, Any]],
+    curves: list[tuple[str, list[dict[str, Any]]]],
+    preset: str,
+    best: dict[str, Any] | None = None,
+    study: str | None = None,
+) -> None:
     """The sweep's artifact: the table, the overlaid curves (embedded: they render offline)
     and the best run as a ready ``--set`` line."""
     header = list(rows[0])

@@ -17,8 +17,9 @@ from .config_file import parse_assignment, parse_value
 MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
 
 
-def grid_configurations(preset: str, base: dict[str, Any], grid: list[str], listed: list[str],
-                         max_runs: int = MAX_SWEEP_RUNS) -> list[dict[str, Any]]:
+def grid_configurations(
+    preset: str, base: dict[str, Any], grid: list[str], listed: list[str], max_runs: int = MAX_SWEEP_RUNS
+) -> list[dict[str, Any]]:
     """The settings that vary between a sweep's runs, one dict per run: every combination of
     the ``grid`` (``key=v1,v2,…``, each value JSON when it parses as JSON), then each ``listed``
     configuration (a JSON object of ``key: value``). Each is validated together with the
@@ -40,16 +41,19 @@ def grid_configurations(preset: str, base: dict[str, Any], grid: list[str], list
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ConfigError(f"--list expects a JSON object of settings, e.g. '{{\"train.steps\": 100}}'; "
-                              f"got {text!r} ({error.msg})") from error
+            raise ConfigError(
+                f"--list expects a JSON object of settings, e.g. '{{\"train.steps\": 100}}'; got {text!r} ({error.msg})"
+            ) from error
         if not isinstance(entry, dict) or not entry:
             raise ConfigError(f"--list expects a non-empty JSON object of settings, got {text!r}")
         runs.append(entry)
     if not runs:
         raise ConfigError("a sweep needs at least one --grid key=v1,v2 or --list '{\"key\": value}'")
     if len(runs) > max_runs:
-        raise ConfigError(f"the sweep has {len(runs)} runs, more than the maximum of {max_runs}; "
-                          f"narrow the grid, or raise the limit with --max-runs {len(runs)}")
+        raise ConfigError(
+            f"the sweep has {len(runs)} runs, more than the maximum of {max_runs}; "
+            f"narrow the grid, or raise the limit with --max-runs {len(runs)}"
+        )
     seen: dict[str, int] = {}
     for number, varying in enumerate(runs, 1):
         try:
@@ -76,8 +80,9 @@ def parse_range(key: str, raw: str) -> dict[str, Any] | None:
     try:
         low, high = json.loads(low_text), json.loads(high_text)
     except json.JSONDecodeError:
-        raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH of two numbers, e.g. {key}=1e-3..3e-2:log") \
-            from None
+        raise ConfigError(
+            f"--set {key}={raw}: a range is LOW..HIGH of two numbers, e.g. {key}=1e-3..3e-2:log"
+        ) from None
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low < high:
         raise ConfigError(f"--set {key}={raw}: a range is LOW..HIGH with LOW < HIGH, e.g. {key}=1e-3..3e-2:log")
     if scale and low <= 0:
@@ -114,8 +119,9 @@ def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid
     return space
 
 
-def study_name(preset: str, base: dict[str, Any], space: dict[str, dict[str, Any]], listed: list[dict[str, Any]],
-               seed: int) -> str:
+def study_name(
+    preset: str, base: dict[str, Any], space: dict[str, dict[str, Any]], listed: list[dict[str, Any]], seed: int
+) -> str:
     """What defines a search, as a name: the same command, the same study."""
     digest = hashlib.sha256(json.dumps([preset, base, space, listed, seed], sort_keys=True).encode()).hexdigest()
     return f"search-{digest[:12]}"
@@ -148,8 +154,17 @@ class SweepPlan:
     search: dict[str, Any] | None = None
 
 
-def plan(preset: str, base: dict[str, Any], grid: list[str], listed: list[str], ranges: dict[str, str],
-         trials: int | None, parallel: int = 1, seed: int = 0, max_runs: int = MAX_SWEEP_RUNS) -> SweepPlan:
+def plan(
+    preset: str,
+    base: dict[str, Any],
+    grid: list[str],
+    listed: list[str],
+    ranges: dict[str, str],
+    trials: int | None,
+    parallel: int = 1,
+    seed: int = 0,
+    max_runs: int = MAX_SWEEP_RUNS,
+) -> SweepPlan:
     """A grid or list sweep's configurations, or (``trials``) a search's space, each checked."""
     if trials is None:
         return SweepPlan(grid_configurations(preset, base, grid, listed, max_runs))
@@ -157,7 +172,13 @@ def plan(preset: str, base: dict[str, Any], grid: list[str], listed: list[str], 
     configurations = [json.loads(text) for text in listed]
     if configurations:
         grid_configurations(preset, base, [], listed, max_runs)  # each checked
-    return SweepPlan(configurations, {"trials": trials, "parallel": parallel, "space": space, "seed": seed,
-                                      "study": study_name(preset, base, space, configurations, seed)})
-
-
+    return SweepPlan(
+        configurations,
+        {
+            "trials": trials,
+            "parallel": parallel,
+            "space": space,
+            "seed": seed,
+            "study": study_name(preset, base, space, configurations, seed),
+        },
+    )

@@ -22,8 +22,11 @@ from ..runtime import trackers as tracking
 DEFAULT_EXPERIMENT = "bardflow"
 TRAINING = ("train_single", "train_parallel")
 # What each stage adds to the MLflow run's artifacts: (file of its version, artifact folder).
-ARTIFACTS = {"compare": (("curves.png", None), ("throughput.png", None)), "export": (("export", "export"),),
-             "generate": (("samples.json", None),)}
+ARTIFACTS = {
+    "compare": (("curves.png", None), ("throughput.png", None)),
+    "export": (("export", "export"),),
+    "generate": (("samples.json", None),),
+}
 EXTRAS = {"mlflow": ("mlflow", "mlflow"), "tensorboard": ("tensorboard", "tensorboard")}
 
 
@@ -40,8 +43,9 @@ def track_settings(texts: list[str]) -> dict[str, str]:
         elif kind == "tensorboard":
             where = where if "://" in where else str(Path(where or "runs").resolve())  # a URL is refused later
         else:
-            raise ConfigError(f"unknown tracker {kind!r} in --track {text}; use --track mlflow[=URI] or "
-                              "--track tensorboard[=DIR]")
+            raise ConfigError(
+                f"unknown tracker {kind!r} in --track {text}; use --track mlflow[=URI] or --track tensorboard[=DIR]"
+            )
         settings[f"track.{kind}"] = where
     return settings
 
@@ -49,15 +53,20 @@ def track_settings(texts: list[str]) -> dict[str, str]:
 def check_installed(track: TrackConfig) -> None:
     for kind, (module, extra) in EXTRAS.items():
         if getattr(track, kind) is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"tracking with {kind} needs the {module} package, which is not installed: "
-                              f"pip install 'bardflow[{extra}]'")
+            raise ConfigError(
+                f"tracking with {kind} needs the {module} package, which is not installed: "
+                f"pip install 'bardflow[{extra}]'"
+            )
 
 
 def _flat(config: PipelineConfig) -> dict[str, str]:
     """Every setting as ``section.field``: text as it is, anything else as JSON."""
     values = config.model_dump(mode="json", exclude={"track"})
-    return {f"{section}.{field}": value if isinstance(value, str) else json.dumps(value)
-            for section, fields in values.items() for field, value in fields.items()}
+    return {
+        f"{section}.{field}": value if isinstance(value, str) else json.dumps(value)
+        for section, fields in values.items()
+        for field, value in fields.items()
+    }
 
 
 class RunTracking:
@@ -83,8 +92,9 @@ class RunTracking:
             if link:
                 tags["prefect.flow_run_url"] = link
                 tags["mlflow.note.content"] = f"Prefect flow run: [{run.run_name}]({link})"
-            run.mlflow = tracking.MlflowRun.create(track.mlflow, track.experiment or DEFAULT_EXPERIMENT,
-                                                   run.run_name, tags, warn)
+            run.mlflow = tracking.MlflowRun.create(
+                track.mlflow, track.experiment or DEFAULT_EXPERIMENT, run.run_name, tags, warn
+            )
             if run.mlflow is not None:
                 run.mlflow.params(_flat(config))
         if track.tensorboard is not None:
@@ -97,8 +107,10 @@ class RunTracking:
                 probe.write_bytes(b"")
                 probe.unlink()
             except OSError as error:
-                warn(f"TensorBoard at {track.tensorboard} failed while making the run's folder "
-                     f"({error.__class__.__name__}: {error.strerror or error}); the run goes on without it")
+                warn(
+                    f"TensorBoard at {track.tensorboard} failed while making the run's folder "
+                    f"({error.__class__.__name__}: {error.strerror or error}); the run goes on without it"
+                )
                 run.track = track.model_copy(update={"tensorboard": None})
         return run
 
@@ -108,8 +120,9 @@ class RunTracking:
         folder = str(Path(self.track.tensorboard) / self.run_name / stage) if self.track.tensorboard else None
         if mlflow is None and folder is None:
             return None
-        return TrackingTarget(stage=stage, mlflow=mlflow and mlflow.where, mlflow_run=mlflow and mlflow.run_id,
-                              tensorboard=folder)
+        return TrackingTarget(
+            stage=stage, mlflow=mlflow and mlflow.where, mlflow_run=mlflow and mlflow.run_id, tensorboard=folder
+        )
 
     def stage_done(self, stage: str, state: str, version: Version) -> None:
         if self.mlflow is not None:
@@ -129,16 +142,21 @@ class RunTracking:
         if self.mlflow is not None:
             uri = self.mlflow.where
             experiment = self.track.experiment or DEFAULT_EXPERIMENT
-            shown = f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://")) \
-                else f"open {uri}"
+            shown = (
+                f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://")) else f"open {uri}"
+            )
             beside = ""
             if uri.startswith("sqlite:///"):
                 beside = f", its files in {Path(uri.removeprefix('sqlite:///')).resolve().parent / 'mlartifacts'}"
-            lines.append(f"MLflow: run {self.run_name} ({self.mlflow.run_id}) in experiment {experiment} at {uri}"
-                         f"{beside}; see it with `{shown}`")
+            lines.append(
+                f"MLflow: run {self.run_name} ({self.mlflow.run_id}) in experiment {experiment} at {uri}"
+                f"{beside}; see it with `{shown}`"
+            )
         if self.track.tensorboard is not None:
-            lines.append(f"TensorBoard: event files in {Path(self.track.tensorboard) / self.run_name}; see them with "
-                         f"`tensorboard --logdir {self.track.tensorboard}`")
+            lines.append(
+                f"TensorBoard: event files in {Path(self.track.tensorboard) / self.run_name}; see them with "
+                f"`tensorboard --logdir {self.track.tensorboard}`"
+            )
         return lines
 
     def end(self, status: str) -> None:

@@ -89,8 +89,9 @@ def _leader_only():
     to it first when split over the processes' devices, ``_host_copy``): checkpoints need no
     filesystem shared by the processes (each may have its own working folder), and the
     others get a restored state by broadcast, each keeping its own part."""
-    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0},
-                                              barrier_sync_key_prefix="bardflow-leader")
+    return ocp.options.MultiprocessingOptions(
+        primary_host=0, active_processes={0}, barrier_sync_key_prefix="bardflow-leader"
+    )
 
 
 def _split_over_processes(tree) -> bool:
@@ -179,8 +180,10 @@ def _files_of(step_dir: Path) -> dict[str, list]:
     found = {}
     for file in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != SEAL):
         with open(file, "rb") as handle:
-            found[file.relative_to(step_dir).as_posix()] = [file.stat().st_size,
-                                                            hashlib.file_digest(handle, "sha256").hexdigest()]
+            found[file.relative_to(step_dir).as_posix()] = [
+                file.stat().st_size,
+                hashlib.file_digest(handle, "sha256").hexdigest(),
+            ]
     return found
 
 
@@ -224,8 +227,13 @@ class TrainingCheckpoints:
     ``_leader_only``); ``latest`` broadcasts what it restored to the other processes.
     """
 
-    def __init__(self, directory: Path, keep: int, saved: Callable[[], None] | None = None,
-                 note: Callable[[str], None] = lambda message: None):
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        saved: Callable[[], None] | None = None,
+        note: Callable[[str], None] = lambda message: None,
+    ):
         self.directory, self.saved, self.manager = Path(directory).absolute(), saved, None
         self.keep, self.note = keep, note
         self._committing: list[int] = []  # steps saved whose seal is not written yet
@@ -241,10 +249,16 @@ class TrainingCheckpoints:
 
     def _manager(self) -> ocp.CheckpointManager:
         multi = jax.process_count() > 1
-        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(self.keep), enable_async_checkpointing=True,
-            create=not multi, async_options=ocp.options.AsyncOptions(post_finalization_callback=self._finalized),
-            multiprocessing_options=_leader_only() if multi else ocp.options.MultiprocessingOptions()))
+        return ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=ocp.checkpoint_managers.LatestN(self.keep),
+                enable_async_checkpointing=True,
+                create=not multi,
+                async_options=ocp.options.AsyncOptions(post_finalization_callback=self._finalized),
+                multiprocessing_options=_leader_only() if multi else ocp.options.MultiprocessingOptions(),
+            ),
+        )
 
     def set_aside(self, step: int, why: str) -> None:
         """Moves a damaged checkpoint out of the way (kept, for a look), and says so."""
@@ -256,15 +270,16 @@ class TrainingCheckpoints:
             target = self.directory / f"damaged-{step}.{suffix}"
         os.rename(source, target)
         older = [s for s in self.steps(self.directory) if s < step]
-        self.note(f"the training checkpoint of step {step} in {self.directory} is damaged ({why}); set aside as "
-                  f"{target.name}, resuming from " + (f"step {older[-1]}" if older else "the start"))
+        self.note(
+            f"the training checkpoint of step {step} in {self.directory} is damaged ({why}); set aside as "
+            f"{target.name}, resuming from " + (f"step {older[-1]}" if older else "the start")
+        )
 
     def _finalized(self) -> None:
         """Orbax's word (on its writing thread) that the oldest pending save is complete and is
         about to be renamed into place: its seal is written once it is there."""
         step = self._committing.pop(0)
-        sealer = threading.Thread(target=self._seal_when_there, args=(step,), name=f"bardflow-seal-{step}",
-                                  daemon=True)
+        sealer = threading.Thread(target=self._seal_when_there, args=(step,), name=f"bardflow-seal-{step}", daemon=True)
         self._sealers.append(sealer)
         sealer.start()
 
@@ -298,8 +313,9 @@ class TrainingCheckpoints:
         if jax.process_index() == 0:
             require_space(self.directory, _nbytes(pure), f"the checkpoint of step {step}")
         self._committing.append(step)
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
-                                                        record=ocp.args.JsonSave(record)))
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure), record=ocp.args.JsonSave(record))
+        )
         if self.saved is not None:
             self.manager.wait_until_finished()
             self._sealed()
@@ -329,8 +345,7 @@ class TrainingCheckpoints:
 
     def _restore_newest(self, step: int | None, pure: dict, multi: bool) -> tuple[Any, int | None]:
         """The newest checkpoint Orbax can read, from ``step`` down; one it cannot is set aside."""
-        abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure) if multi else \
-            jax.tree.map(_abstract, pure)
+        abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure) if multi else jax.tree.map(_abstract, pure)
         while step is not None and self.manager is not None:
             try:
                 return self.manager.restore(
@@ -362,8 +377,9 @@ def _from_leader(template: dict, restored: Mapping[str, Any] | None) -> tuple[di
 
     host = restored["state"] if restored is not None else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
     shared = multihost_utils.broadcast_one_to_all(host)
-    state = jax.tree.map(lambda x, value: jax.make_array_from_callback(x.shape, x.sharding, _reader(value)),
-                         template, shared)
+    state = jax.tree.map(
+        lambda x, value: jax.make_array_from_callback(x.shape, x.sharding, _reader(value)), template, shared
+    )
     return state, broadcast_json(restored["record"] if restored is not None else None)
 
 

@@ -10,9 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import BardflowError
 
-TINYSHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 BYTE_VALUES = 256  # the data is raw bytes: token ids 0..255
 
@@ -37,20 +35,32 @@ MAX_STEPS = 10_000_000
 
 
 class DataConfig(_Section, frozen=True):
-    corpus: str = Field(default=TINYSHAKESPEARE_URL, min_length=1, description="https URL, file:// URL or local "
-                        "path: a file or a folder; .gz, .xz, .zst and .zip are decompressed as they are read")
-    glob: str | None = Field(default=None, min_length=1, max_length=1_000, description="which of a folder's files "
-                             "are the corpus (e.g. '**/*.md'; ** is any depth); default: .txt files, compressed "
-                             "or not")
+    corpus: str = Field(
+        default=TINYSHAKESPEARE_URL,
+        min_length=1,
+        description="https URL, file:// URL or local "
+        "path: a file or a folder; .gz, .xz, .zst and .zip are decompressed as they are read",
+    )
+    glob: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1_000,
+        description="which of a folder's files "
+        "are the corpus (e.g. '**/*.md'; ** is any depth); default: .txt files, compressed "
+        "or not",
+    )
     # None: computed from a local file or folder when the run starts, the known checksum of
     # the default download; any other download needs its own (it is checked against it).
     md5: str | None = Field(
-        default=None, pattern=r"^[0-9a-f]{32}$", description="md5 of the corpus (a local one: computed)")
+        default=None, pattern=r"^[0-9a-f]{32}$", description="md5 of the corpus (a local one: computed)"
+    )
     seq_len: int = Field(default=256, gt=1, description="bytes per training sequence")
     every_position: bool = Field(
-        default=False, description="store windows of seq_len + 1 bytes, so that each of the model's seq_len "
+        default=False,
+        description="store windows of seq_len + 1 bytes, so that each of the model's seq_len "
         "positions learns to predict the next byte; the codelab's windows of seq_len bytes leave the last "
-        "position without a target, and sampling from a full context suffers")
+        "position without a target, and sampling from a full context suffers",
+    )
     train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
     shuffle_seed: Seed = 0
 
@@ -75,7 +85,8 @@ class ModelConfig(_Section, frozen=True):
     # Small-model refinements from the modded-nanogpt speedrun records, each off by default
     # (the codelab's model) and measured alone on the cpu preset (docs/benchmarks.md).
     mlp: Literal["gelu", "relu2"] = Field(
-        default="gelu", description="the MLP's activation: gelu | relu2 (ReLU squared)")
+        default="gelu", description="the MLP's activation: gelu | relu2 (ReLU squared)"
+    )
     qk_norm: bool = Field(default=False, description="RMS-normalise each head's queries and keys before attention")
     zero_init: bool = Field(default=False, description="start the attention and MLP output projections at zero")
     logit_cap: float | None = Field(default=None, gt=0, description="cap the logits softly: cap * tanh(logits / cap)")
@@ -98,60 +109,102 @@ class ModelConfig(_Section, frozen=True):
 class TrainConfig(_Section, frozen=True):
     steps: int = Field(default=500, gt=0, le=MAX_STEPS, description="timed optimizer steps per training stage")
     single_device_steps: int = Field(
-        default=0, ge=0, description="steps train_single runs, of the same schedule: it measures one device's "
-        "throughput for the comparison, which needs far fewer steps than training does. 0 = all of steps")
+        default=0,
+        ge=0,
+        description="steps train_single runs, of the same schedule: it measures one device's "
+        "throughput for the comparison, which needs far fewer steps than training does. 0 = all of steps",
+    )
     per_device_batch: int = Field(default=32, gt=0)
     learning_rate: float = Field(default=3e-4, gt=0.0, description="the peak learning rate")
     schedule: Literal["constant", "cosine"] = Field(
-        default="constant", description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
-        "min_learning_rate_fraction of the peak at the last step")
+        default="constant",
+        description="constant (the codelab), or cosine: linear warmup, then cosine decay to "
+        "min_learning_rate_fraction of the peak at the last step",
+    )
     warmup_steps: int = Field(
-        default=0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate")
-    min_learning_rate_fraction: float = Field(default=0.1, ge=0.0, le=1.0,
-                                              description="cosine's floor, as a fraction of the peak")
+        default=0, ge=0, le=MAX_STEPS, description="steps of linear warmup from 0 to learning_rate"
+    )
+    min_learning_rate_fraction: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="cosine's floor, as a fraction of the peak"
+    )
     grad_clip: float = Field(default=0.0, ge=0.0, description="clip the gradient's global norm to this; 0 = off")
     weight_decay: float = Field(default=1e-4, ge=0.0)
     optimizer: Literal["adamw", "muon"] = Field(
-        default="adamw", description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) "
-        "for the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases")
+        default="adamw",
+        description="adamw (the codelab), or muon: Muon (momentum orthogonalised by Newton-Schulz) "
+        "for the blocks' weight matrices at muon_learning_rate, AdamW for embeddings, head, norms and biases",
+    )
     muon_learning_rate: float = Field(default=0.02, gt=0.0, description="Muon's peak learning rate (same schedule)")
-    muon_ns_steps: int = Field(default=5, ge=1, le=10,
-                               description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's update; "
-                                           "fewer make a step cheaper and the update less orthogonal")
-    beta2: float = Field(default=0.999, gt=0.0, lt=1.0, description="AdamW's second-moment decay; 0.99 adapts "
-                         "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)")
+    muon_ns_steps: int = Field(
+        default=5,
+        ge=1,
+        le=10,
+        description="Newton-Schulz iterations (optax's 5) that orthogonalise Muon's update; "
+        "fewer make a step cheaper and the update less orthogonal",
+    )
+    beta2: float = Field(
+        default=0.999,
+        gt=0.0,
+        lt=1.0,
+        description="AdamW's second-moment decay; 0.99 adapts "
+        "faster, which suits short runs with small batches (nanoGPT's shakespeare_char)",
+    )
     log_every: int = Field(default=100, gt=0, le=MAX_STEPS, description="record loss every N steps")
-    eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="evaluate the validation rows every N "
-                            "steps (from step 0) and after the last; 0 = at every record (log_every)")
-    eval_rows: int = Field(default=0, ge=0, description="validation rows evaluated, a fixed seeded choice when the "
-                           "split has more; 0 = auto: the whole split up to 30 global batches (about ten steps' "
-                           "cost) or a MiB of tokens, whichever is more")
+    eval_every: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_STEPS,
+        description="evaluate the validation rows every N "
+        "steps (from step 0) and after the last; 0 = at every record (log_every)",
+    )
+    eval_rows: int = Field(
+        default=0,
+        ge=0,
+        description="validation rows evaluated, a fixed seeded choice when the "
+        "split has more; 0 = auto: the whole split up to 30 global batches (about ten steps' "
+        "cost) or a MiB of tokens, whichever is more",
+    )
     init_seed: Seed = 1
     checkpoint_every: int = Field(
-        default=100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps")
+        default=100, gt=0, le=MAX_STEPS, description="save a resumable checkpoint every N steps"
+    )
     keep_checkpoints: int = Field(default=2, gt=0, description="resumable checkpoints kept while training")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
-        default="auto", description="compute dtype; parameters and optimizer state stay float32. "
-        "auto: bfloat16 on GPU/TPU, float32 on CPU (measured no faster in bfloat16, even with avx512_bf16)")
+        default="auto",
+        description="compute dtype; parameters and optimizer state stay float32. "
+        "auto: bfloat16 on GPU/TPU, float32 on CPU (measured no faster in bfloat16, even with avx512_bf16)",
+    )
     micro_batch: int = Field(
-        default=0, ge=0, description="rows per forward/backward pass inside a step, gradients summed over "
+        default=0,
+        ge=0,
+        description="rows per forward/backward pass inside a step, gradients summed over "
         "the passes: the same update in cache-sized pieces. 0 = auto: about 512 tokens per pass "
-        "on CPU, the whole per-device batch on GPU/TPU")
+        "on CPU, the whole per-device batch on GPU/TPU",
+    )
     sharding: Literal["replicated", "fsdp"] = Field(
-        default="replicated", description="how data-parallel devices hold the training state: replicated (a "
+        default="replicated",
+        description="how data-parallel devices hold the training state: replicated (a "
         "whole copy each) or fsdp (each parameter and its optimizer state split over the devices, gathered "
-        "where used: a model larger than one device's memory)")
-    remat: bool = Field(default=False, description="recompute each block's activations in the backward pass "
-                        "instead of keeping them: less memory for about a third more compute")
+        "where used: a model larger than one device's memory)",
+    )
+    remat: bool = Field(
+        default=False,
+        description="recompute each block's activations in the backward pass "
+        "instead of keeping them: less memory for about a third more compute",
+    )
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> TrainConfig:
         if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} leaves no step of training after it (steps="
-                             f"{self.steps}); use fewer warmup steps")
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} leaves no step of training after it (steps="
+                f"{self.steps}); use fewer warmup steps"
+            )
         if self.single_device_steps > self.steps:
-            raise ValueError(f"single_device_steps={self.single_device_steps} is more than steps={self.steps}; "
-                             "use at most steps, or 0 for all of them")
+            raise ValueError(
+                f"single_device_steps={self.single_device_steps} is more than steps={self.steps}; "
+                "use at most steps, or 0 for all of them"
+            )
         return self
 
     @model_validator(mode="after")
@@ -175,17 +228,22 @@ class Prompt(_Section, frozen=True):
 
 
 class GenerateConfig(_Section, frozen=True):
-    prompts: tuple[Prompt, ...] = Field(min_length=1, max_length=MAX_PROMPTS, default=(
-        Prompt(text="ROMEO:", temperature=0.8),
-        Prompt(text="To be, or not", temperature=0.6),
-    ))
+    prompts: tuple[Prompt, ...] = Field(
+        min_length=1,
+        max_length=MAX_PROMPTS,
+        default=(
+            Prompt(text="ROMEO:", temperature=0.8),
+            Prompt(text="To be, or not", temperature=0.6),
+        ),
+    )
     max_new_bytes: int = Field(default=300, gt=0, le=1_000_000)
     seed: Seed = 42
 
 
 class VerifyConfig(_Section, frozen=True):
     tolerance: float = Field(
-        default=1e-5, gt=0, description="largest |trained - restored| logit difference that passes")
+        default=1e-5, gt=0, description="largest |trained - restored| logit difference that passes"
+    )
     init_seed: Seed = Field(default=99, description="seed of the fresh model; differs from training's")
     probe_sequences: int = Field(default=4, gt=0, description="validation sequences in the probe batch")
 
@@ -194,19 +252,30 @@ class TrackConfig(_Section, frozen=True):
     """Where a run reports its configuration and curves while it trains: nowhere by default.
     Never part of a version key: where a run is watched does not change what it builds."""
 
-    mlflow: str | None = Field(default=None, min_length=1, description="MLflow tracking URI (sqlite:///path.db, "
-                               "http://host:5000, ...); the run is one MLflow run")
-    tensorboard: str | None = Field(default=None, min_length=1, description="folder for TensorBoard event files, "
-                                    "one subfolder per run and training stage")
-    experiment: str | None = Field(default=None, min_length=1, description="MLflow experiment (default bardflow; "
-                                   "a sweep's children: the sweep's own)")
+    mlflow: str | None = Field(
+        default=None,
+        min_length=1,
+        description="MLflow tracking URI (sqlite:///path.db, http://host:5000, ...); the run is one MLflow run",
+    )
+    tensorboard: str | None = Field(
+        default=None,
+        min_length=1,
+        description="folder for TensorBoard event files, one subfolder per run and training stage",
+    )
+    experiment: str | None = Field(
+        default=None,
+        min_length=1,
+        description="MLflow experiment (default bardflow; a sweep's children: the sweep's own)",
+    )
 
     @field_validator("tensorboard")
     @classmethod
     def _local_folder(cls, value: str | None) -> str | None:
         if value is not None and "://" in value:
-            raise ValueError(f"{value!r} is not a local folder; TensorBoard event files are written to a local "
-                             "folder (point TensorBoard's --logdir at it)")
+            raise ValueError(
+                f"{value!r} is not a local folder; TensorBoard event files are written to a local "
+                "folder (point TensorBoard's --logdir at it)"
+            )
         return value
 
 
@@ -257,8 +326,12 @@ class TrainingRequest(_Section, frozen=True):
     devices: int = Field(gt=0)
     platform: str
     processes: int = Field(default=1, gt=0)
-    stop_after: int | None = Field(default=None, gt=0, description="run only the first N steps of train.steps' "
-                                   "schedule (train_single's throughput measurement); None = all")
+    stop_after: int | None = Field(
+        default=None,
+        gt=0,
+        description="run only the first N steps of train.steps' "
+        "schedule (train_single's throughput measurement); None = all",
+    )
     report: TrackingTarget | None = None  # where its records go as it trains; not part of the recipe
 
     @property
@@ -270,9 +343,14 @@ class TrainingRequest(_Section, frozen=True):
         """What decides the trained state: not how often it is checkpointed, nor which of
         two equal kernels computes it, nor how far the other training stage runs."""
         # sharding and remat change where and when a step computes, not what (to float rounding).
-        recipe = self.model_dump(mode="json", exclude={
-            "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps", "sharding", "remat"},
-            "model": {"attention", "dense"}, "report": True})
+        recipe = self.model_dump(
+            mode="json",
+            exclude={
+                "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps", "sharding", "remat"},
+                "model": {"attention", "dense"},
+                "report": True,
+            },
+        )
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
         for field in ("muon_ns_steps", "eval_every", "eval_rows"):  # at their defaults, keys from before them stay
@@ -294,11 +372,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     # whole validation split (about a second each) evaluated every 230.
     "cpu": {
         "data": {"seq_len": 128, "every_position": True},
-        "model": {"d_model": 128, "num_heads": 4, "ffn_dim": 512, "num_layers": 2, "max_seq_len": 128,
-                  "positions": "rope", "zero_init": True},
-        "train": {"steps": 460, "single_device_steps": 30, "per_device_batch": 16, "optimizer": "muon",
-                  "muon_learning_rate": 0.03, "learning_rate": 2e-2, "beta2": 0.99, "schedule": "cosine",
-                  "warmup_steps": 20, "grad_clip": 1.0, "log_every": 46, "eval_every": 230, "checkpoint_every": 100},
+        "model": {
+            "d_model": 128,
+            "num_heads": 4,
+            "ffn_dim": 512,
+            "num_layers": 2,
+            "max_seq_len": 128,
+            "positions": "rope",
+            "zero_init": True,
+        },
+        "train": {
+            "steps": 460,
+            "single_device_steps": 30,
+            "per_device_batch": 16,
+            "optimizer": "muon",
+            "muon_learning_rate": 0.03,
+            "learning_rate": 2e-2,
+            "beta2": 0.99,
+            "schedule": "cosine",
+            "warmup_steps": 20,
+            "grad_clip": 1.0,
+            "log_every": 46,
+            "eval_every": 230,
+            "checkpoint_every": 100,
+        },
         "generate": {"max_new_bytes": 200},
     },
     # Time to quality on one GPU: nanoGPT's shakespeare_char shape (6 layers, width 384,
@@ -309,11 +406,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     # --preset quality`). On a CPU it runs, slowly.
     "quality": {
         "data": {"seq_len": 256, "every_position": True},
-        "model": {"d_model": 384, "num_heads": 6, "ffn_dim": 1536, "num_layers": 6, "max_seq_len": 256,
-                  "positions": "rope", "zero_init": True},
-        "train": {"steps": 2000, "single_device_steps": 200, "per_device_batch": 64, "optimizer": "muon",
-                  "muon_learning_rate": 0.02, "learning_rate": 3e-3, "schedule": "cosine", "warmup_steps": 100,
-                  "grad_clip": 1.0, "beta2": 0.99, "log_every": 100, "checkpoint_every": 500},
+        "model": {
+            "d_model": 384,
+            "num_heads": 6,
+            "ffn_dim": 1536,
+            "num_layers": 6,
+            "max_seq_len": 256,
+            "positions": "rope",
+            "zero_init": True,
+        },
+        "train": {
+            "steps": 2000,
+            "single_device_steps": 200,
+            "per_device_batch": 64,
+            "optimizer": "muon",
+            "muon_learning_rate": 0.02,
+            "learning_rate": 3e-3,
+            "schedule": "cosine",
+            "warmup_steps": 100,
+            "grad_clip": 1.0,
+            "beta2": 0.99,
+            "log_every": 100,
+            "checkpoint_every": 500,
+        },
         "generate": {"max_new_bytes": 500},
     },
     # GPT-2 small's shape (12 layers, width 768, 12 heads, context 1,024: about 85 M parameters
@@ -322,12 +437,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     # state split over the devices (fsdp). `bardflow presets gpt2` shows its memory per device.
     "gpt2": {
         "data": {"seq_len": 1024, "every_position": True},
-        "model": {"d_model": 768, "num_heads": 12, "ffn_dim": 3072, "num_layers": 12, "max_seq_len": 1024,
-                  "positions": "rope"},
-        "train": {"steps": 5000, "single_device_steps": 50, "per_device_batch": 16, "learning_rate": 6e-4,
-                  "schedule": "cosine", "warmup_steps": 200, "min_learning_rate_fraction": 0.1, "grad_clip": 1.0,
-                  "weight_decay": 0.1, "beta2": 0.95, "log_every": 100, "eval_every": 1000,
-                  "checkpoint_every": 500, "sharding": "fsdp"},
+        "model": {
+            "d_model": 768,
+            "num_heads": 12,
+            "ffn_dim": 3072,
+            "num_layers": 12,
+            "max_seq_len": 1024,
+            "positions": "rope",
+        },
+        "train": {
+            "steps": 5000,
+            "single_device_steps": 50,
+            "per_device_batch": 16,
+            "learning_rate": 6e-4,
+            "schedule": "cosine",
+            "warmup_steps": 200,
+            "min_learning_rate_fraction": 0.1,
+            "grad_clip": 1.0,
+            "weight_decay": 0.1,
+            "beta2": 0.95,
+            "log_every": 100,
+            "eval_every": 1000,
+            "checkpoint_every": 500,
+            "sharding": "fsdp",
+        },
         "generate": {"max_new_bytes": 500},
     },
     # Seconds, for tests.

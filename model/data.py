@@ -61,8 +61,9 @@ def windows(tokens: np.ndarray, seq_len: int, every_position: bool = False) -> n
     one byte: that byte is the last position's target)."""
     extra = int(every_position)
     count = max(0, (len(tokens) - extra) // seq_len)
-    return np.lib.stride_tricks.as_strided(tokens, shape=(count, seq_len + extra), strides=(seq_len, 1),
-                                           writeable=False)
+    return np.lib.stride_tricks.as_strided(
+        tokens, shape=(count, seq_len + extra), strides=(seq_len, 1), writeable=False
+    )
 
 
 def split_point(num_windows: int, corpus_bytes: int, seq_len: int, train_fraction: float) -> int:
@@ -193,7 +194,7 @@ def write_all(handle, data) -> None:
     """``data`` (bytes, or any buffer) written to the file ``handle``, ``WRITE_BYTES`` at a time."""
     view = memoryview(data).cast("B")
     for start in range(0, len(view), WRITE_BYTES):
-        handle.write(view[start:start + WRITE_BYTES])
+        handle.write(view[start : start + WRITE_BYTES])
 
 
 class DirectFile:
@@ -223,7 +224,7 @@ class DirectFile:
         self.size += written
         while len(view) and self.stage is not None:
             take = min(len(view), DIRECT_BYTES - self.filled)
-            self.stage[self.filled:self.filled + take] = view[:take]
+            self.stage[self.filled : self.filled + take] = view[:take]
             self.filled, view = self.filled + take, view[take:]
             if self.filled == DIRECT_BYTES:
                 self._write(memoryview(self.stage))
@@ -235,10 +236,10 @@ class DirectFile:
     def _write(self, view: memoryview) -> None:
         step = len(view) if self.stage is not None else WRITE_BYTES
         for start in range(0, len(view), step):
-            chunk = view[start:start + step]
+            chunk = view[start : start + step]
             while len(chunk):
                 try:
-                    chunk = chunk[os.write(self.fd, chunk):]
+                    chunk = chunk[os.write(self.fd, chunk) :]
                 except OSError as error:
                     if error.errno != errno.EINVAL or self.stage is None:
                         raise
@@ -254,7 +255,7 @@ class DirectFile:
         try:
             if self.stage is not None and self.filled:
                 padded = -(-self.filled // DIRECT_ALIGN) * DIRECT_ALIGN
-                self.stage[self.filled:padded] = bytes(padded - self.filled)
+                self.stage[self.filled : padded] = bytes(padded - self.filled)
                 self._write(memoryview(self.stage)[:padded])
             if self.direct:
                 os.ftruncate(self.fd, self.size)
@@ -295,10 +296,15 @@ def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
     return pa.record_batch([pa.FixedSizeListArray.from_arrays(values, rows.shape[1])], schema=schema)
 
 
-def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
-                order: np.ndarray | FeistelOrder | None = None,
-                shard_bytes: int | None = None, progress: Callable[[int], None] | None = None,
-                cached: bool = False) -> list[dict]:
+def write_split(
+    folder: Path,
+    rows: np.ndarray,
+    metadata: dict[str, str],
+    order: np.ndarray | FeistelOrder | None = None,
+    shard_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    cached: bool = False,
+) -> list[dict]:
     """Writes ``rows`` (in ``order``, if given: row ``i`` of the split is ``rows[order[i]]``)
     as shards in ``folder``; returns each shard's file name, rows, bytes and sha256 (hashed
     as written). A shard holds ``shard_bytes`` of rows at most (``SHARD_BYTES`` as it is when
@@ -319,14 +325,18 @@ def write_split(folder: Path, rows: np.ndarray, metadata: dict[str, str],
             out = spare.pop()
         except IndexError:
             out = np.empty((per_batch, row), np.uint8)
-        return gather(rows, slice(*batch) if order is None else order[batch[0]:batch[1]], out[:batch[1] - batch[0]])
+        return gather(rows, slice(*batch) if order is None else order[batch[0] : batch[1]], out[: batch[1] - batch[0]])
 
-    batches = prefetched(rows_of, [(start, min(last, start + per_batch))
-                                   for first, last in spans for start in range(first, last, per_batch)])
+    batches = prefetched(
+        rows_of,
+        [(start, min(last, start + per_batch)) for first, last in spans for start in range(first, last, per_batch)],
+    )
     shards = []
     for number, (first, last) in enumerate(spans):
-        schema = pa.schema([pa.field(COLUMN, pa.list_(pa.uint8(), row))],
-                           metadata={**metadata, "shard": str(number), "first_row": str(first)})
+        schema = pa.schema(
+            [pa.field(COLUMN, pa.list_(pa.uint8(), row))],
+            metadata={**metadata, "shard": str(number), "first_row": str(first)},
+        )
         name = f"{number:05d}.arrow"
         written: np.ndarray | None = None
         sink = _Hashing(DirectFile(folder / name, direct=not cached))
@@ -397,8 +407,9 @@ class Rows(Sequence):
     first read) as one read-only sequence: ``rows[a:b]`` reads only those rows (a copy of just
     them), ``take`` a sorted choice of rows; nothing is read whole."""
 
-    def __init__(self, pieces: Sequence, metadata: dict[str, str] | Callable[[], dict[str, str]],
-                 width: int | None = None):
+    def __init__(
+        self, pieces: Sequence, metadata: dict[str, str] | Callable[[], dict[str, str]], width: int | None = None
+    ):
         self.pieces = [p for p in pieces if len(p)]
         self.starts = [int(n) for n in np.cumsum([0] + [len(p) for p in self.pieces])]
         self._metadata = metadata
@@ -413,7 +424,9 @@ class Rows(Sequence):
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, index):  # a slice of rows, one row, or the rows at sorted indices
+    # A slice of rows, one row, or the rows at sorted indices: numpy arrays each, where the
+    # Sequence protocol would have a slice be a Sequence (numpy's own arrays do the same).
+    def __getitem__(self, index):  # pyright: ignore[reportIncompatibleMethodOverride]
         if isinstance(index, np.ndarray):
             return self.take(index)
         if isinstance(index, slice):
@@ -430,7 +443,7 @@ class Rows(Sequence):
         while at < stop:
             piece = bisect.bisect_right(self.starts, at) - 1
             end = min(stop, self.starts[piece + 1])
-            parts.append(self.pieces[piece][at - self.starts[piece]: end - self.starts[piece]])
+            parts.append(self.pieces[piece][at - self.starts[piece] : end - self.starts[piece]])
             at = end
         if len(parts) == 1:
             return parts[0]
@@ -465,8 +478,10 @@ class _Shard:
             pieces, metadata = _mapped(self.path)
             opened = Rows(pieces, metadata)
             if len(opened) != self.rows:
-                raise DataError(f"{self.path} holds {len(opened)} rows where its split's record says "
-                                f"{self.rows}; rerun the encode stage")
+                raise DataError(
+                    f"{self.path} holds {len(opened)} rows where its split's record says "
+                    f"{self.rows}; rerun the encode stage"
+                )
             self._opened = opened
         return self._opened
 
@@ -498,8 +513,7 @@ def _mapped(path: Path) -> tuple[list[np.ndarray], dict[str, str]]:
     return pieces, metadata
 
 
-def read_split(folder: Path, shards: list[dict] | None = None,
-               bring: Callable[[Path], None] | None = None) -> Rows:
+def read_split(folder: Path, shards: list[dict] | None = None, bring: Callable[[Path], None] | None = None) -> Rows:
     """A split's shards (a folder), or one Arrow file, as ``Rows``; the metadata is the
     first shard's, less what differs between shards. With ``shards`` (the encode manifest's
     list: file and rows of each), a shard is opened when a row of it is first read, and

@@ -20,8 +20,10 @@ class DiskFullError(BardflowError, OSError):
     """The disk under the store (or a checkpoint folder) has no room for what must be written."""
 
 
-FREE_SPACE_FIX = ("free some space or put the store on a larger disk, then rerun the same command: finished stages "
-                  "and saved checkpoints are kept")
+FREE_SPACE_FIX = (
+    "free some space or put the store on a larger disk, then rerun the same command: finished stages "
+    "and saved checkpoints are kept"
+)
 
 
 def is_disk_full(error: BaseException | None) -> bool:
@@ -52,5 +54,7 @@ def require_space(folder, nbytes: int, what: str, overhead: int = 1 << 18) -> No
     free = shutil.disk_usage(folder).free
     needed = int(nbytes * 1.1) + overhead  # the format's own files and metadata
     if free < needed:
-        raise DiskFullError(f"no room for {what} in {folder}: it needs about {needed / 2**20:.1f} MiB and "
-                            f"{free / 2**20:.1f} MiB are free; {FREE_SPACE_FIX}")
+        raise DiskFullError(
+            f"no room for {what} in {folder}: it needs about {needed / 2**20:.1f} MiB and "
+            f"{free / 2**20:.1f} MiB are free; {FREE_SPACE_FIX}"
+        )

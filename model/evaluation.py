@@ -26,6 +26,7 @@ def make_eval_sum(graphdef):
     back to back once filled a device's queue of in-flight programs (32) while the other
     emulated device waited in an all-reduce, and with one client thread per core that wait
     could never end (docs/reliability.md, "Data-parallel training on emulated CPU devices")."""
+
     @jax.jit
     def eval_sum(state, tokens, weights):
         model = model_from_state(graphdef, state)
@@ -40,8 +41,9 @@ def make_eval_sum(graphdef):
     return eval_sum
 
 
-def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement,
-                  group_tokens: int = GROUP_TOKENS):
+def make_evaluate(
+    graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement, group_tokens: int = GROUP_TOKENS
+):
     """``state -> loss on the evaluated rows`` (every row once; None without one). Rows of at
     most ``group_tokens`` are placed at a time: the usual case is one group, placed once and
     kept, one program per evaluation; more (a large ``train.eval_rows``) are placed in turn
@@ -55,14 +57,16 @@ def make_evaluate(graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], pl
     if not count:
         return lambda state: None
     per_group = max(1, group_tokens // max(1, val_batches[0][0].size))
-    groups = [val_batches[at: at + per_group] for at in range(0, len(val_batches), per_group)]
+    groups = [val_batches[at : at + per_group] for at in range(0, len(val_batches), per_group)]
     if len(groups) > 1 and len(groups[-1]) < per_group:  # batches of weight 0: every group one shape
         rows, weights = groups[-1][0]
         groups[-1] = groups[-1] + [(np.zeros_like(rows), np.zeros_like(weights))] * (per_group - len(groups[-1]))
 
     def place(group):
-        return (placement.put_batch(np.stack([rows for rows, _ in group]), stacked=True),
-                placement.put_batch(np.stack([weights for _, weights in group]), stacked=True))
+        return (
+            placement.put_batch(np.stack([rows for rows, _ in group]), stacked=True),
+            placement.put_batch(np.stack([weights for _, weights in group]), stacked=True),
+        )
 
     if len(groups) == 1:
         rows, weights = place(groups[0])
@@ -97,7 +101,7 @@ def val_batches(val, batch_size: int, multiple: int = 1) -> list[tuple[np.ndarra
         rows = val[start : start + size].astype(np.int32)
         weights = np.ones(size, np.float32)
         if len(rows) < size:
-            weights[len(rows):] = 0.0
+            weights[len(rows) :] = 0.0
             rows = np.concatenate([rows, np.zeros((size - len(rows), val.shape[1]), np.int32)])
         batches.append((rows, weights))
     return batches

@@ -61,8 +61,10 @@ def export_forward(model: Transformer, cfg: ModelConfig, platforms: tuple[str, .
     from jax import export
 
     batch, length = export.symbolic_shape("batch, length", constraints=(f"length <= {cfg.max_seq_len}",))
-    params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)
-              for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    params = {
+        name: jax.ShapeDtypeStruct(value.shape, value.dtype)
+        for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()
+    }
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     exported = export.export(jax.jit(forward_of(model)), platforms=platforms)(params, tokens)
     return bytes(exported.serialize())

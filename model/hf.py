@@ -27,30 +27,67 @@ ROPE_BASE = 10000.0  # model/transformer.py, rotate
 
 def unmappable(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` has no transformers architecture that computes it, or None."""
-    reasons = [why for why, found in (("model.qk_norm (RMS-normalised queries and keys)", cfg.qk_norm),
-                                      ("model.logit_cap (soft-capped logits)", cfg.logit_cap is not None)) if found]
+    reasons = [
+        why
+        for why, found in (
+            ("model.qk_norm (RMS-normalised queries and keys)", cfg.qk_norm),
+            ("model.logit_cap (soft-capped logits)", cfg.logit_cap is not None),
+        )
+        if found
+    ]
     return f"no transformers architecture computes {' and '.join(reasons)}" if reasons else None
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """``config.json`` for ``cfg``: GPT-2 for learned positions, GPT-NeoX for rotary ones."""
     activation = "relu2" if cfg.mlp == "relu2" else None
-    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "use_cache": True,
-              "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
     if cfg.positions == "learned":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-                "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_embd": cfg.d_model,
-                "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "n_inner": cfg.ffn_dim,
-                "activation_function": activation or "gelu_new", "layer_norm_epsilon": LAYER_NORM_EPS,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True}
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            **common,
+            "n_positions": cfg.max_seq_len,
+            "n_ctx": cfg.max_seq_len,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads,
+            "n_inner": cfg.ffn_dim,
+            "activation_function": activation or "gelu_new",
+            "layer_norm_epsilon": LAYER_NORM_EPS,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": True,
+        }
     rope = {"rope_type": "default", "rope_theta": ROPE_BASE, "partial_rotary_factor": 1.0}
-    return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **common,
-            "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "intermediate_size": cfg.ffn_dim, "hidden_act": activation or "gelu_pytorch_tanh",
-            "max_position_embeddings": cfg.max_seq_len, "layer_norm_eps": LAYER_NORM_EPS,
-            "use_parallel_residual": False, "attention_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-            # Both spellings: transformers 5 reads rope_parameters, 4 the two before it.
-            "rotary_pct": 1.0, "rotary_emb_base": ROPE_BASE, "rope_parameters": rope}
+    return {
+        "architectures": ["GPTNeoXForCausalLM"],
+        "model_type": "gpt_neox",
+        **common,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.ffn_dim,
+        "hidden_act": activation or "gelu_pytorch_tanh",
+        "max_position_embeddings": cfg.max_seq_len,
+        "layer_norm_eps": LAYER_NORM_EPS,
+        "use_parallel_residual": False,
+        "attention_bias": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        # Both spellings: transformers 5 reads rope_parameters, 4 the two before it.
+        "rotary_pct": 1.0,
+        "rotary_emb_base": ROPE_BASE,
+        "rope_parameters": rope,
+    }
 
 
 def _by_head(cfg: ModelConfig) -> np.ndarray:
@@ -73,8 +110,12 @@ def hf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.
             for norm, name in (("ln1", "ln_1"), ("ln2", "ln_2")):
                 out[f"{theirs}.{name}.weight"] = p[f"{ours}.{norm}.scale"]
                 out[f"{theirs}.{name}.bias"] = p[f"{ours}.{norm}.bias"]
-            for layer, name in (("attn.qkv", "attn.c_attn"), ("attn.out", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
-                                ("mlp.down", "mlp.c_proj")):  # Conv1D: (in, out), Flax's own layout
+            for layer, name in (
+                ("attn.qkv", "attn.c_attn"),
+                ("attn.out", "attn.c_proj"),
+                ("mlp.up", "mlp.c_fc"),
+                ("mlp.down", "mlp.c_proj"),
+            ):  # Conv1D: (in, out), Flax's own layout
                 out[f"{theirs}.{name}.weight"] = p[f"{ours}.{layer}.kernel"]
                 out[f"{theirs}.{name}.bias"] = p[f"{ours}.{layer}.bias"]
         out["transformer.ln_f.weight"] = p["final_norm.scale"]
@@ -89,8 +130,11 @@ def hf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.
                 out[f"{theirs}.{name}.bias"] = p[f"{ours}.{norm}.bias"]
             out[f"{theirs}.attention.query_key_value.weight"] = p[f"{ours}.attn.qkv.kernel"][:, order].T
             out[f"{theirs}.attention.query_key_value.bias"] = p[f"{ours}.attn.qkv.bias"][order]
-            for layer, name in (("attn.out", "attention.dense"), ("mlp.up", "mlp.dense_h_to_4h"),
-                                ("mlp.down", "mlp.dense_4h_to_h")):  # nn.Linear: (out, in)
+            for layer, name in (
+                ("attn.out", "attention.dense"),
+                ("mlp.up", "mlp.dense_h_to_4h"),
+                ("mlp.down", "mlp.dense_4h_to_h"),
+            ):  # nn.Linear: (out, in)
                 out[f"{theirs}.{name}.weight"] = p[f"{ours}.{layer}.kernel"].T
                 out[f"{theirs}.{name}.bias"] = p[f"{ours}.{layer}.bias"]
         out["gpt_neox.final_layer_norm.weight"] = p["final_norm.scale"]

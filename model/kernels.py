@@ -90,8 +90,9 @@ def _attention_backward(saved, grad_out):
         dweights_t = jnp.matmul(v[:, :, start:end], dout_seen.swapaxes(-1, -2), preferred_element_type=jnp.float32)
         dscores_t = (weights_t * (dweights_t - row_dot[:, :, None, start:])).astype(q.dtype)
         dks.append(dscores_t @ q_seen)
-        dq = dq.at[:, :, start:].add(jnp.matmul(dscores_t.swapaxes(-1, -2), k[:, :, start:end],
-                                                preferred_element_type=jnp.float32))
+        dq = dq.at[:, :, start:].add(
+            jnp.matmul(dscores_t.swapaxes(-1, -2), k[:, :, start:end], preferred_element_type=jnp.float32)
+        )
     grads = (dq * scale, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2))
     return tuple(g.astype(x.dtype).transpose(0, 2, 1, 3) for g, x in zip(grads, (q, k, v), strict=True))
 

@@ -116,12 +116,22 @@ class RunRecord:
             return self.last_saved
         self.check_loss(info.step, info.loss)
         if not bool(_all_finite(info.state)):
-            raise TrainingError(f"parameters became non-finite at step {info.step}; the checkpoint of step "
-                                f"{self.last_saved} is kept; lower train.learning_rate")
+            raise TrainingError(
+                f"parameters became non-finite at step {info.step}; the checkpoint of step "
+                f"{self.last_saved} is kept; lower train.learning_rate"
+            )
         # A copy of the history: the save is asynchronous and the loop keeps appending to it.
-        self.checkpoints.save(info.done, info.state, {"step": info.done, "history": list(self.history),
-                                                      "elapsed_s": self.trained_s(), "data_position": info.done,
-                                                      "layout": self.layout})
+        self.checkpoints.save(
+            info.done,
+            info.state,
+            {
+                "step": info.done,
+                "history": list(self.history),
+                "elapsed_s": self.trained_s(),
+                "data_position": info.done,
+                "layout": self.layout,
+            },
+        )
         self.last_saved = info.done
         return self.last_saved
 
@@ -155,8 +165,15 @@ def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
     return lambda info: info.step % n == 0 or (and_last and info.done == info.last)
 
 
-def run_steps(step_fn, state, tokens_at: Callable[[int], jax.Array], steps: range, tokens_per_step: int,
-              hooks: Sequence[Hook], record: RunRecord):
+def run_steps(
+    step_fn,
+    state,
+    tokens_at: Callable[[int], jax.Array],
+    steps: range,
+    tokens_per_step: int,
+    hooks: Sequence[Hook],
+    record: RunRecord,
+):
     """The training loop: a step, then each hook that is due, in order."""
     for step in steps:
         state, loss = step_fn(state, tokens_at(step))
@@ -193,10 +210,17 @@ def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int, eval_
         if evaluated(info):
             with info.record.paused():
                 val_loss = evaluate(info.state)
-        info.record.history.append({"step": info.step, "loss": value, "perplexity": math.exp(min(value, 50.0)),
-                                    "tokens": info.tokens, "val_loss": val_loss,
-                                    "val_bpb": None if val_loss is None else val_loss / math.log(2),
-                                    "seconds": round(trained_s, 3)})
+        info.record.history.append(
+            {
+                "step": info.step,
+                "loss": value,
+                "perplexity": math.exp(min(value, 50.0)),
+                "tokens": info.tokens,
+                "val_loss": val_loss,
+                "val_bpb": None if val_loss is None else val_loss / math.log(2),
+                "seconds": round(trained_s, 3),
+            }
+        )
 
     return Hook(record, lambda info: bool(recorded(info) or evaluated(info)))
 
@@ -253,26 +277,43 @@ def train(
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
-    compiled = make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, dtype, passes,
-                               step.remat).lower(state, first).compile(compiler_options=step.xla_options)
+    compiled = (
+        make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, dtype, passes, step.remat)
+        .lower(state, first)
+        .compile(compiler_options=step.xla_options)
+    )
     compile_s = time.perf_counter() - started
     memory = step_memory(compiled, state)
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
 
-    builtin = [finite_loss_hook(), evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every,
-                                                   cfg.eval_every)]
+    builtin = [
+        finite_loss_hook(),
+        evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every, cfg.eval_every),
+    ]
     builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
     builtin += [progress_hook(on_step)] if on_step is not None else []
     record.started = time.perf_counter()
-    state = run_steps(compiled, state, tokens_at, range(start, last), global_batch * (seq_len - 1),
-                      [*builtin, *hooks], record)
+    state = run_steps(
+        compiled, state, tokens_at, range(start, last), global_batch * (seq_len - 1), [*builtin, *hooks], record
+    )
     jax.block_until_ready(state)
     return TrainResult(
-        state=state, history=record.history, compile_s=compile_s, elapsed_s=record.trained_s(), steps=last,
-        global_batch=global_batch, seq_len=seq_len,
+        state=state,
+        history=record.history,
+        compile_s=compile_s,
+        elapsed_s=record.trained_s(),
+        steps=last,
+        global_batch=global_batch,
+        seq_len=seq_len,
         val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
-        devices=len(placement.devices), resumed_from=resumed_from, resume_s=resume_s, precision=dtype.name,
-        rows_per_pass=step.rows_per_pass, layout=placement.layout, memory=memory, resumed_layout=resumed_layout,
+        devices=len(placement.devices),
+        resumed_from=resumed_from,
+        resume_s=resume_s,
+        precision=dtype.name,
+        rows_per_pass=step.rows_per_pass,
+        layout=placement.layout,
+        memory=memory,
+        resumed_layout=resumed_layout,
     )

@@ -46,16 +46,29 @@ def fsdp_dim(shape: tuple[int, ...], devices: int) -> int | None:
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape by name, as ``model/transformer.py`` makes them."""
     d, f = cfg.d_model, cfg.ffn_dim
-    shapes: dict[str, tuple[int, ...]] = {"token_embed": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size),
-                                          "final_norm.scale": (d,), "final_norm.bias": (d,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embed": (cfg.vocab_size, d),
+        "lm_head": (d, cfg.vocab_size),
+        "final_norm.scale": (d,),
+        "final_norm.bias": (d,),
+    }
     if cfg.positions == "learned":
         shapes["pos_embed"] = (cfg.max_seq_len, d)
     for layer in range(cfg.num_layers):
-        for name, shape in {"ln1.scale": (d,), "ln1.bias": (d,), "ln2.scale": (d,), "ln2.bias": (d,),
-                            "attn.qkv.kernel": (d, 3 * d), "attn.qkv.bias": (3 * d,),
-                            "attn.out.kernel": (d, d), "attn.out.bias": (d,),
-                            "mlp.up.kernel": (d, f), "mlp.up.bias": (f,),
-                            "mlp.down.kernel": (f, d), "mlp.down.bias": (d,)}.items():
+        for name, shape in {
+            "ln1.scale": (d,),
+            "ln1.bias": (d,),
+            "ln2.scale": (d,),
+            "ln2.bias": (d,),
+            "attn.qkv.kernel": (d, 3 * d),
+            "attn.qkv.bias": (3 * d,),
+            "attn.out.kernel": (d, d),
+            "attn.out.bias": (d,),
+            "mlp.up.kernel": (d, f),
+            "mlp.up.bias": (f,),
+            "mlp.down.kernel": (f, d),
+            "mlp.down.bias": (d,),
+        }.items():
             shapes[f"blocks.{layer}.{name}"] = shape
     return shapes
 
@@ -80,14 +93,29 @@ class Estimate:
         return self.state_bytes + self.gradient_bytes + self.activation_bytes
 
     def as_json(self) -> dict[str, Any]:
-        return {"parameters": self.parameters, "devices": self.devices, "layout": self.layout, "remat": self.remat,
-                **{f"{name}_gib": round(getattr(self, f"{name}_bytes") / GIB, 2)
-                   for name in ("state", "gradient", "activation", "total")}}
+        return {
+            "parameters": self.parameters,
+            "devices": self.devices,
+            "layout": self.layout,
+            "remat": self.remat,
+            **{
+                f"{name}_gib": round(getattr(self, f"{name}_bytes") / GIB, 2)
+                for name in ("state", "gradient", "activation", "total")
+            },
+        }
 
 
-def estimate(model: ModelConfig, train: TrainConfig, devices: int, seq_len: int, rows_per_pass: int,
-             precision: str, remat: bool | None = None, sharding: str | None = None,
-             attention: str = "xla") -> Estimate:
+def estimate(
+    model: ModelConfig,
+    train: TrainConfig,
+    devices: int,
+    seq_len: int,
+    rows_per_pass: int,
+    precision: str,
+    remat: bool | None = None,
+    sharding: str | None = None,
+    attention: str = "xla",
+) -> Estimate:
     """What one device holds during a training step of ``model`` and ``train`` on
     ``devices`` data-parallel devices: parameters and optimizer state (split by
     ``fsdp_dim`` under FSDP), the float32 gradient, and the activations kept for the backward
@@ -108,13 +136,21 @@ def estimate(model: ModelConfig, train: TrainConfig, devices: int, seq_len: int,
     per_block = tokens * width * (scores * model.num_heads * seq_len + features * model.d_model)
     if remat:
         block_parameters = sum(math.prod(s) for name, s in shapes.items() if name.startswith("blocks."))
-        activations = (model.num_layers * tokens * model.d_model * width + RECOMPUTED_BLOCKS * per_block
-                       + block_parameters * width)
+        activations = (
+            model.num_layers * tokens * model.d_model * width + RECOMPUTED_BLOCKS * per_block + block_parameters * width
+        )
     else:
         activations = model.num_layers * per_block
     gradients = 4 * parameters + (2 * parameters if width == 2 else 0)  # and the compute-dtype copy
-    return Estimate(parameters, state, gradients, int(activations), devices,
-                    "fsdp" if fsdp else "replicated" if devices > 1 else "single", remat)
+    return Estimate(
+        parameters,
+        state,
+        gradients,
+        int(activations),
+        devices,
+        "fsdp" if fsdp else "replicated" if devices > 1 else "single",
+        remat,
+    )
 
 
 def state_bytes_per_device(state) -> int:
@@ -147,8 +183,9 @@ def step_memory(compiled, state) -> dict[str, int]:
     return figures
 
 
-def check_fits(model: ModelConfig, train: TrainConfig, devices: int, platform: str, seq_len: int,
-               free_bytes: int | None) -> Estimate:
+def check_fits(
+    model: ModelConfig, train: TrainConfig, devices: int, platform: str, seq_len: int, free_bytes: int | None
+) -> Estimate:
     """The estimate of a training run on ``devices`` of ``platform``; a ``ConfigError`` naming
     the figure and the fix when it exceeds ``free_bytes`` (one device's; None: unknown)."""
     from .step_settings import resolve
@@ -170,22 +207,41 @@ def check_fits(model: ModelConfig, train: TrainConfig, devices: int, platform: s
         f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
         f"{'s' if devices > 1 else ''}, {found.layout}{', remat' if found.remat else ''}: state "
         f"{found.state_bytes / GIB:.1f}, activations {found.activation_bytes / GIB:.1f} GiB), "
-        f"{free_bytes / GIB:.1f} GiB free: {fix}")
+        f"{free_bytes / GIB:.1f} GiB free: {fix}"
+    )
 
 
-def _too_large(model: ModelConfig, train: TrainConfig, found: Estimate, devices: int, platform: str, seq_len: int,
-               step, free_bytes: int) -> str:
+def _too_large(
+    model: ModelConfig,
+    train: TrainConfig,
+    found: Estimate,
+    devices: int,
+    platform: str,
+    seq_len: int,
+    step,
+    free_bytes: int,
+) -> str:
     """The refusal of a model whose state and gradients alone exceed a device: what shrinks
     them (FSDP splits the state over devices; a smaller model all of it)."""
     fixed = found.state_bytes + found.gradient_bytes
     ways = []
     if found.gradient_bytes < free_bytes:  # the state is what FSDP splits; the gradient stays whole here
-        sharded = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, sharding="fsdp",
-                           attention=step.attention)
+        sharded = estimate(
+            model,
+            train,
+            devices,
+            seq_len,
+            step.rows_per_pass,
+            step.precision,
+            sharding="fsdp",
+            attention=step.attention,
+        )
         fits = devices > 1 and found.layout != "fsdp" and sharded.state_bytes + sharded.gradient_bytes < free_bytes
         ways.append("train.sharding=fsdp" if fits else "train.sharding=fsdp over more devices")
     ways.append("a smaller model (lower model.d_model or model.num_layers)")
-    return (f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
-            f"{'s' if devices > 1 else ''}, {found.layout}): the model's state ({found.state_bytes / GIB:.1f} GiB) "
-            f"and gradients ({found.gradient_bytes / GIB:.1f} GiB) alone take {fixed / GIB:.1f} GiB, more than the "
-            f"{free_bytes / GIB:.1f} GiB free whatever the batch; use {' or '.join(ways)}")
+    return (
+        f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
+        f"{'s' if devices > 1 else ''}, {found.layout}): the model's state ({found.state_bytes / GIB:.1f} GiB) "
+        f"and gradients ({found.gradient_bytes / GIB:.1f} GiB) alone take {fixed / GIB:.1f} GiB, more than the "
+        f"{free_bytes / GIB:.1f} GiB free whatever the batch; use {' or '.join(ways)}"
+    )

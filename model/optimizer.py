@@ -34,16 +34,19 @@ def learning_rate(cfg: TrainConfig, peak: float | None = None) -> float | optax.
     run continues the schedule where it stopped. ``peak``: another peak, same shape."""
     peak = cfg.learning_rate if peak is None else peak
     if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, cfg.warmup_steps, cfg.steps,
-                                                  peak * cfg.min_learning_rate_fraction)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, cfg.warmup_steps, cfg.steps, peak * cfg.min_learning_rate_fraction
+        )
     if cfg.warmup_steps:
-        return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps),
-                                     optax.constant_schedule(peak)], [cfg.warmup_steps])
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, cfg.warmup_steps), optax.constant_schedule(peak)], [cfg.warmup_steps]
+        )
     return peak
 
 
 def muon_labels(params):
     """``"muon"`` for the blocks' weight matrices, ``"adam"`` for everything else."""
+
     def label(path, leaf):
         names = {str(getattr(key, "key", getattr(key, "name", key))) for key in path}
         return "muon" if leaf.ndim == 2 and not names & set(_NOT_MUON) else "adam"
@@ -75,8 +78,10 @@ def _by_shape(core, state: MuonState, grads: list, moments: list, chosen: list[i
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in chosen:
         groups.setdefault(grads[i].shape, []).append(i)
-    out, new = core.update([jnp.stack([grads[i] for i in g]) for g in groups.values()],
-                           state._replace(mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()]))
+    out, new = core.update(
+        [jnp.stack([grads[i] for i in g]) for g in groups.values()],
+        state._replace(mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()]),
+    )
     outs, mus = {}, {}
     for g, o, m in zip(groups.values(), out, new.mu, strict=True):
         for j, i in enumerate(g):
@@ -100,8 +105,9 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
         grads, tree = jax.tree.flatten(updates)  # the leaves of other labels are masked: none here
         moments = tree.flatten_up_to(state.mu)
         outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
-        new = state._replace(count=optax.safe_increment(state.count),
-                             mu=tree.unflatten([mus[i] for i in range(len(grads))]))
+        new = state._replace(
+            count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in range(len(grads))])
+        )
         if devices == 1 or len(grads) < 2:
             return tree.unflatten([outs[i] for i in range(len(grads))]), new
         owners = share_out([_newton_schulz_cost(g.shape) for g in grads], devices)
@@ -132,8 +138,9 @@ def _matrices(updates):
 
 def _scale_by_shape() -> optax.GradientTransformation:
     """Muon's width scaling (Keller Jordan's): sqrt(max(1, fan_out / fan_in))."""
-    return optax.stateless(lambda updates, params: jax.tree.map(
-        lambda u: u * jnp.sqrt(jnp.maximum(1, u.shape[1] / u.shape[0])), updates))
+    return optax.stateless(
+        lambda updates, params: jax.tree.map(lambda u: u * jnp.sqrt(jnp.maximum(1, u.shape[1] / u.shape[0])), updates)
+    )
 
 
 def muon(learning_rate, adam_learning_rate, ns_steps: int, beta2: float, weight_decay: float):
@@ -141,10 +148,17 @@ def muon(learning_rate, adam_learning_rate, ns_steps: int, beta2: float, weight_
     on AdamW, its defaults otherwise (Nesterov momentum 0.95, AdamW's Nesterov too)."""
     core = scale_by_muon(ns_steps=ns_steps, weight_dimension_numbers=_matrices)
     return optax.partition(
-        {"muon": optax.chain(split_among_devices(core), _scale_by_shape(), optax.add_decayed_weights(weight_decay),
-                             optax.scale_by_learning_rate(learning_rate)),
-         "adam": optax.adamw(adam_learning_rate, b2=beta2, weight_decay=weight_decay, nesterov=True)},
-        muon_labels)
+        {
+            "muon": optax.chain(
+                split_among_devices(core),
+                _scale_by_shape(),
+                optax.add_decayed_weights(weight_decay),
+                optax.scale_by_learning_rate(learning_rate),
+            ),
+            "adam": optax.adamw(adam_learning_rate, b2=beta2, weight_decay=weight_decay, nesterov=True),
+        },
+        muon_labels,
+    )
 
 
 @lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (model/step.py, _creator)
@@ -155,12 +169,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     sweep or search over them compile one step; the schedule's shape (warmup, cosine) then
     scales the update."""
     if cfg.optimizer == "muon":
+
         def muon_at(learning_rate, adam_learning_rate):
             return muon(learning_rate, adam_learning_rate, cfg.muon_ns_steps, cfg.beta2, cfg.weight_decay)
 
-        tx = optax.inject_hyperparams(muon_at)(learning_rate=cfg.muon_learning_rate,
-                                             adam_learning_rate=cfg.learning_rate)
+        tx = optax.inject_hyperparams(muon_at)(
+            learning_rate=cfg.muon_learning_rate, adam_learning_rate=cfg.learning_rate
+        )
     else:
+
         def adamw_at(learning_rate):
             return optax.adamw(learning_rate, b2=cfg.beta2, weight_decay=cfg.weight_decay)
 

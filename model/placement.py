@@ -68,8 +68,7 @@ class Placement:
             return self.state_sharding
         mesh, count = self.state_sharding.mesh, len(self.devices)
         leaves, treedef = jax.tree.flatten(state)
-        return StateLayout(treedef, tuple(NamedSharding(mesh, fsdp_spec(tuple(leaf.shape), count))
-                                          for leaf in leaves))
+        return StateLayout(treedef, tuple(NamedSharding(mesh, fsdp_spec(tuple(leaf.shape), count)) for leaf in leaves))
 
     def state_target(self, state):
         """``state``'s shardings as a tree of the same structure (where to place or restore it)."""
@@ -82,6 +81,7 @@ class Placement:
         target = self.state_target(state)
         if jax.process_count() == 1:
             return jax.device_put(state, target)
+
         # Every process built the same initial state from the same seed: each fills in
         # the parts on its own devices, and together they make one global array.
         def place(x, sharding):
@@ -105,4 +105,3 @@ class Placement:
             return jax.device_put(batch, self.devices[0])
         sharding = NamedSharding(self.batch_sharding.mesh, P(None, DATA_AXIS)) if stacked else self.batch_sharding
         return jax.make_array_from_process_local_data(sharding, batch)
-

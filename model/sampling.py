@@ -57,9 +57,11 @@ def _noise(keys, count, size: int, vocab: int):
     ``argmax(logits / temperature + noise)``, exactly ``jax.random.categorical``. Drawn
     inside the byte loop, each byte's key split and noise are two small loops of their own
     on a CPU (JAX's threefry), more operations than a small model's step."""
+
     def split(keys, _):
         pairs = jax.vmap(jax.random.split)(keys)
         return pairs[:, 0], (pairs[:, 0], pairs[:, 1])
+
     _, (chain, subs) = jax.lax.scan(split, keys, length=size)
     keys = jnp.where(count > 0, chain[jnp.maximum(count - 1, 0)], keys)
     gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32)))
@@ -147,8 +149,19 @@ def generate_batch(
         cache, start = None, 0
         for done in range(0, cached, size):
             count = min(size, cached - done)
-            window, cache, keys, new = _cached_loop(graphdef, params, window, cache, np.int32(start), length,
-                                                    np.int32(done), np.int32(count), scale, keys, size)
+            window, cache, keys, new = _cached_loop(
+                graphdef,
+                params,
+                window,
+                cache,
+                np.int32(start),
+                length,
+                np.int32(done),
+                np.int32(count),
+                scale,
+                keys,
+                size,
+            )
             pieces.append(np.asarray(new)[:, :count])
             start = len(kept) - 1 + done + count
     if max_new_bytes > cached:

@@ -53,6 +53,7 @@ def in_dtype(model: Transformer, dtype) -> Transformer:
 def configured_rates(restored, configured):
     """``restored`` with ``configured``'s peak learning rates (in the optimizer's state since
     ``make_optimizer``): the configuration says how a run trains, its checkpoint where it stopped."""
+
     def pick(path, saved, ours):
         return ours if "'hyperparams'" in jax.tree_util.keystr(path) else saved
 
@@ -71,6 +72,7 @@ def _creator(model_cfg: ModelConfig, train_cfg: TrainConfig):
     optimizer it builds, so that the runs of one process (a local sweep's, a resumed stage's)
     get equal graphdefs, and with them the same compiled step and evaluation, traced once
     (``make_train_step``, ``make_eval_sum``)."""
+
     @nnx.jit
     def create():
         model = build_model(model_cfg, train_cfg.init_seed)
@@ -100,8 +102,9 @@ def _accumulated(loss_fn, passes: int, mesh):
             return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), rows))(params)
 
         # The first pass starts the sums (its values carry the right per-device types).
-        total, _ = jax.lax.scan(lambda total, rows: (jax.tree.map(jnp.add, total, one(rows)), None),
-                                one(slices[0]), slices[1:])
+        total, _ = jax.lax.scan(
+            lambda total, rows: (jax.tree.map(jnp.add, total, one(rows)), None), one(slices[0]), slices[1:]
+        )
         total = jax.tree.map(lambda x: x / passes, total)
         return total if mesh is None else jax.lax.pmean(total, DATA_AXIS)
 
@@ -116,12 +119,14 @@ def _accumulated(loss_fn, passes: int, mesh):
 
 
 @lru_cache(maxsize=16)
-def make_train_step(graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1,
-                    remat: bool = False):
+def make_train_step(
+    graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1, remat: bool = False
+):
     """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
     sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
     ``model/placement.py``; XLA gathers a parameter where it is used and reduces its
     gradient to the parts each device keeps)."""
+
     def loss_fn(model, tokens):
         return next_byte_loss(in_dtype(model, dtype), tokens, remat)
 

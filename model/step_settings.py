@@ -48,20 +48,38 @@ def default_rows_per_pass(per_device_batch: int, seq_len: int, platform: str) ->
     return rows
 
 
-def resolve(model_cfg: ModelConfig | None, train_cfg: TrainConfig, seq_len: int, platform: str,
-            choice: dict[str, Any] | None = None) -> StepSettings:
+def resolve(
+    model_cfg: ModelConfig | None,
+    train_cfg: TrainConfig,
+    seq_len: int,
+    platform: str,
+    choice: dict[str, Any] | None = None,
+) -> StepSettings:
     """The concrete settings for ``platform``: what the user set, and for each ``auto`` the
     platform's default — the hand-written kernels, float32, ~512 tokens per pass and YNNPACK
     fusions off on a CPU; XLA's kernels, bfloat16 and one pass elsewhere — or, where given,
     the CPU step tuner's measured ``choice`` (``runtime/cpu_tuning.py``)."""
     choice = choice or {}
     default_kernel = choice.get("kernels", "custom" if platform == "cpu" else "xla")
-    kernels = {name: (default_kernel if model_cfg is None or getattr(model_cfg, name) == "auto"
-                      else getattr(model_cfg, name)) for name in ("attention", "dense")}
-    precision = train_cfg.precision if train_cfg.precision != "auto" else (
-        "float32" if platform == "cpu" else "bfloat16")
-    rows = train_cfg.micro_batch or choice.get("rows_per_pass") or default_rows_per_pass(
-        train_cfg.per_device_batch, seq_len, platform)
+    kernels = {
+        name: (default_kernel if model_cfg is None or getattr(model_cfg, name) == "auto" else getattr(model_cfg, name))
+        for name in ("attention", "dense")
+    }
+    precision = (
+        train_cfg.precision if train_cfg.precision != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    )
+    rows = (
+        train_cfg.micro_batch
+        or choice.get("rows_per_pass")
+        or default_rows_per_pass(train_cfg.per_device_batch, seq_len, platform)
+    )
     tuned = platform == "cpu" and choice.get("xla", "tuned") == "tuned"
-    return StepSettings(kernels["attention"], kernels["dense"], precision, rows, dict(XLA_CPU_TUNED) if tuned else {},
-                        train_cfg.sharding, train_cfg.remat)
+    return StepSettings(
+        kernels["attention"],
+        kernels["dense"],
+        precision,
+        rows,
+        dict(XLA_CPU_TUNED) if tuned else {},
+        train_cfg.sharding,
+        train_cfg.remat,
+    )

@@ -39,7 +39,9 @@ class Linear(nnx.Linear):
         super().__init__(*args, **kwargs)
         self.custom = custom
 
-    def __call__(self, x):
+    # One input, always: the model never asks a layer for an output sharding (nnx.Linear's
+    # second parameter), which XLA's propagation decides.
+    def __call__(self, x):  # pyright: ignore[reportIncompatibleMethodOverride]
         assert self.bias is not None  # every dense layer of the model has one
         if self.custom:
             return dense(x, self.kernel[...], self.bias[...])  # same result, a faster CPU gradient
@@ -89,8 +91,7 @@ class CausalSelfAttention(nnx.Module):
         x = x.reshape(-1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
         return x.reshape(-1, length, self.num_heads * self.head_dim)
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False,
-                 span: int | None = None):
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False, span: int | None = None):
         q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in jnp.split(self.qkv(x), 3, axis=-1))
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
@@ -138,8 +139,7 @@ class Block(nnx.Module):
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False,
-                 span: int | None = None):
+    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False, span: int | None = None):
         # Pre-norm: normalise, attend (or feed forward), add back.
         mixed, cache = self.attn(self.ln1(x), positions, cache, last_only, span)
         x = (x[:, -1:] if last_only else x) + mixed
@@ -157,8 +157,15 @@ class Transformer(nnx.Module):
         self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
         self.logit_cap = cfg.logit_cap
 
-    def __call__(self, tokens, positions=None, cache: tuple[LayerCache, ...] | None = None, last_only: bool = False,
-                 span: int | None = None, remat: bool = False):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        cache: tuple[LayerCache, ...] | None = None,
+        last_only: bool = False,
+        span: int | None = None,
+        remat: bool = False,
+    ):
         """(rows, t) token ids -> (logits, cache).
 
         ``positions`` (t,): where the tokens sit, by default 0..t-1. ``cache``: every layer's

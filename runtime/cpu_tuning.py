@@ -94,10 +94,17 @@ def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[st
     rows = train_cfg.per_device_batch * len(placement.devices)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (rows, seq_len), dtype=np.int32)
     batch = placement.put_batch(tokens)
-    compiled = make_train_step(graphdef, placement.shardings(state), placement.batch_sharding,
-                               passes=step.passes(train_cfg.per_device_batch), remat=step.remat).lower(
-        state, batch).compile(
-        compiler_options=step.xla_options)
+    compiled = (
+        make_train_step(
+            graphdef,
+            placement.shardings(state),
+            placement.batch_sharding,
+            passes=step.passes(train_cfg.per_device_batch),
+            remat=step.remat,
+        )
+        .lower(state, batch)
+        .compile(compiler_options=step.xla_options)
+    )
     return compiled, state, batch
 
 
@@ -112,16 +119,21 @@ def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any
         nonlocal state
         started = time.perf_counter()
         for _ in range(steps):
-            state, loss = compiled(state, batch)
-        jax.block_until_ready(loss)
+            state, _loss = compiled(state, batch)
+        jax.block_until_ready(state)
         return 1e3 * (time.perf_counter() - started) / steps
 
     run(WARM_STEPS)
     return lambda: run(TIMED_STEPS)
 
 
-def choose(model_cfg, train_cfg, placement, seq_len: int, say: Callable[[str], None] = lambda line: None,
-           ) -> dict[str, Any]:
+def choose(
+    model_cfg,
+    train_cfg,
+    placement,
+    seq_len: int,
+    say: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
     """The step's settings for this CPU and shape: from the cache, or measured now (``say``
     tells the user first: it takes seconds to a minute)."""
     import jax
@@ -130,10 +142,16 @@ def choose(model_cfg, train_cfg, placement, seq_len: int, say: Callable[[str], N
     if os.environ.get("BARDFLOW_CPU_TUNING", "").lower() in ("off", "0", "false") or jax.process_count() > 1:
         why = "BARDFLOW_CPU_TUNING=off" if jax.process_count() == 1 else "several processes keep the defaults"
         return {"chosen": base, "measured": [], "source": why}
-    shape = {"model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
-             "per_device_batch": train_cfg.per_device_batch, "micro_batch": train_cfg.micro_batch,
-             "fixed_kernels": None if model_cfg.attention == model_cfg.dense == "auto" else
-             [model_cfg.attention, model_cfg.dense], "seq_len": seq_len, "devices": len(placement.devices)}
+    shape = {
+        "model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
+        "per_device_batch": train_cfg.per_device_batch,
+        "micro_batch": train_cfg.micro_batch,
+        "fixed_kernels": None
+        if model_cfg.attention == model_cfg.dense == "auto"
+        else [model_cfg.attention, model_cfg.dense],
+        "seq_len": seq_len,
+        "devices": len(placement.devices),
+    }
     signature = {**cpu_signature(), **shape}
     key = json.dumps(signature, sort_keys=True)
     path = cache_file()
@@ -151,18 +169,24 @@ def choose(model_cfg, train_cfg, placement, seq_len: int, say: Callable[[str], N
         first = alone["chosen"]
         tried = [first, {**first, "xla": "default" if first["xla"] == "tuned" else "tuned"}]
         note = "; kernels and rows per pass as measured on one device"
-    say(f"measuring {len(tried)} training step settings on this CPU for this model shape, to keep the fastest "
-        f"(once per machine and shape; kept in {path})")
+    say(
+        f"measuring {len(tried)} training step settings on this CPU for this model shape, to keep the fastest "
+        f"(once per machine and shape; kept in {path})"
+    )
     for choice in tried:
         started = time.perf_counter()
         runs.append(prepare(model_cfg, train_cfg, placement, seq_len, choice))
         if len(runs) == 1 and time.perf_counter() - started > MAX_CANDIDATE_S:
-            note = (f"; the defaults alone took {time.perf_counter() - started:.0f} s to compile and warm, so the rest "
-                    "were not")
+            note = (
+                f"; the defaults alone took {time.perf_counter() - started:.0f} s to compile and warm, so the rest "
+                "were not"
+            )
             break
     rounds = [[run() for run in runs] for _ in range(ROUNDS)]  # in turns: drift slows every candidate alike
-    measured = [{**choice, "ms_per_step": round(float(np.median(times)), 2)}
-                for choice, times in zip(tried, zip(*rounds, strict=True), strict=False)]  # tried: maybe more than ran
+    measured = [
+        {**choice, "ms_per_step": round(float(np.median(times)), 2)}
+        for choice, times in zip(tried, zip(*rounds, strict=True), strict=False)
+    ]  # tried: maybe more than ran
     default, best = measured[0], min(measured, key=lambda m: m["ms_per_step"])
     if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
         best = default

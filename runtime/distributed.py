@@ -49,8 +49,11 @@ class ProcessGroup:
         return self.process_id == 0
 
     def env(self) -> dict[str, str]:
-        return {COORDINATOR: self.coordinator or "", NUM_PROCESSES: str(self.num_processes),
-                PROCESS_ID: str(self.process_id)}
+        return {
+            COORDINATOR: self.coordinator or "",
+            NUM_PROCESSES: str(self.num_processes),
+            PROCESS_ID: str(self.process_id),
+        }
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ProcessGroup | None:
@@ -94,8 +97,10 @@ _probe: subprocess.Popen | None = None
 _probed_answer: tuple[int, str] | None = None
 _probed_free: int | None = None  # an accelerator's free bytes (device 0), as the probe saw them
 # What the probe prints: the device count, the platform, and an accelerator's free bytes.
-_PROBE = ("import jax; d = jax.devices(); s = (d[0].memory_stats() or {}) if d[0].platform != 'cpu' else {}; "
-          "print(len(d), jax.default_backend(), s.get('bytes_limit', 0) - s.get('bytes_in_use', 0))")
+_PROBE = (
+    "import jax; d = jax.devices(); s = (d[0].memory_stats() or {}) if d[0].platform != 'cpu' else {}; "
+    "print(len(d), jax.default_backend(), s.get('bytes_limit', 0) - s.get('bytes_in_use', 0))"
+)
 
 
 def probe_devices() -> None:
@@ -105,8 +110,13 @@ def probe_devices() -> None:
     process of a group asks in-process, once joined (``hardware``)."""
     global _probe
     if _probe is None and "jax" not in sys.modules and ProcessGroup.from_env() is None:
-        _probe = subprocess.Popen([sys.executable, "-c", _PROBE], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+        _probe = subprocess.Popen(
+            [sys.executable, "-c", _PROBE],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
 
 def _probed() -> tuple[int, str] | None:

@@ -43,12 +43,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def process_env(index: int, processes: int, port: int, devices_per_process: int, platform: str,
-                base: dict[str, str] | None = None) -> dict[str, str]:
+def process_env(
+    index: int, processes: int, port: int, devices_per_process: int, platform: str, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """Process ``index``'s environment: its place in the group (coordinator on loopback) and
     its share of the devices. GPU processes never preallocate: each takes the memory it uses."""
-    env = {**(os.environ if base is None else base), **ProcessGroup(processes, index, f"127.0.0.1:{port}").env(),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **(os.environ if base is None else base),
+        **ProcessGroup(processes, index, f"127.0.0.1:{port}").env(),
+        "PYTHONUNBUFFERED": "1",
+    }
     if platform == "cpu":
         flags = re.sub(rf"{CPU_DEVICE_FLAG}=\d+", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={devices_per_process}".strip()
@@ -61,10 +65,16 @@ def process_env(index: int, processes: int, port: int, devices_per_process: int,
     return env
 
 
-def launch_local(main: ModuleType, spec_path: Path, processes: int, devices_per_process: int, platform: str,
-                 on_step: Callable[[int, int], None] | None = None,
-                 on_warning: Callable[[str], None] | None = None,
-                 on_note: Callable[[str], None] | None = None) -> None:
+def launch_local(
+    main: ModuleType,
+    spec_path: Path,
+    processes: int,
+    devices_per_process: int,
+    platform: str,
+    on_step: Callable[[int, int], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> None:
     """Runs the spec as ``processes`` processes of ``main`` on this host, on 127.0.0.1, each
     with its share of the devices, and waits for all of them (see ``supervise``)."""
     port = free_port()
@@ -72,13 +82,18 @@ def launch_local(main: ModuleType, spec_path: Path, processes: int, devices_per_
     supervise(main, spec_path, envs, on_step, on_warning=on_warning, on_note=on_note)
 
 
-def launch_leader(main: ModuleType, spec_path: Path, on_step: Callable[[int, int], None] | None = None,
-                  on_warning: Callable[[str], None] | None = None,
-                  on_note: Callable[[str], None] | None = None) -> None:
+def launch_leader(
+    main: ModuleType,
+    spec_path: Path,
+    on_step: Callable[[int, int], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> None:
     """Runs process 0 of a group that a cluster scheduler started: the others are
     ``bardflow run`` on the other hosts, following it."""
-    supervise(main, spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step, on_warning=on_warning,
-              on_note=on_note)
+    supervise(
+        main, spec_path, [{**os.environ, "PYTHONUNBUFFERED": "1"}], on_step, on_warning=on_warning, on_note=on_note
+    )
 
 
 def process_command(main: ModuleType, spec_path: Path | None, join_timeout_s: int | None = None) -> list[str]:
@@ -89,8 +104,15 @@ def process_command(main: ModuleType, spec_path: Path | None, join_timeout_s: in
     return command + ([] if join_timeout_s is None else ["--join-timeout", str(join_timeout_s)])
 
 
-def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_step, poll_s: float = 0.2,
-              on_warning: Callable[[str], None] | None = None, on_note: Callable[[str], None] | None = None) -> None:
+def supervise(
+    main: ModuleType,
+    spec_path: Path,
+    envs: list[dict[str, str]],
+    on_step,
+    poll_s: float = 0.2,
+    on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> None:
     """Starts one process per environment (the first is process 0) and waits for all,
     raising ``ProcessFailure`` on the first failure. Logs: ``process-<i>.log`` beside the
     spec; each process's id in ``process-<i>.pid``."""
@@ -101,9 +123,15 @@ def supervise(main: ModuleType, spec_path: Path, envs: list[dict[str, str]], on_
     try:
         for index, (env, log) in enumerate(zip(envs, logs, strict=True)):
             with log.open("w") as sink:
-                running.append(subprocess.Popen(process_command(main, spec_path if index == 0 else None),
-                                                stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                                start_new_session=True))
+                running.append(
+                    subprocess.Popen(
+                        process_command(main, spec_path if index == 0 else None),
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
             log.with_suffix(".pid").write_text(str(running[-1].pid))
             stopping.track(running[-1])
         seen, forwarded = 0, False
@@ -180,9 +208,13 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None],
-                     on_warning: Callable[[str], None] | None = None,
-                     on_note: Callable[[str], None] | None = None) -> int:
+def _follow_progress(
+    log: Path,
+    seen: int,
+    on_step: Callable[[int, int], None],
+    on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> int:
     try:
         with log.open("rb") as source:
             source.seek(seen)
@@ -195,9 +227,9 @@ def _follow_progress(log: Path, seen: int, on_step: Callable[[int, int], None],
             done, total = map(int, line.split()[1:3])
             on_step(done, total)
         elif line.startswith(WARNING) and on_warning is not None:
-            on_warning(line[len(WARNING) + 1:])
+            on_warning(line[len(WARNING) + 1 :])
         elif line.startswith(NOTE) and on_note is not None:
-            on_note(line[len(NOTE) + 1:])
+            on_note(line[len(NOTE) + 1 :])
     return seen + len(complete)
 
 
@@ -231,7 +263,9 @@ def follow_launcher(poll_s: float = LAUNCHER_POLL_S) -> None:
     def watch() -> None:
         while os.getppid() == int(launcher):
             time.sleep(poll_s)
-        stopping.fail(f"the run that started this training process (pid {launcher}) is gone; its rerun resumes "
-                      "from the newest checkpoint")
+        stopping.fail(
+            f"the run that started this training process (pid {launcher}) is gone; its rerun resumes "
+            "from the newest checkpoint"
+        )
 
     threading.Thread(target=watch, name="bardflow-launcher-watch", daemon=True).start()

@@ -28,8 +28,10 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     ``files_of(spec, leader)`` says where this process finds its files."""
     group = ProcessGroup.from_env()
     if group is None and spec_path is None:
-        raise DistributedError("no process group: set BARDFLOW_COORDINATOR, BARDFLOW_NUM_PROCESSES and "
-                               "BARDFLOW_PROCESS_ID (or start the processes with srun)")
+        raise DistributedError(
+            "no process group: set BARDFLOW_COORDINATOR, BARDFLOW_NUM_PROCESSES and "
+            "BARDFLOW_PROCESS_ID (or start the processes with srun)"
+        )
     leader = group is None or group.leader  # no group: one supervised process, with every device
     if leader and spec_path is None:
         raise DistributedError("process 0 describes the run: pass the spec file it was launched with")
@@ -47,8 +49,10 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     request = TrainingRequest.model_validate(spec["request"])
     devices = jax.devices()
     if len(devices) != request.devices:
-        raise TrainingError(f"the {jax.process_count()} processes have {len(devices)} devices in all but the run "
-                            f"asked for {request.devices}; give each process the same share of the devices")
+        raise TrainingError(
+            f"the {jax.process_count()} processes have {len(devices)} devices in all but the run "
+            f"asked for {request.devices}; give each process the same share of the devices"
+        )
 
     def report(done: int, total: int) -> None:
         if leader:

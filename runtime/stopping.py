@@ -62,8 +62,11 @@ def at(where: str) -> None:
 def check(where: str) -> None:
     """Raises ``Stopped`` if a stop was asked for: at a point where stopping loses nothing."""
     if _requested is not None:
-        raise Stopped(_requested, f"stopped by {name(_requested)} {where}; rerun the same command to go on "
-                                  "(finished stages come back cached)")
+        raise Stopped(
+            _requested,
+            f"stopped by {name(_requested)} {where}; rerun the same command to go on "
+            "(finished stages come back cached)",
+        )
 
 
 def failure() -> str | None:
@@ -121,8 +124,9 @@ def _handle(signum: int, frame) -> None:
         force(signum)
     _requested = signum
     if _failure is None:
-        print(f"bardflow: {name(signum)} received: stopping {_where} (again to stop at once)", file=sys.stderr,
-              flush=True)
+        print(
+            f"bardflow: {name(signum)} received: stopping {_where} (again to stop at once)", file=sys.stderr, flush=True
+        )
     _timer = threading.Timer(GRACE_S, force, args=(signum, f"still running {GRACE_S:.0f} s later"))
     _timer.daemon = True
     _timer.start()
@@ -143,8 +147,10 @@ def force(signum: int, why: str = "asked twice") -> None:
     if _failure is not None:
         _last_line(f"bardflow: error: {_failure}")
         os._exit(1)
-    _last_line(f"bardflow: error: stopped by {name(signum)} {_where} ({why}); rerun the same command to resume "
-               "from the newest checkpoint")
+    _last_line(
+        f"bardflow: error: stopped by {name(signum)} {_where} ({why}); rerun the same command to resume "
+        "from the newest checkpoint"
+    )
     os._exit(128 + signum)
 
 

@@ -67,8 +67,10 @@ class Backend:
         except Exception as error:  # noqa: BLE001 - any failure of a tracker is the same news
             self.off = True
             detail = " ".join(str(error).split())[:200]
-            self.warn(f"{self.name} at {self.where} failed while {what} ({error.__class__.__name__}: {detail}); "
-                      f"the run goes on without it")
+            self.warn(
+                f"{self.name} at {self.where} failed while {what} ({error.__class__.__name__}: {detail}); "
+                f"the run goes on without it"
+            )
             return None
 
 
@@ -76,9 +78,12 @@ def quiet_mlflow() -> None:
     """MLflow's own chatter (database migrations, retries) stays out of the run's output;
     failures reach the user as one warning line. A server that stops answering is given
     up on within seconds, not retried for minutes."""
-    for variable, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                            ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
-                            ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):  # stdout is the summary's
+    for variable, value in (
+        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"),
+        ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
+        ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"),
+    ):  # stdout is the summary's
         os.environ.setdefault(variable, value)
     import mlflow  # noqa: F401 - first: importing it sets its loggers' levels
 
@@ -139,14 +144,18 @@ class MlflowRun(Backend):
 
         items = [Param(key, value[:6000]) for key, value in values.items()]
         for start in range(0, len(items), 100):  # MLflow's limit per batch
-            self.call("logging parameters", lambda part=items[start:start + 100]: self.client.log_batch(
-                self.run_id, params=part))
+            self.call(
+                "logging parameters",
+                lambda part=items[start : start + 100]: self.client.log_batch(self.run_id, params=part),
+            )
 
     def tags(self, values: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.call("setting tags", lambda: self.client.log_batch(
-            self.run_id, tags=[RunTag(key, value) for key, value in values.items()]))
+        self.call(
+            "setting tags",
+            lambda: self.client.log_batch(self.run_id, tags=[RunTag(key, value) for key, value in values.items()]),
+        )
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
         log = self.client.log_artifacts if path.is_dir() else self.client.log_artifact
@@ -159,11 +168,14 @@ class MlflowRun(Backend):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(f"{stage}/{name}", value, now, step) for step, values in records
-                   for name, value in values.items()]
+        metrics = [
+            Metric(f"{stage}/{name}", value, now, step) for step, values in records for name, value in values.items()
+        ]
         for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
-            self.call("logging metrics", lambda part=metrics[start:start + 1000]: self.client.log_batch(
-                self.run_id, metrics=part))
+            self.call(
+                "logging metrics",
+                lambda part=metrics[start : start + 1000]: self.client.log_batch(self.run_id, metrics=part),
+            )
 
 
 class EventFiles(Backend):
@@ -269,7 +281,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     written: list[dict[str, Any]] = []
 
     def write(info: StepInfo) -> None:
-        new = info.record.history[len(written):]
+        new = info.record.history[len(written) :]
         records = scalars(new, written[-1] if written else None)
         written.extend(new)
         for backend in backends(target, warn):

@@ -57,26 +57,38 @@ def stop_hook() -> Hook:
             return
         saved = info.record.save(info)
         signum = stopping.requested() or signal.SIGTERM  # a peer process's signal
-        kept = (f"the checkpoint of step {saved} is saved: rerun the same command to resume from it" if saved
-                else "no checkpoint was saved, so a rerun starts from step 0")
-        raise stopping.Stopped(signum, f"stopped by {stopping.name(signum)} {stopping.where()} at step {info.done} "
-                                       f"of {info.last}; {kept}")
+        kept = (
+            f"the checkpoint of step {saved} is saved: rerun the same command to resume from it"
+            if saved
+            else "no checkpoint was saved, so a rerun starts from step 0"
+        )
+        raise stopping.Stopped(
+            signum, f"stopped by {stopping.name(signum)} {stopping.where()} at step {info.done} of {info.last}; {kept}"
+        )
 
     return Hook(stop, lambda info: info.done < info.last)
 
 
-def run_training(request: TrainingRequest, files: RunFiles, devices: list, parallel: bool,
-                 on_step: Callable[[int, int], None] | None = None,
-                 warn: trackers.Warn = trackers.warn_on_stderr,
-                 note: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+def run_training(
+    request: TrainingRequest,
+    files: RunFiles,
+    devices: list,
+    parallel: bool,
+    on_step: Callable[[int, int], None] | None = None,
+    warn: trackers.Warn = trackers.warn_on_stderr,
+    note: Callable[[str], None] = lambda message: None,
+) -> dict[str, Any]:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
     final state at ``files.state`` (every process calls this; process 0 writes, and reports
     each record to ``request.report``'s trackers, warning through ``warn``; ``note`` tells the
     user of a long step before training, the CPU's measurement). Returns the
     run's summary: metrics, loss history, a digest of the parameters, the devices."""
-    placement = (Placement.data_parallel(devices, fsdp=request.train.sharding == "fsdp") if parallel
-                 else Placement.single(devices[0]))
+    placement = (
+        Placement.data_parallel(devices, fsdp=request.train.sharding == "fsdp")
+        if parallel
+        else Placement.single(devices[0])
+    )
     global_batch = request.train.per_device_batch * len(devices)
     shards = files.shards or {}
     train_rows = read_split(files.train, shards.get("train"), files.bring)
@@ -89,14 +101,19 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     evaluated = val_rows if chosen is None else val_rows.take(chosen)
     per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
     eval_batch = max(1, per_device // val_rows.shape[1]) * len(devices)
-    val = [(rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
-           for rows, weights in val_batches(evaluated, eval_batch, multiple=len(devices))]
+    val = [
+        (rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
+        for rows, weights in val_batches(evaluated, eval_batch, multiple=len(devices))
+    ]
     eval_rows, val_split_rows = len(evaluated), len(val_rows)
     del evaluated, val_rows  # copied into val: the split's mapping goes
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
-        print(f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
-              f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)", flush=True)
+        print(
+            f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
+            f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)",
+            flush=True,
+        )
     platform, seq_len, tuning = placement.devices[0].platform, train_rows.shape[1], None
     if platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
         from .cpu_tuning import choose
@@ -109,17 +126,37 @@ def run_training(request: TrainingRequest, files: RunFiles, devices: list, paral
     if request.report is not None and jax.process_index() == 0:  # process 0 alone writes
         hooks.append(trackers.history_hook(request.report, warn))
     try:
-        result = train(graphdef, state, Batches(train_rows, global_batch, rows), val, placement,
-                       request.train, on_step=on_step, checkpoints=checkpoints, stop_after=request.steps,
-                       step=step, hooks=hooks)
+        result = train(
+            graphdef,
+            state,
+            Batches(train_rows, global_batch, rows),
+            val,
+            placement,
+            request.train,
+            on_step=on_step,
+            checkpoints=checkpoints,
+            stop_after=request.steps,
+            step=step,
+            hooks=hooks,
+        )
     finally:
         checkpoints.close()
         trackers.close(request.report)
     save_train_state(files.state, result.state)
-    metrics = {**result.metrics(), "step_settings": step.as_json(), "cpu_tuning": tuning,
-               "per_device_batch": request.train.per_device_batch, "seq_len": result.seq_len,
-               "platform": request.platform, "processes": request.processes,
-               "eval_rows": eval_rows, "val_split_rows": val_split_rows}
-    return {"metrics": metrics, "history": result.history,
-            "params_digest": params_digest(model_from_state(graphdef, result.state)),
-            "devices": [str(d) for d in devices]}
+    metrics = {
+        **result.metrics(),
+        "step_settings": step.as_json(),
+        "cpu_tuning": tuning,
+        "per_device_batch": request.train.per_device_batch,
+        "seq_len": result.seq_len,
+        "platform": request.platform,
+        "processes": request.processes,
+        "eval_rows": eval_rows,
+        "val_split_rows": val_split_rows,
+    }
+    return {
+        "metrics": metrics,
+        "history": result.history,
+        "params_digest": params_digest(model_from_state(graphdef, result.state)),
+        "devices": [str(d) for d in devices],
+    }

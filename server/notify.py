@@ -25,15 +25,30 @@ FLOWS = ("bardflow-pipeline", "bardflow-samples", "bardflow-sweep")
 PREFIX = "bardflow-notify"
 
 MESSAGES = {  # (what triggers it, subject, body): Prefect's templates, filled in on the server
-    "failed": (RUN_FAILED, "bardflow: {{ flow_run.name }} failed in {{ event.payload.stage }}",
-               ("bardflow run {{ flow_run.name }} ({{ event.payload.flow }}) failed in stage "
-                "{{ event.payload.stage }}: {{ event.payload.error }}\n{{ flow_run|ui_url }}")),
-    "crashed": ("prefect.flow-run.Crashed", "bardflow: {{ flow_run.name }} crashed",
-                ("bardflow run {{ flow_run.name }} ({{ flow.name }}) crashed: {{ flow_run.state.message }}\n"
-                 "{{ flow_run|ui_url }}")),
-    "sweep": (SWEEP_FINISHED, "bardflow: sweep {{ flow_run.name }} finished",
-              ("bardflow sweep {{ flow_run.name }} finished: {{ event.payload.summary }}\n"
-               "best: {{ event.payload.best }}\n{{ flow_run|ui_url }}")),
+    "failed": (
+        RUN_FAILED,
+        "bardflow: {{ flow_run.name }} failed in {{ event.payload.stage }}",
+        (
+            "bardflow run {{ flow_run.name }} ({{ event.payload.flow }}) failed in stage "
+            "{{ event.payload.stage }}: {{ event.payload.error }}\n{{ flow_run|ui_url }}"
+        ),
+    ),
+    "crashed": (
+        "prefect.flow-run.Crashed",
+        "bardflow: {{ flow_run.name }} crashed",
+        (
+            "bardflow run {{ flow_run.name }} ({{ flow.name }}) crashed: {{ flow_run.state.message }}\n"
+            "{{ flow_run|ui_url }}"
+        ),
+    ),
+    "sweep": (
+        SWEEP_FINISHED,
+        "bardflow: sweep {{ flow_run.name }} finished",
+        (
+            "bardflow sweep {{ flow_run.name }} finished: {{ event.payload.summary }}\n"
+            "best: {{ event.payload.best }}\n{{ flow_run|ui_url }}"
+        ),
+    ),
 }
 
 
@@ -55,11 +70,18 @@ def _block_for(url: str, name: str):
     if re.match(r"https://hooks\.slack\.com/", url):
         return SlackWebhook(url=SecretStr(url))
     if not re.match(r"https?://[^/\s]+", url):
-        raise NotifyError(f"{url!r} is not an http(s) webhook URL; for e-mail, Teams, PagerDuty and the other "
-                          "services make a notification block in the Prefect UI (Blocks) and pass "
-                          "--block TYPE/NAME")
-    return CustomWebhookNotificationBlock(name=name, url=url, headers=None, cookies=None, json_data={
-        "subject": "{{subject}}", "body": "{{body}}", "text": "{{subject}}\n{{body}}"})
+        raise NotifyError(
+            f"{url!r} is not an http(s) webhook URL; for e-mail, Teams, PagerDuty and the other "
+            "services make a notification block in the Prefect UI (Blocks) and pass "
+            "--block TYPE/NAME"
+        )
+    return CustomWebhookNotificationBlock(
+        name=name,
+        url=url,
+        headers=None,
+        cookies=None,
+        json_data={"subject": "{{subject}}", "body": "{{body}}", "text": "{{subject}}\n{{body}}"},
+    )
 
 
 def add(url: str | None, name: str, block: str | None = None) -> list[str]:
@@ -75,8 +97,9 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
     if block is not None:
         kind, _, saved = block.partition("/")
         if not saved:
-            raise NotifyError(f"--block expects TYPE/NAME as the UI's Blocks page shows it, e.g. "
-                              f"slack-webhook/alerts; got {block!r}")
+            raise NotifyError(
+                f"--block expects TYPE/NAME as the UI's Blocks page shows it, e.g. slack-webhook/alerts; got {block!r}"
+            )
         from prefect.blocks.abstract import NotificationBlock
 
         try:
@@ -84,8 +107,10 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
         except ValueError as error:
             raise NotifyError(f"no block {block} on this server ({error}); make it in the UI (Blocks)") from None
         if not isinstance(document, NotificationBlock):
-            raise NotifyError(f"block {block} sends no notifications; name a notification block (Slack, Teams, "
-                              "e-mail, a custom webhook, …)")
+            raise NotifyError(
+                f"block {block} sends no notifications; name a notification block (Slack, Teams, "
+                "e-mail, a custom webhook, …)"
+            )
         block_id = document._block_document_id
         if block_id is None:
             raise NotifyError(f"block {block} has no saved document on this server; save it in the UI (Blocks)")
@@ -96,11 +121,18 @@ def add(url: str | None, name: str, block: str | None = None) -> list[str]:
         for what, (event, subject, body) in MESSAGES.items():
             # Prefect's own state events: bardflow's flows only (its own events are bardflow's).
             related = {"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)}
-            trigger = EventTrigger(expect={event}, posture=Posture.Reactive, threshold=1,
-                                   match_related=related if event.startswith("prefect.") else {})
-            automation = AutomationCore(name=f"{PREFIX}-{name}-{what}", description=f"bardflow notify: {what} runs",
-                                    trigger=trigger, actions=cast(list[Any], [SendNotification(
-                                        block_document_id=block_id, subject=subject, body=body)]))
+            trigger = EventTrigger(
+                expect={event},
+                posture=Posture.Reactive,
+                threshold=1,
+                match_related=related if event.startswith("prefect.") else {},
+            )
+            automation = AutomationCore(
+                name=f"{PREFIX}-{name}-{what}",
+                description=f"bardflow notify: {what} runs",
+                trigger=trigger,
+                actions=cast(list[Any], [SendNotification(block_document_id=block_id, subject=subject, body=body)]),
+            )
             client.create_automation(automation)
             created.append(automation.name)
     return created
@@ -153,6 +185,11 @@ def emit(event: str, payload: dict[str, Any]) -> None:
 
     if not flow_run.id:
         return
-    emit_event(event=event, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
-                                      "prefect.resource.name": flow_run.name or ""},
-               payload={"flow": flow_run.flow_name, **payload})
+    emit_event(
+        event=event,
+        resource={
+            "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+            "prefect.resource.name": flow_run.name or "",
+        },
+        payload={"flow": flow_run.flow_name, **payload},
+    )

@@ -30,8 +30,23 @@ def ephemeral_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     if spec is None or spec.origin is None:
         raise ImportError("Prefect is not installed: pip install bardflow")
     app_dir = str(Path(spec.origin).parent.parent)
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", APP_FACTORY,
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        app_dir,
+        "--factory",
+        APP_FACTORY,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
     return command, {**os.environ, **EPHEMERAL_ENV}
 
 

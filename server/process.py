@@ -58,8 +58,10 @@ def check_chosen_server() -> None:
         _health(api, 5.0)
     except OSError as error:
         reason = getattr(error, "reason", None) or error
-        raise ServerError(f"cannot reach the Prefect server at {api} ({reason}); start it (`bardflow server "
-                          "start`), or unset PREFECT_API_URL to run on an embedded server") from error
+        raise ServerError(
+            f"cannot reach the Prefect server at {api} ({reason}); start it (`bardflow server "
+            "start`), or unset PREFECT_API_URL to run on an embedded server"
+        ) from error
 
 
 def use_running_server() -> str | None:
@@ -82,14 +84,17 @@ def database_url(url: str) -> str:
     driver Prefect ships), or a SQLite file."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
-        raise ServerError(f"--database {url!r} is no database URL; "
-                          "e.g. postgresql://USER:PASSWORD@127.0.0.1:5432/prefect")
+        raise ServerError(
+            f"--database {url!r} is no database URL; e.g. postgresql://USER:PASSWORD@127.0.0.1:5432/prefect"
+        )
     if scheme in ("postgresql", "postgres", "postgresql+asyncpg"):
         return f"postgresql+asyncpg://{rest}"
     if scheme in ("sqlite", "sqlite+aiosqlite"):
         return f"sqlite+aiosqlite://{rest}"
-    raise ServerError(f"--database {url!r}: Prefect's server keeps its state in PostgreSQL (postgresql://…) "
-                      "or SQLite (sqlite:///path)")
+    raise ServerError(
+        f"--database {url!r}: Prefect's server keeps its state in PostgreSQL (postgresql://…) "
+        "or SQLite (sqlite:///path)"
+    )
 
 
 def _shown(url: str) -> str:
@@ -113,18 +118,29 @@ def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> t
     if database is not None:
         env[DATABASE] = database_url(database)
     with open(log, "ab") as out:  # detached: it outlives this command and its terminal
-        process = subprocess.Popen([sys.executable, "-m", "bardflow", "ui", "--port", str(port)],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=Path(__file__).resolve().parents[1], env=env)
-    record = {"pid": process.pid, "url": url, "log": str(log),
-              "database": _shown(env.get(DATABASE) or f"sqlite (in {env.get('PREFECT_HOME', '~/.prefect')})")}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bardflow", "ui", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+        )
+    record = {
+        "pid": process.pid,
+        "url": url,
+        "log": str(log),
+        "database": _shown(env.get(DATABASE) or f"sqlite (in {env.get('PREFECT_HOME', '~/.prefect')})"),
+    }
     deadline = time.monotonic() + timeout_s
     while not healthy(url):
         if process.poll() is not None or time.monotonic() > deadline:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-            raise ServerError(f"the Prefect server did not come up at {url} within {timeout_s:.0f} s; "
-                              f"see its log {log}")
+            raise ServerError(
+                f"the Prefect server did not come up at {url} within {timeout_s:.0f} s; see its log {log}"
+            )
         time.sleep(0.5)
     path.write_text(json.dumps(record))
     return record, True
@@ -156,13 +172,17 @@ def command(action: str, port: int, database: str | None = None) -> None:
     if action == "start":
         record, started = start(port, database=database)
         if not started and not record["url"].endswith(f":{port}"):
-            raise ServerError(f"a background Prefect server already runs at {record['url']} (pid {record['pid']}), "
-                              f"so --port {port} was not used; `bardflow server stop`, then start again to move it "
-                              f"to port {port}")
-        print(f"{'' if started else 'already running: '}Prefect server: {record['url']} (pid {record['pid']}, "
-              f"log {record['log']}, "
-              f"database {record.get('database')})\n"
-              f"`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it.")
+            raise ServerError(
+                f"a background Prefect server already runs at {record['url']} (pid {record['pid']}), "
+                f"so --port {port} was not used; `bardflow server stop`, then start again to move it "
+                f"to port {port}"
+            )
+        print(
+            f"{'' if started else 'already running: '}Prefect server: {record['url']} (pid {record['pid']}, "
+            f"log {record['log']}, "
+            f"database {record.get('database')})\n"
+            f"`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it."
+        )
     elif action == "stop":
         print("stopped" if stop() else "no background server was running")
     else:
@@ -191,9 +211,15 @@ class EmbeddedServer:
         self.log = home / "bardflow-embedded-server.log"
         self.stopping = False
         with open(self.log, "wb") as log:  # the server's own output stays out of the run's
-            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -202,13 +228,17 @@ class EmbeddedServer:
         while not healthy(self.url, timeout_s=1.0):
             stopping.check("before the run started")
             if self.process.poll() is not None:
-                raise ServerError(f"the embedded Prefect server exited with status {self.process.returncode} while "
-                                  f"starting; its log {self.log} says why (or start one with `bardflow server start`)")
+                raise ServerError(
+                    f"the embedded Prefect server exited with status {self.process.returncode} while "
+                    f"starting; its log {self.log} says why (or start one with `bardflow server start`)"
+                )
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerError(f"the embedded Prefect server did not answer within {timeout_s:.0f} s; raise "
-                                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or keep one running with "
-                                  "`bardflow server start`")
+                raise ServerError(
+                    f"the embedded Prefect server did not answer within {timeout_s:.0f} s; raise "
+                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or keep one running with "
+                    "`bardflow server start`"
+                )
             time.sleep(0.1)
 
     def watch(self) -> None:
@@ -219,11 +249,12 @@ class EmbeddedServer:
         def wait() -> None:
             code = self.process.wait()
             if not self.stopping:
-                server_gone(f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
-                            f"rerun the same command to go on ({GOING_ON})")
+                server_gone(
+                    f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
+                    f"rerun the same command to go on ({GOING_ON})"
+                )
 
         threading.Thread(target=wait, daemon=True).start()
-
 
     def stop(self) -> None:
         self.stopping = True
@@ -261,8 +292,10 @@ def watch_chosen(api: str, every_s: float = 1.0):
                 reason = getattr(error, "reason", None) or error
                 silent_since = silent_since or time.monotonic()
             if time.monotonic() - silent_since >= SILENT_FOR_S and not done.is_set():
-                server_gone(f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
-                            f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})")
+                server_gone(
+                    f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
+                    f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})"
+                )
                 return
 
     threading.Thread(target=poll, name="bardflow-server-watch", daemon=True).start()
@@ -308,8 +341,12 @@ def start_embedded() -> EmbeddedServer | None:
     # The run's links (Prefect's "View at", MLflow's tag) point where the run can be seen
     # afterwards: `bardflow ui` serves this Prefect home's runs there; this server is gone.
     os.environ.setdefault("PREFECT_UI_URL", LATER_UI)
-    print(f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running with "
-          "`bardflow server start` to skip this)", file=sys.stderr, flush=True)
+    print(
+        f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running with "
+        "`bardflow server start` to skip this)",
+        file=sys.stderr,
+        flush=True,
+    )
     atexit.register(server.stop)
     stopping.on_force(server.stop)
     return server

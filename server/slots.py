@@ -90,13 +90,20 @@ def _duration(seconds: float) -> str:
 def _describe(holder: dict, now: float) -> str:
     since = holder.get("since")
     held = f", for {_duration(now - since)}" if isinstance(since, (int, float)) else ""
-    return (f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('stage', 'a stage')} of flow run "
-            f"{holder.get('flow_run')}{held})")
+    return (
+        f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('stage', 'a stage')} of flow run "
+        f"{holder.get('flow_run')}{held})"
+    )
 
 
 @contextmanager
-def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | None = None,
-                  name: str | None = None, say: Callable[[str], None] | None = None) -> Iterator[None]:
+def training_slot(
+    stage: str,
+    log: Callable[[str], None],
+    flow_run_id: str | None = None,
+    name: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Iterator[None]:
     """Holds this host's training slot (or the slot ``name``) for the body; waits for it,
     saying so (with ``say``, else ``log``; and on stderr where the log would not show it), while
     another run holds it. A stop (SIGINT/SIGTERM) while waiting stops the run as anywhere else."""
@@ -109,8 +116,16 @@ def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | Non
     with get_client(sync_client=True) as client:
         _ensure_limit(client, name, log)
         wait = _Wait(stage, name, say or log)
-        holding = _Holding(name, {"host": socket.gethostname(), "pid": os.getpid(),
-                                  "started": _process_start(os.getpid()), "stage": stage, "flow_run": flow_run_id})
+        holding = _Holding(
+            name,
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": _process_start(os.getpid()),
+                "stage": stage,
+                "flow_run": flow_run_id,
+            },
+        )
         while True:
             holding.claim()  # seen by every waiter before the server can count this run's slot
             try:
@@ -125,11 +140,14 @@ def training_slot(stage: str, log: Callable[[str], None], flow_run_id: str | Non
             stopping.check(f"while {stage} waited for the training slot {name}")
             time.sleep(POLL_S)
         holding.hold(lease)
-        (wait.log if wait.said else log)(f"{stage}: holds this host's training slot {name}"
-            + (f" (waited {_duration(time.monotonic() - wait.began)})" if wait.said else ""))
+        (wait.log if wait.said else log)(
+            f"{stage}: holds this host's training slot {name}"
+            + (f" (waited {_duration(time.monotonic() - wait.began)})" if wait.said else "")
+        )
         done = threading.Event()
-        renewer = threading.Thread(target=contextvars.copy_context().run, args=(holding.renew, done), daemon=True,
-                                   name="bardflow-slot-lease")
+        renewer = threading.Thread(
+            target=contextvars.copy_context().run, args=(holding.renew, done), daemon=True, name="bardflow-slot-lease"
+        )
         renewer.start()
         try:
             yield
@@ -169,8 +187,9 @@ class _Holding:
     def record(self) -> None:
         from prefect.variables import Variable
 
-        Variable.set(self.variable, {**self.holder, "lease": None if self.lease_lost else self.lease or None},
-                     overwrite=True)
+        Variable.set(
+            self.variable, {**self.holder, "lease": None if self.lease_lost else self.lease or None}, overwrite=True
+        )
 
     def renew(self, done: threading.Event) -> None:
         from prefect.client.orchestration import get_client
@@ -250,8 +269,10 @@ class _Wait:
             # (whose slot the count may already include).
             if len(holders) == len(holding) and time.monotonic() - self.unowned_since >= RECLAIM_AFTER_S:
                 client.release_concurrency_slots([self.name], unowned, 1.0)  # occupancy: unknown, must be > 0
-                self.tell(f"{self.stage}: {unowned} of the {int(limit.active_slots)} held slot(s) of {self.name} had "
-                          "no live holder (a holder killed outright, or a server restarted under a run): freed")
+                self.tell(
+                    f"{self.stage}: {unowned} of the {int(limit.active_slots)} held slot(s) of {self.name} had "
+                    "no live holder (a holder killed outright, or a server restarted under a run): freed"
+                )
                 self.unowned_since = None
                 return
         waited = time.monotonic() - self.began
@@ -259,10 +280,15 @@ class _Wait:
             if holding:
                 why = f"held by {'; '.join(_describe(h, now) for h in holding)}; it is free when that stage ends"
             else:
-                why = (f"counted as held, but no live run holds it (freed in {RECLAIM_AFTER_S:.0f} s unless its "
-                       "holder shows up)")
-            self.tell(f"{self.stage}: waiting for this host's training slot {self.name}"
-                      + (f" ({_duration(waited)} so far)" if self.said else "") + f": {why}")
+                why = (
+                    f"counted as held, but no live run holds it (freed in {RECLAIM_AFTER_S:.0f} s unless its "
+                    "holder shows up)"
+                )
+            self.tell(
+                f"{self.stage}: waiting for this host's training slot {self.name}"
+                + (f" ({_duration(waited)} so far)" if self.said else "")
+                + f": {why}"
+            )
             self.said, self.last_said = True, time.monotonic()
 
     def _drop(self, client, variable: str, holder: dict) -> None:
@@ -275,8 +301,10 @@ class _Wait:
             client.delete_variable_by_name(variable)
         except Exception:  # noqa: BLE001, S110 - another waiter dropped it first
             pass
-        self.tell(f"the training slot {self.name} was held by process {holder.get('pid')} on {holder.get('host')} "
-                  f"(flow run {holder.get('flow_run')}), which is gone: its slot is released")
+        self.tell(
+            f"the training slot {self.name} was held by process {holder.get('pid')} on {holder.get('host')} "
+            f"(flow run {holder.get('flow_run')}), which is gone: its slot is released"
+        )
 
 
 def _prefix(name: str) -> str:
@@ -286,10 +314,14 @@ def _prefix(name: str) -> str:
 def _holders(client, name: str) -> list[tuple[str, dict]]:
     """The recorded holders of the slot ``name``: (variable, record). The one record of
     earlier versions (``<name>-holder``) counts too."""
-    response = client.request("POST", "/variables/filter",
-                              json={"variables": {"name": {"like_": f"{name}-holder%"}}, "limit": 200})
-    return [(v["name"], v["value"]) for v in response.json()
-            if (v["name"].startswith(_prefix(name)) or v["name"] == f"{name}-holder") and isinstance(v["value"], dict)]
+    response = client.request(
+        "POST", "/variables/filter", json={"variables": {"name": {"like_": f"{name}-holder%"}}, "limit": 200}
+    )
+    return [
+        (v["name"], v["value"])
+        for v in response.json()
+        if (v["name"].startswith(_prefix(name)) or v["name"] == f"{name}-holder") and isinstance(v["value"], dict)
+    ]
 
 
 def _status(error: Exception) -> int | None:
@@ -308,8 +340,10 @@ def _ensure_limit(client, name: str, log: Callable[[str], None]) -> None:
         pass
     try:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        log(f"created the concurrency limit {name} (1 slot: one training at a time on this host; "
-            f"`prefect gcl update {name} --limit N` allows N)")
+        log(
+            f"created the concurrency limit {name} (1 slot: one training at a time on this host; "
+            f"`prefect gcl update {name} --limit N` allows N)"
+        )
     except ObjectAlreadyExists:  # another run on this host created it first
         pass
 

@@ -26,10 +26,12 @@ def overfitting(history: list[dict[str, Any]]) -> str | None:
     last = evaluated[-1]
     if last["val_loss"] <= best["val_loss"] * (1 + OVERFIT_RISE) or last["loss"] >= best["loss"]:
         return None
-    return (f"overfitting: validation loss rose from {best['val_loss']:.3f} (step {best['step']}) to "
-            f"{last['val_loss']:.3f} while training loss fell to {last['loss']:.3f}; the model is learning this "
-            "corpus by heart: give it more text, a smaller model (model.num_layers, model.d_model) or fewer steps "
-            "(train.steps)")
+    return (
+        f"overfitting: validation loss rose from {best['val_loss']:.3f} (step {best['step']}) to "
+        f"{last['val_loss']:.3f} while training loss fell to {last['loss']:.3f}; the model is learning this "
+        "corpus by heart: give it more text, a smaller model (model.num_layers, model.d_model) or fewer steps "
+        "(train.steps)"
+    )
 
 
 def timed_window(*histories: list[dict[str, Any]]) -> tuple[int, int] | None:
@@ -46,12 +48,18 @@ def timed_window(*histories: list[dict[str, Any]]) -> tuple[int, int] | None:
 def _speed(history: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, float]:
     at = {h["step"]: h for h in history}
     (first, last), seconds = window, at[window[1]]["seconds"] - at[window[0]]["seconds"]
-    return {"tokens_per_s": (at[last]["tokens"] - at[first]["tokens"]) / seconds,
-            "ms_per_step": 1e3 * seconds / (last - first)}
+    return {
+        "tokens_per_s": (at[last]["tokens"] - at[first]["tokens"]) / seconds,
+        "ms_per_step": 1e3 * seconds / (last - first),
+    }
 
 
-def comparison(single: dict[str, Any], parallel: dict[str, Any], single_history: list[dict[str, Any]] | None = None,
-               parallel_history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def comparison(
+    single: dict[str, Any],
+    parallel: dict[str, Any],
+    single_history: list[dict[str, Any]] | None = None,
+    parallel_history: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The two training stages' throughput on the same steps (``timed_window``), or, where
     their records share no window, over each whole run (said in the note)."""
     devices = parallel["devices"]
@@ -59,35 +67,57 @@ def comparison(single: dict[str, Any], parallel: dict[str, Any], single_history:
     if window is not None and single_history and parallel_history:
         one, many = _speed(single_history, window), _speed(parallel_history, window)
         timed = [f"{window[0] + 1} to {window[1]}"] * 2 + ["same"]
-        how = (f"Both runs are timed on the same steps, {window[0] + 1} to {window[1]} (the first step, which warms "
-               "up, left out; evaluation excluded).")
+        how = (
+            f"Both runs are timed on the same steps, {window[0] + 1} to {window[1]} (the first step, which warms "
+            "up, left out; evaluation excluded)."
+        )
     else:
         one, many = single, parallel
-        timed = [f"all {single['steps']}", f"all {parallel['steps']}",
-                 "same" if single["steps"] == parallel["steps"] else "differs"]
+        timed = [
+            f"all {single['steps']}",
+            f"all {parallel['steps']}",
+            "same" if single["steps"] == parallel["steps"] else "differs",
+        ]
         how = "Each run is timed over all its steps: their records share no window of steps."
     speedup = many["tokens_per_s"] / one["tokens_per_s"]
     rows = [
-        ["Global batch", single["global_batch"], parallel["global_batch"],
-         f"{parallel['global_batch'] / single['global_batch']:.2f}x"],
+        [
+            "Global batch",
+            single["global_batch"],
+            parallel["global_batch"],
+            f"{parallel['global_batch'] / single['global_batch']:.2f}x",
+        ],
         ["Per-device batch", single["per_device_batch"], parallel["per_device_batch"], "same"],
         ["Timed steps", *timed],
-        ["ms/step", f"{one['ms_per_step']:.2f}", f"{many['ms_per_step']:.2f}",
-         f"{one['ms_per_step'] / many['ms_per_step']:.2f}x"],
+        [
+            "ms/step",
+            f"{one['ms_per_step']:.2f}",
+            f"{many['ms_per_step']:.2f}",
+            f"{one['ms_per_step'] / many['ms_per_step']:.2f}x",
+        ],
         ["Tokens/s", f"{one['tokens_per_s']:,.0f}", f"{many['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
     ]
-    note = (f"{how} The speedup is the data-parallel run's tokens/s over the single device's; with the same batch "
-            f"on each device, {devices} devices ideally give {devices}x (emulated CPU devices share the same cores: "
-            "about 1x).")
+    note = (
+        f"{how} The speedup is the data-parallel run's tokens/s over the single device's; with the same batch "
+        f"on each device, {devices} devices ideally give {devices}x (emulated CPU devices share the same cores: "
+        "about 1x)."
+    )
     if speedup > 1.25 * devices:
-        note += (f" The measured {speedup:.2f}x exceeds 1.25 x {devices} devices: on a benchmark this small, a "
-                 "measurement artifact (layout, kernel choice), not a scaling claim.")
+        note += (
+            f" The measured {speedup:.2f}x exceeds 1.25 x {devices} devices: on a benchmark this small, a "
+            "measurement artifact (layout, kernel choice), not a scaling claim."
+        )
     elif devices == 1:
         note = f"{how} Only one device was visible, so the data-parallel run used the same single device."
-    return {"header": ["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
-            "rows": rows, "window": window, "tokens_per_s": [round(one["tokens_per_s"], 1),
-                                                              round(many["tokens_per_s"], 1)],
-            "speedup": round(speedup, 3), "devices": devices, "note": note}
+    return {
+        "header": ["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
+        "rows": rows,
+        "window": window,
+        "tokens_per_s": [round(one["tokens_per_s"], 1), round(many["tokens_per_s"], 1)],
+        "speedup": round(speedup, 3),
+        "devices": devices,
+        "note": note,
+    }
 
 
 def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Path, curves_png: Path) -> None:
@@ -111,8 +141,13 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Pa
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
     panels = [  # (axes, x of a record, y of a record, x label, title)
         (axes[0, 0], lambda h: h["tokens"] / 1e6, lambda h: h["loss"], "Tokens processed (millions)", "Training loss"),
-        (axes[0, 1], lambda h: h["tokens"] / 1e6, lambda h: h["perplexity"], "Tokens processed (millions)",
-         "Training perplexity"),
+        (
+            axes[0, 1],
+            lambda h: h["tokens"] / 1e6,
+            lambda h: h["perplexity"],
+            "Tokens processed (millions)",
+            "Training perplexity",
+        ),
     ]
     _draw(panels, [(label, history) for label, history, _ in runs])
     _validation_panels(axes[1, 0], axes[1, 1], [(label, history) for label, history, _ in runs])
@@ -136,10 +171,25 @@ def _draw(panels, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
 
 
 def _validation_panels(by_tokens, by_seconds, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
-    _draw([(by_tokens, lambda h: h["tokens"] / 1e6, lambda h: h.get("val_loss"), "Tokens processed (millions)",
-            "Validation loss (whole split) vs tokens"),
-           (by_seconds, lambda h: h.get("seconds"), lambda h: h.get("val_loss"),
-            "Training seconds (evaluation excluded)", "Validation loss vs seconds")], runs)
+    _draw(
+        [
+            (
+                by_tokens,
+                lambda h: h["tokens"] / 1e6,
+                lambda h: h.get("val_loss"),
+                "Tokens processed (millions)",
+                "Validation loss (whole split) vs tokens",
+            ),
+            (
+                by_seconds,
+                lambda h: h.get("seconds"),
+                lambda h: h.get("val_loss"),
+                "Training seconds (evaluation excluded)",
+                "Validation loss vs seconds",
+            ),
+        ],
+        runs,
+    )
 
 
 def plot_validation_curves(runs: list[tuple[str, list[dict[str, Any]]]], png: Path, title: str) -> None:
@@ -168,8 +218,10 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
     out.path(TABLE).write_text(json.dumps(result, indent=1))
     devices = result["devices"]
     plot(
-        [("single device", histories[0], result["tokens_per_s"][0]),
-         (result["header"][2], histories[1], result["tokens_per_s"][1])],
+        [
+            ("single device", histories[0], result["tokens_per_s"][0]),
+            (result["header"][2], histories[1], result["tokens_per_s"][1]),
+        ],
         out.path(THROUGHPUT_PNG),
         out.path(CURVES_PNG),
     )
@@ -184,8 +236,10 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
         COMPARE.name,
         ui.markdown_table(result["header"], result["rows"])
         + (f"\n> {result['note']}\n" if result["note"] else "")
-        + "\n" + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
-        + "\n" + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
+        + "\n"
+        + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
+        + "\n"
+        + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
         description="Throughput and training curves",
         what="plots",
     )

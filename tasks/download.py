@@ -91,8 +91,10 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         old, new = urllib.parse.urlparse(req.full_url), urllib.parse.urlparse(newurl)
         if (old.scheme, old.netloc) != (new.scheme, new.netloc) and (old.scheme, new.scheme) != ("https", "https"):
-            raise FetchError(f"{req.full_url} redirects to {newurl}, another scheme, host or port, which is not "
-                             "followed; if that is where the corpus is, pass it with --corpus")
+            raise FetchError(
+                f"{req.full_url} redirects to {newurl}, another scheme, host or port, which is not "
+                "followed; if that is where the corpus is, pass it with --corpus"
+            )
         self.hops.append(newurl)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
@@ -104,8 +106,7 @@ def _opener(watch: Watch, redirects: _Redirects) -> urllib.request.OpenerDirecto
 
     class Https(urllib.request.HTTPSHandler):
         def https_open(self, req):
-            return self.do_open(_watched(http.client.HTTPSConnection, watch), req,
-                                context=self._context)  # type: ignore[attr-defined]
+            return self.do_open(_watched(http.client.HTTPSConnection, watch), req, context=self._context)  # type: ignore[attr-defined]
 
     return urllib.request.build_opener(Http(), Https(), redirects)
 
@@ -115,10 +116,17 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def download(url: str, target: Path, hear: Callable[[bytes], None] | None = None,
-             restart: Callable[[], None] | None = None, progress: Callable[[int, int | None], None] | None = None,
-             attempts: int = ATTEMPTS, timeout_s: float = TIMEOUT_S, stall_s: float = STALL_S,
-             min_bytes_per_s: float = MIN_BYTES_PER_S) -> str:
+def download(
+    url: str,
+    target: Path,
+    hear: Callable[[bytes], None] | None = None,
+    restart: Callable[[], None] | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
+    attempts: int = ATTEMPTS,
+    timeout_s: float = TIMEOUT_S,
+    stall_s: float = STALL_S,
+    min_bytes_per_s: float = MIN_BYTES_PER_S,
+) -> str:
     """Downloads ``url`` into ``target``, ``hear`` getting every byte once (``restart`` when a
     server sends the whole file again); returns the URL the bytes came from, after redirects."""
     last: BaseException | None = None
@@ -172,11 +180,15 @@ def download(url: str, target: Path, hear: Callable[[bytes], None] | None = None
                 if error.code < 500 and error.code != 429:
                     break  # the server said no; asking again will not change that
             except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
-                last = Stalled(f"slower than {min_bytes_per_s:,.0f} bytes/s for {stall_s:.0f} s") \
-                    if watch.stalled else error
+                last = (
+                    Stalled(f"slower than {min_bytes_per_s:,.0f} bytes/s for {stall_s:.0f} s")
+                    if watch.stalled
+                    else error
+                )
                 cause = getattr(error, "reason", error)
-                if not watch.stalled and (isinstance(cause, socket.gaierror)
-                                          or getattr(cause, "errno", None) in NOT_RETRIED):
+                if not watch.stalled and (
+                    isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in NOT_RETRIED
+                ):
                     break
             finally:
                 watch.done.set()

@@ -29,17 +29,31 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
     rows = windows(tokens, settings.seq_len, settings.every_position)
     num_train = split_point(len(rows), size, settings.seq_len, settings.train_fraction)
     counts = {"train_sequences": num_train, "val_sequences": len(rows) - num_train}
-    metadata = {"seq_len": str(settings.seq_len), "shuffle_seed": str(settings.shuffle_seed),
-                "source_md5": fetch.metrics["md5"], **{k: str(v) for k, v in counts.items()}}
+    metadata = {
+        "seq_len": str(settings.seq_len),
+        "shuffle_seed": str(settings.shuffle_seed),
+        "source_md5": fetch.metrics["md5"],
+        **{k: str(v) for k, v in counts.items()},
+    }
     row_bytes = rows.shape[1]
     total = len(rows) * row_bytes
     # Before a byte is written; each shard adds its Arrow schema and footer, a few KB.
     require_space(out.dir, total, "the encoded splits (train/, val/)", overhead=(total // SHARD_BYTES + 2) << 13)
     with ui.Progress(ENCODE.name, total, "encode", in_bytes=True) as progress:
-        train = write_split(out.path(TRAIN), rows[:num_train], {**metadata, "split": "train"},
-                            order=train_order(num_train, settings.shuffle_seed), progress=progress)
-        val = write_split(out.path(VAL), rows[num_train:], {**metadata, "split": "val"},
-                          progress=lambda done: progress(num_train * row_bytes + done), cached=True)
+        train = write_split(
+            out.path(TRAIN),
+            rows[:num_train],
+            {**metadata, "split": "train"},
+            order=train_order(num_train, settings.shuffle_seed),
+            progress=progress,
+        )
+        val = write_split(
+            out.path(VAL),
+            rows[num_train:],
+            {**metadata, "split": "val"},
+            progress=lambda done: progress(num_train * row_bytes + done),
+            cached=True,
+        )
     # The windows are the corpus's bytes: readable by no one its stored copy keeps out.
     mode = corpus.stat().st_mode & 0o666 | 0o600
     for name, shards in ((TRAIN, train), (VAL, val)):
@@ -50,15 +64,25 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
             out.digests[f"{name}/{shard['file']}"] = {"bytes": shard["bytes"], "sha256": shard["sha256"]}
     out.record["shards"] = {TRAIN: train, VAL: val}
     out.on_demand = [TRAIN, VAL]  # a worker reading from a bucket fetches the shards it reads
-    out.metrics.update({"bytes": size, "seq_len": settings.seq_len, "vocab_size": BYTE_VALUES, **counts,
-                        "shards": len(train) + len(val)})
+    out.metrics.update(
+        {
+            "bytes": size,
+            "seq_len": settings.seq_len,
+            "vocab_size": BYTE_VALUES,
+            **counts,
+            "shards": len(train) + len(val),
+        }
+    )
     distinct = fetch.metrics.get("distinct_bytes")
     ui.table(
         ENCODE.name,
         [
             {"": "Total bytes", "value": f"{size:,}"},
-            {"": "Vocabulary", "value": f"{BYTE_VALUES} (raw bytes)"
-                                        + (f", {distinct} of them in the corpus" if distinct is not None else "")},
+            {
+                "": "Vocabulary",
+                "value": f"{BYTE_VALUES} (raw bytes)"
+                + (f", {distinct} of them in the corpus" if distinct is not None else ""),
+            },
             {"": "Sequence length", "value": settings.seq_len},
             {"": "Training sequences", "value": f"{counts['train_sequences']:,}"},
             {"": "Validation sequences", "value": f"{counts['val_sequences']:,}"},

@@ -55,9 +55,16 @@ def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str
     params = flat_params(model)
     save_file(params, str(folder / WEIGHTS), metadata={"format": "bardflow", "vocab": "bytes"})
     portable = portable_config(cfg)
-    (folder / CONFIG).write_text(json.dumps({**portable.model_dump(mode="json"), "platforms": list(PLATFORMS),
-                                             "inputs": "params (model.safetensors), tokens int32 (batch, length)"},
-                                            indent=1))
+    (folder / CONFIG).write_text(
+        json.dumps(
+            {
+                **portable.model_dump(mode="json"),
+                "platforms": list(PLATFORMS),
+                "inputs": "params (model.safetensors), tokens int32 (batch, length)",
+            },
+            indent=1,
+        )
+    )
     (folder / FORWARD).write_bytes(export_forward(model, portable))
     write_checksums(folder)
     return {"parameters": int(sum(v.size for v in params.values())), "tensors": len(params)}
@@ -67,8 +74,11 @@ def write_checksums(folder: Path) -> None:
     """The folder carries its own checksums, so that whoever loads it (examples/) can tell a
     damaged, edited or mixed-up file from a model, wherever the folder was copied to: every
     file of it, the transformers folder's too, by its path within the folder."""
-    sums = {p.relative_to(folder).as_posix(): file_digest(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p != folder / CHECKSUMS}
+    sums = {
+        p.relative_to(folder).as_posix(): file_digest(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p != folder / CHECKSUMS
+    }
     (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
 
 
@@ -85,11 +95,21 @@ def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> N
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-        "clean_up_tokenization_spaces": False}, indent=1))
-    (folder / "generation_config.json").write_text(json.dumps({
-        "max_length": cfg.max_seq_len, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}, indent=1))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": cfg.max_seq_len,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=1,
+        )
+    )
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {"max_length": cfg.max_seq_len, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}, indent=1
+        )
+    )
 
 
 def hf_checking() -> str | None:
@@ -99,8 +119,9 @@ def hf_checking() -> str | None:
     if os.environ.get(HF_CHECKING, "").lower() == "off":
         return f"not checked ({HF_CHECKING}=off)"
     if find_spec("torch") is None or find_spec("transformers") is None:
-        return ("not checked: torch and transformers are not installed (pip install 'bardflow[hf]', then "
-                "--refresh export)")
+        return (
+            "not checked: torch and transformers are not installed (pip install 'bardflow[hf]', then --refresh export)"
+        )
     return None
 
 
@@ -111,8 +132,10 @@ class ExportError(BardflowError, RuntimeError):
 def probes(max_seq_len: int) -> dict[str, np.ndarray]:
     """Two shapes, so that the symbolic batch and length are both exercised."""
     ids = np.arange(3 * max_seq_len, dtype=np.int32) * 7 % 256
-    return {"tokens_full": ids[: 2 * max_seq_len].reshape(2, max_seq_len),
-            "tokens_short": ids[: 3 * max(1, max_seq_len // 2)].reshape(3, -1)}
+    return {
+        "tokens_full": ids[: 2 * max_seq_len].reshape(2, max_seq_len),
+        "tokens_short": ids[: 3 * max(1, max_seq_len // 2)].reshape(3, -1),
+    }
 
 
 def build(settings: dict, out: Builder, checkpoint: Version) -> None:
@@ -130,25 +153,40 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
     (result,) = _in_fresh_interpreter(CHECK, [(folder, expected)], "the export could not be loaded without bardflow")
     check_s = time.perf_counter() - started
     if result["bardflow_imported"] or not result["max_abs_diff"] <= TOLERANCE:
-        raise ExportError(f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
-                          f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export")
+        raise ExportError(
+            f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
+            f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export"
+        )
     hf = _hf(folder / HF, model, cfg, params)
     write_checksums(folder)  # now with hf/
     ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    out.metrics.update({"parameters": held["parameters"], "bytes": sum(files.values()),
-                        "max_abs_diff": result["max_abs_diff"], "platforms": ",".join(PLATFORMS),
-                        "export_s": round(export_s, 3), "check_s": round(check_s, 3),
-                        **{f"hf_{name}": value for name, value in hf.items() if name in HF_METRICS}})
+    out.metrics.update(
+        {
+            "parameters": held["parameters"],
+            "bytes": sum(files.values()),
+            "max_abs_diff": result["max_abs_diff"],
+            "platforms": ",".join(PLATFORMS),
+            "export_s": round(export_s, 3),
+            "check_s": round(check_s, 3),
+            **{f"hf_{name}": value for name, value in hf.items() if name in HF_METRICS},
+        }
+    )
     out.record["hf"] = hf
     rows = [{"file": name, "bytes": size} for name, size in files.items()]
-    rows += ([{"file": f"{HF}/{p.name}", "bytes": p.stat().st_size} for p in sorted((folder / HF).iterdir())]
-             if (folder / HF).is_dir() else [])
+    rows += (
+        [{"file": f"{HF}/{p.name}", "bytes": p.stat().st_size} for p in sorted((folder / HF).iterdir())]
+        if (folder / HF).is_dir()
+        else []
+    )
     rows.append({"file": f"{HF}/ (transformers)", "bytes": hf["status"]})
-    ui.table(EXPORT.name, rows,
-             description=f"Export: safetensors + jax.export forward ({', '.join(PLATFORMS)}), checked without "
-                         f"bardflow on {result['platform']}: max |diff| {result['max_abs_diff']:.1e}; "
-                         f"transformers folder: {hf['status']}")
+    ui.table(
+        EXPORT.name,
+        rows,
+        description=f"Export: safetensors + jax.export forward ({', '.join(PLATFORMS)}), checked without "
+        f"bardflow on {result['platform']}: max |diff| {result['max_abs_diff']:.1e}; "
+        f"transformers folder: {hf['status']}",
+    )
 
 
 HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")
@@ -168,12 +206,19 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params) -> dict:
     started = time.perf_counter()
     reference = hf_reference(model, cfg)
     (result,) = check_hf([(folder, reference)])
-    return {**found, "checked": True, "max_abs_diff": result["max_abs_diff"], "greedy_bytes": result["greedy_bytes"],
-            "prompt": PROMPT.decode(), "greedy_ids": reference["greedy"].tolist(),  # what a server must say too
-            "check_s": round(time.perf_counter() - started, 3), "transformers": result["transformers"],
-            "torch": result["torch"],
-            "status": f"checked with transformers {result['transformers']}: max |diff| {result['max_abs_diff']:.1e}, "
-                      f"{result['greedy_bytes']} greedy bytes the same"}
+    return {
+        **found,
+        "checked": True,
+        "max_abs_diff": result["max_abs_diff"],
+        "greedy_bytes": result["greedy_bytes"],
+        "prompt": PROMPT.decode(),
+        "greedy_ids": reference["greedy"].tolist(),  # what a server must say too
+        "check_s": round(time.perf_counter() - started, 3),
+        "transformers": result["transformers"],
+        "torch": result["torch"],
+        "status": f"checked with transformers {result['transformers']}: max |diff| {result['max_abs_diff']:.1e}, "
+        f"{result['greedy_bytes']} greedy bytes the same",
+    }
 
 
 def hf_reference(model: Transformer, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -195,10 +240,13 @@ def hf_reference(model: Transformer, cfg: ModelConfig) -> dict[str, np.ndarray]:
         for name, tokens in probes(cfg.max_seq_len).items():
             reference[name] = tokens
             reference[name.replace("tokens", "logits")] = np.asarray(forward(params, tokens))
-        sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT):]
-    return {**reference, "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
-            "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32),
-            "window": np.asarray(0 if rotary else cfg.max_seq_len, np.int32)}
+        sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT) :]
+    return {
+        **reference,
+        "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
+        "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32),
+        "window": np.asarray(0 if rotary else cfg.max_seq_len, np.int32),
+    }
 
 
 def check_hf(folders: list[tuple[Path, dict[str, Any]]]) -> list[dict]:
@@ -224,8 +272,9 @@ def _in_fresh_interpreter(script: Path, folders: list[tuple[Path, dict[str, Any]
         for number, (folder, reference) in enumerate(folders):
             np.savez(Path(scratch) / f"probes-{number}.npz", **reference)
             arguments += [str(folder), str(Path(scratch) / f"probes-{number}.npz")]
-        done = subprocess.run([sys.executable, "-I", str(script), *arguments], capture_output=True, text=True,
-                              timeout=900, check=False)
+        done = subprocess.run(
+            [sys.executable, "-I", str(script), *arguments], capture_output=True, text=True, timeout=900, check=False
+        )
     if done.returncode != 0:
         raise ExportError(f"{failed}: {done.stderr.strip().splitlines()[-1:]}; rerun with --refresh export")
     return [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
@@ -234,10 +283,13 @@ def _in_fresh_interpreter(script: Path, folders: list[tuple[Path, dict[str, Any]
 def hf_verdict(result: dict) -> None:
     """ExportError unless transformers computed what the checkpoint does."""
     if result["bardflow_imported"] or not result["max_abs_diff"] <= HF_TOLERANCE:
-        raise ExportError(f"transformers' {result['architecture']} computes logits that differ from the "
-                          f"checkpoint's by {result['max_abs_diff']:.3e} (tolerance {HF_TOLERANCE:.0e}); rerun "
-                          "with --refresh export")
+        raise ExportError(
+            f"transformers' {result['architecture']} computes logits that differ from the "
+            f"checkpoint's by {result['max_abs_diff']:.3e} (tolerance {HF_TOLERANCE:.0e}); rerun "
+            "with --refresh export"
+        )
     if not result["greedy_equal"] or not result["tokenizer_exact"]:
         what = "greedy continuation" if not result["greedy_equal"] else "tokenizer's ids"
-        raise ExportError(f"transformers' {what} differs from bardflow's for the export's {HF}/ folder; "
-                          "rerun with --refresh export")
+        raise ExportError(
+            f"transformers' {what} differs from bardflow's for the export's {HF}/ folder; rerun with --refresh export"
+        )

@@ -26,9 +26,13 @@ def main(folder: Path, probes: Path) -> dict:
         diffs[name] = float(np.max(np.abs(logits - reference))) if logits.shape == reference.shape else float("inf")
     import jax
 
-    return {"max_abs_diff": max(diffs.values()), "by_probe": diffs, "platform": jax.default_backend(),
-            "exported_for": list(forward.platforms),
-            "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules)}
+    return {
+        "max_abs_diff": max(diffs.values()),
+        "by_probe": diffs,
+        "platform": jax.default_backend(),
+        "exported_for": list(forward.platforms),
+        "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules),
+    }
 
 
 if __name__ == "__main__":

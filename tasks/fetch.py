@@ -74,24 +74,35 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
         return data
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(data.corpus, data.glob)
-        ui.say("fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
-               data.corpus, len(corpus.objects), corpus.size / 1e6)
+        ui.say(
+            "fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
+            data.corpus,
+            len(corpus.objects),
+            corpus.size / 1e6,
+        )
         return data.model_copy(update={"md5": md5_of(corpus.chunks())})
     if data.corpus == TINYSHAKESPEARE_URL:
         return data.model_copy(update={"md5": TINYSHAKESPEARE_MD5})
-    raise ConfigError(f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
-                      "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus")
+    raise ConfigError(
+        f"a downloaded corpus is checked against its md5, and {data.corpus} has none; pass it with "
+        "--set data.md5=<md5 of the file>, or download the file and pass its path with --corpus"
+    )
 
 
 def md5_mismatch(source: str, expected: str, found: Figures) -> FetchError:
     """The one line for a corpus whose bytes are not the md5 asked for: both checksums, and
     which way out (another fetch, or the md5 of what is there)."""
     expected_size = KNOWN_SIZES.get(expected)
-    truncated = (f" ({found.size:,} bytes where {expected_size:,} were expected: truncated or another file)"
-                 if expected_size and found.size != expected_size else "")
-    return FetchError(f"md5 mismatch for {source}: expected {expected}, got {found.md5}{truncated}; fetch it again or "
-                      f"fix the source, or if this is the corpus you want, pass its checksum: --set data.md5="
-                      f"{found.md5}")
+    truncated = (
+        f" ({found.size:,} bytes where {expected_size:,} were expected: truncated or another file)"
+        if expected_size and found.size != expected_size
+        else ""
+    )
+    return FetchError(
+        f"md5 mismatch for {source}: expected {expected}, got {found.md5}{truncated}; fetch it again or "
+        f"fix the source, or if this is the corpus you want, pass its checksum: --set data.md5="
+        f"{found.md5}"
+    )
 
 
 def accept(settings: DataConfig, version: Version) -> None:
@@ -104,9 +115,11 @@ def accept(settings: DataConfig, version: Version) -> None:
     if figures is None or (stored.get("sha256"), stored.get("bytes")) == (figures.sha256, figures.size):
         return
     forget_figures(figures.md5)
-    raise FetchError(f"the stored corpus with md5 {figures.md5} ({version.key}) is not the one at {settings.corpus} "
-                     f"({stored.get('bytes', 0):,} bytes there, {figures.size:,} here, other sha256): this machine's "
-                     "record of its checksum was wrong and is forgotten; rerun to read the corpus again")
+    raise FetchError(
+        f"the stored corpus with md5 {figures.md5} ({version.key}) is not the one at {settings.corpus} "
+        f"({stored.get('bytes', 0):,} bytes there, {figures.size:,} here, other sha256): this machine's "
+        "record of its checksum was wrong and is forgotten; rerun to read the corpus again"
+    )
 
 
 @dataclass(frozen=True)
@@ -278,8 +291,14 @@ class Fetched(NamedTuple):
     redirected_to: str | None = None
 
 
-def fetch_to(source: str, target: Path, pattern: str | None = None, progress=None,
-             files: list[Path] | None = None, known: Figures | None = None) -> Fetched:
+def fetch_to(
+    source: str,
+    target: Path,
+    pattern: str | None = None,
+    progress=None,
+    files: list[Path] | None = None,
+    known: Figures | None = None,
+) -> Fetched:
     """Writes the corpus to ``target``. ``progress(done, total)`` hears the source's bytes
     read so far; ``files``: a local source's files, where the caller has listed them
     already; ``known``: a local source's figures as ``pin`` read them, which the copy is
@@ -292,8 +311,10 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
             return Fetched(files, copied.figures())
         if copied.size != known.size or copied.sha256.hexdigest() != known.sha256:
             forget_figures(known.md5)
-            raise FetchError(f"the corpus at {source} changed since its md5 was taken ({known.size:,} bytes "
-                             f"then, {copied.size:,} now, or other bytes); run again once nothing writes to it")
+            raise FetchError(
+                f"the corpus at {source} changed since its md5 was taken ({known.size:,} bytes "
+                f"then, {copied.size:,} now, or other bytes); run again once nothing writes to it"
+            )
         return Fetched(files, known)
     if is_bucket(source):
         objects = BucketCorpus(source, pattern)
@@ -302,8 +323,9 @@ def fetch_to(source: str, target: Path, pattern: str | None = None, progress=Non
         return Fetched(None, _written(objects.chunks(progress), target).figures())
     parsed = urllib.parse.urlparse(source)
     if parsed.scheme not in ("http", "https"):
-        raise FetchError(f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// "
-                         "prefix, or a path")
+        raise FetchError(
+            f"unsupported corpus source {source!r}; use an https:// or file:// URL, an s3:// or gs:// prefix, or a path"
+        )
     name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1])
     if not _compressed(name):  # the download is the corpus: every figure as it arrives
         corpus = Digest()
@@ -345,30 +367,53 @@ def build(settings: DataConfig, out: Builder) -> None:
         raise FetchError(f"the corpus at {settings.corpus} is empty (0 bytes); point --corpus at the text file")
     if actual != settings.md5:
         if redirected_to is not None:  # another host's bytes: where they came from, not what they are
-            raise FetchError(f"md5 mismatch for {settings.corpus}: the server redirected to {redirected_to}, whose "
-                             f"file is not the corpus with md5 {settings.md5}; check the URL, or download the file "
-                             "and pass its path with --corpus")
+            raise FetchError(
+                f"md5 mismatch for {settings.corpus}: the server redirected to {redirected_to}, whose "
+                f"file is not the corpus with md5 {settings.md5}; check the URL, or download the file "
+                "and pass its path with --corpus"
+            )
         raise md5_mismatch(settings.corpus, settings.md5, corpus)
     out.digests[CORPUS] = {"bytes": size, "sha256": corpus.sha256}
     if files is not None:  # no wider permissions than its source's
         os.chmod(target, source_mode(files))
     distinct = corpus.distinct
-    out.metrics.update({"bytes": size, "md5": actual, "sha256": corpus.sha256,
-                        "distinct_bytes": distinct, "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 1)})
+    out.metrics.update(
+        {
+            "bytes": size,
+            "md5": actual,
+            "sha256": corpus.sha256,
+            "distinct_bytes": distinct,
+            "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 1),
+        }
+    )
     out.record["source"] = settings.corpus
     if files is not None:
         out.record["source_files"] = len(files)
     if files is not None and path is not None and path.is_dir():  # a folder: which files, in order
-        out.record["corpus_files"] = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size}
-                                      for f in files]
+        out.record["corpus_files"] = [
+            {"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size} for f in files
+        ]
     text = "" if distinct > 100 or 0 in corpus.seen else "; text"  # ASCII text holds about 60 to 100 values
     read = f" from {len(files):,} files" if files is not None and len(files) > 1 else ""
-    ui.say("fetch: %s bytes%s, %d distinct byte values%s, %.0f MB/s", f"{size:,}", read, distinct, text,
-           size / 1e6 / max(seconds, 1e-9))
+    ui.say(
+        "fetch: %s bytes%s, %d distinct byte values%s, %.0f MB/s",
+        f"{size:,}",
+        read,
+        distinct,
+        text,
+        size / 1e6 / max(seconds, 1e-9),
+    )
     ui.table(
         FETCH.name,
-        [{"source": settings.corpus, "bytes": size, "md5": actual, "distinct byte values": distinct,
-          **({"files": len(files)} if files is not None else {})}],
+        [
+            {
+                "source": settings.corpus,
+                "bytes": size,
+                "md5": actual,
+                "distinct byte values": distinct,
+                **({"files": len(files)} if files is not None else {}),
+            }
+        ],
         description=f"Corpus fetched: {size:,} bytes{read}, {distinct} distinct byte values, md5 "
-                    + ("verified against the known checksum" if files is None else "computed from its files"),
+        + ("verified against the known checksum" if files is None else "computed from its files"),
     )

@@ -22,21 +22,32 @@ def build(settings: GenerateConfig, out: Builder, checkpoint: Version) -> None:
     samples, seconds = [], 0.0
     for index, prompt in enumerate(settings.prompts):
         started = time.perf_counter()
-        data = generate(model, prompt.text, settings.max_new_bytes, prompt.temperature,
-                        settings.seed + index, max_seq_len)
+        data = generate(
+            model, prompt.text, settings.max_new_bytes, prompt.temperature, settings.seed + index, max_seq_len
+        )
         seconds += time.perf_counter() - started
-        samples.append({"prompt": prompt.text, "temperature": prompt.temperature,
-                        "seed": settings.seed + index, "text": as_text(data)})
+        samples.append(
+            {
+                "prompt": prompt.text,
+                "temperature": prompt.temperature,
+                "seed": settings.seed + index,
+                "text": as_text(data),
+            }
+        )
     out.path(SAMPLES).write_text(json.dumps(samples, indent=1, ensure_ascii=False))
     # Timings go to the metrics only: samples.json (and so the fingerprint) must be
     # the same whenever the samples are, so a refresh with the same seed changes nothing.
-    out.metrics.update({"bytes_per_s": round(settings.max_new_bytes * len(samples) / seconds, 1),
-                        "samples": len(samples), "new_bytes": settings.max_new_bytes * len(samples)})
+    out.metrics.update(
+        {
+            "bytes_per_s": round(settings.max_new_bytes * len(samples) / seconds, 1),
+            "samples": len(samples),
+            "new_bytes": settings.max_new_bytes * len(samples),
+        }
+    )
     ui.markdown(
         GENERATE.name,
         "\n".join(
-            f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n"
-            for s in samples
+            f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n" for s in samples
         ),
         description=f"{len(samples)} sample{'s' if len(samples) > 1 else ''} of {settings.max_new_bytes} new bytes",
     )

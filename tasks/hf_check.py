@@ -29,17 +29,22 @@ def main(folder: Path, probes: Path) -> dict:
             logits = model(torch.from_numpy(expected[name].astype(np.int64))).logits.numpy()
             reference = expected[name.replace("tokens", "logits")]
             diffs[name] = float(np.max(np.abs(logits - reference))) if logits.shape == reference.shape else float("inf")
-        continuation = greedy(model, expected["prompt"].astype(np.int64), int(expected["greedy"].shape[0]),
-                              int(expected["window"]))
+        continuation = greedy(
+            model, expected["prompt"].astype(np.int64), int(expected["greedy"].shape[0]), int(expected["window"])
+        )
     text = "ROMEO: What, art thou hurt? ¿Qué? Ω\n"
     ids = tokenizer(text)["input_ids"]
-    return {"max_abs_diff": max(diffs.values()), "by_probe": diffs,
-            "greedy_equal": bool(np.array_equal(continuation, expected["greedy"])),
-            "greedy_bytes": int(continuation.shape[0]),
-            "tokenizer_exact": ids == list(text.encode()) and tokenizer.decode(ids) == text and len(tokenizer) == 256,
-            "architecture": type(model).__name__, "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules)}
+    return {
+        "max_abs_diff": max(diffs.values()),
+        "by_probe": diffs,
+        "greedy_equal": bool(np.array_equal(continuation, expected["greedy"])),
+        "greedy_bytes": int(continuation.shape[0]),
+        "tokenizer_exact": ids == list(text.encode()) and tokenizer.decode(ids) == text and len(tokenizer) == 256,
+        "architecture": type(model).__name__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules),
+    }
 
 
 def greedy(model: Any, prompt: np.ndarray, new: int, window: int) -> np.ndarray:
@@ -53,7 +58,7 @@ def greedy(model: Any, prompt: np.ndarray, new: int, window: int) -> np.ndarray:
     for _ in range(new - cached):
         next_id = model(ids[:, -window:]).logits[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
-    return ids[0, prompt.shape[0]:].numpy()
+    return ids[0, prompt.shape[0] :].numpy()
 
 
 if __name__ == "__main__":

@@ -12,64 +12,105 @@ from ..model.config import TrainingRequest
 from .stage import RunPlan, Stage
 
 FETCH = Stage(
-    "fetch", "1", reads=(),
+    "fetch",
+    "1",
+    reads=(),
     settings=lambda run: run.config.data,
     recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
-    builds=("corpus.txt",), headline=("bytes", "md5", "distinct_bytes"), accept="fetch:accept")
+    builds=("corpus.txt",),
+    headline=("bytes", "md5", "distinct_bytes"),
+    accept="fetch:accept",
+)
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
 # as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a
 # permutation computed a slice at a time (model/data.py).
 ENCODE = Stage(
-    "encode", "2", reads=("fetch",),
+    "encode",
+    "2",
+    reads=("fetch",),
     settings=lambda run: run.config.data,
-    recipe=lambda data: {"seq_len": data.seq_len, "train_fraction": data.train_fraction,
-                         "shuffle_seed": data.shuffle_seed,
-                         **({"every_position": True} if data.every_position else {})},  # codelab keys unchanged
-    builds=("train", "val"), headline=("train_sequences", "val_sequences", "seq_len"))
+    recipe=lambda data: {
+        "seq_len": data.seq_len,
+        "train_fraction": data.train_fraction,
+        "shuffle_seed": data.shuffle_seed,
+        **({"every_position": True} if data.every_position else {}),
+    },  # codelab keys unchanged
+    builds=("train", "val"),
+    headline=("train_sequences", "val_sequences", "seq_len"),
+)
 # "4": the model and its optimizer state are made in one compiled program, whose initial
 # values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
 # its own, mlp.up and mlp.down, so a state of "2" has other names.)
 STATE, HISTORY = "state", "history.json"  # what each training stage builds
 TRAIN_SINGLE = Stage(
-    "train_single", "4", reads=("encode",),
+    "train_single",
+    "4",
+    reads=("encode",),
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
-    builds=(STATE, HISTORY), headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    function="train:build_single")
+    builds=(STATE, HISTORY),
+    headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    function="train:build_single",
+)
 # "6": the initial values of "4" above. "5": it reads train_single, whose version it takes
 # over when it has one device only:
 # the same recipe on the same data, so train_single's own version adds nothing to the key,
 # and a shorter or longer train_single (train.single_device_steps) leaves it cached.
 TRAIN_PARALLEL = Stage(
-    "train_parallel", "6", reads=("encode", "train_single"), keyed_by=("encode",),
+    "train_parallel",
+    "6",
+    reads=("encode", "train_single"),
+    keyed_by=("encode",),
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
-    builds=(STATE, HISTORY), headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
-    function="train:build_parallel")
+    builds=(STATE, HISTORY),
+    headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    function="train:build_parallel",
+)
 # "3": both runs timed on the same window of steps. "2": its curves include validation loss
 # against tokens and against seconds.
 COMPARE = Stage(
-    "compare", "3", reads=("train_single", "train_parallel"),
+    "compare",
+    "3",
+    reads=("train_single", "train_parallel"),
     settings=lambda run: {},
-    builds=("comparison.json", "throughput.png", "curves.png"), headline=("speedup", "devices"))
+    builds=("comparison.json", "throughput.png", "curves.png"),
+    headline=("speedup", "devices"),
+)
 CHECKPOINT = Stage(
-    "checkpoint", "1", reads=("train_parallel",),
+    "checkpoint",
+    "1",
+    reads=("train_parallel",),
     settings=lambda run: {},
-    builds=("model",), headline=("parameters", "bytes"))
+    builds=("model",),
+    headline=("parameters", "bytes"),
+)
 # "4": checksums.json covers the transformers folder's files too. "2": the folder holds
 # checksums.json, the sha256 of its other files.
 EXPORT = Stage(
-    "export", "4", reads=("checkpoint",),
+    "export",
+    "4",
+    reads=("checkpoint",),
     settings=lambda run: {},
-    builds=("export",), headline=("bytes", "max_abs_diff", "hf_checked"))
+    builds=("export",),
+    headline=("bytes", "max_abs_diff", "hf_checked"),
+)
 VERIFY = Stage(
-    "verify", "1", reads=("checkpoint", "train_parallel", "encode"),
+    "verify",
+    "1",
+    reads=("checkpoint", "train_parallel", "encode"),
     settings=lambda run: run.config.verify,
-    builds=("verdict.json",), headline=("passed", "max_abs_diff"))
+    builds=("verdict.json",),
+    headline=("passed", "max_abs_diff"),
+)
 GENERATE = Stage(
-    "generate", "1", reads=("checkpoint",),
+    "generate",
+    "1",
+    reads=("checkpoint",),
     settings=lambda run: run.config.generate,
-    builds=("samples.json",), headline=("samples", "bytes_per_s"))
+    builds=("samples.json",),
+    headline=("samples", "bytes_per_s"),
+)
 
 STAGES = (FETCH, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, EXPORT, VERIFY, GENERATE)
 BY_NAME = {stage.name: stage for stage in STAGES}

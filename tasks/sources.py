@@ -43,8 +43,13 @@ def local_path(source: str) -> Path | None:
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular one is, in words."""
-    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "folder")):
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "folder"),
+    ):
         if test(mode):
             return name
     return "special file"
@@ -63,7 +68,8 @@ def selected(relative: str, pattern: str | None) -> bool:
             name = name.removesuffix(suffix)
         return name.endswith(".txt")
     return fnmatch.fnmatchcase(relative, pattern) or (
-        pattern.startswith("**/") and fnmatch.fnmatchcase(relative, pattern[3:]))
+        pattern.startswith("**/") and fnmatch.fnmatchcase(relative, pattern[3:])
+    )
 
 
 def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
@@ -80,8 +86,10 @@ def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
         raise FetchError(f"corpus file {path} is not readable; fix its permissions") from None
     if not stat.S_ISDIR(mode):
         if not stat.S_ISREG(mode):
-            raise FetchError(f"corpus {path} is a {_kind(mode)}, not a regular file; point --corpus at a text file "
-                             "or a folder of .txt files")
+            raise FetchError(
+                f"corpus {path} is a {_kind(mode)}, not a regular file; point --corpus at a text file "
+                "or a folder of .txt files"
+            )
         return [path]
     root = path.resolve()
     files = []
@@ -95,22 +103,29 @@ def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
             if file.is_symlink():
                 target = file.resolve()
                 if root not in target.parents:
-                    raise FetchError(f"corpus folder {path}: {shown} is a symbolic link to {target}, outside the "
-                                     "folder; a corpus folder is read only within itself: copy that file in, or "
-                                     "remove the link")
+                    raise FetchError(
+                        f"corpus folder {path}: {shown} is a symbolic link to {target}, outside the "
+                        "folder; a corpus folder is read only within itself: copy that file in, or "
+                        "remove the link"
+                    )
             try:
                 mode = os.stat(file).st_mode
             except OSError:
-                raise FetchError(f"corpus folder {path}: {shown} is a broken link or cannot be read; remove it or "
-                                 "fix its permissions") from None
+                raise FetchError(
+                    f"corpus folder {path}: {shown} is a broken link or cannot be read; remove it or "
+                    "fix its permissions"
+                ) from None
             if not stat.S_ISREG(mode):
-                raise FetchError(f"corpus folder {path}: {shown} is a {_kind(mode)}, not a regular file; remove it "
-                                 "from the folder")
+                raise FetchError(
+                    f"corpus folder {path}: {shown} is a {_kind(mode)}, not a regular file; remove it from the folder"
+                )
             files.append(file)
     if not files:
         what = f"files matching data.glob={pattern!r}" if pattern else ".txt files (or .txt.gz, .txt.xz, .txt.zst)"
-        raise FetchError(f"corpus folder {path} holds no {what}; put the text in such files, set data.glob to "
-                         "select the files (e.g. --set data.glob='**/*.md'), or point --corpus at one file")
+        raise FetchError(
+            f"corpus folder {path} holds no {what}; put the text in such files, set data.glob to "
+            "select the files (e.g. --set data.glob='**/*.md'), or point --corpus at one file"
+        )
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
@@ -123,13 +138,17 @@ def open_regular(file: Path):
     except PermissionError as error:
         raise FetchError(f"corpus file {file} is not readable; fix its permissions") from error
     except OSError as error:  # a socket cannot be opened (ENXIO)
-        raise FetchError(f"corpus {file} cannot be opened as a file ({error.strerror}); point --corpus at a text "
-                         "file or a folder of .txt files") from error
+        raise FetchError(
+            f"corpus {file} cannot be opened as a file ({error.strerror}); point --corpus at a text "
+            "file or a folder of .txt files"
+        ) from error
     mode = os.fstat(descriptor).st_mode
     if not stat.S_ISREG(mode):
         os.close(descriptor)
-        raise FetchError(f"corpus {file} is a {_kind(mode)}, not a regular file; point --corpus at a text file or "
-                         "a folder of .txt files")
+        raise FetchError(
+            f"corpus {file} is a {_kind(mode)}, not a regular file; point --corpus at a text file or "
+            "a folder of .txt files"
+        )
     return os.fdopen(descriptor, "rb")
 
 
@@ -186,8 +205,10 @@ def decompressed(file: Path, handle, name: str | None = None) -> Iterator[bytes]
             try:
                 import zstandard
             except ImportError:
-                raise FetchError(f"{file} is zstd-compressed, and reading it needs the zstandard package: pip "
-                                 "install 'bardflow[zstd]', or decompress it first (zstd -d)") from None
+                raise FetchError(
+                    f"{file} is zstd-compressed, and reading it needs the zstandard package: pip "
+                    "install 'bardflow[zstd]', or decompress it first (zstd -d)"
+                ) from None
             stream = zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True)
         else:
             stream = handle
@@ -199,8 +220,10 @@ def decompressed(file: Path, handle, name: str | None = None) -> Iterator[bytes]
         if isinstance(error, PermissionError):
             raise
         kind = name.rsplit(".", 1)[-1]
-        raise FetchError(f"{file} could not be read as a .{kind} file ({error.__class__.__name__}: {error}); it is "
-                         "damaged or not what its name says: fetch it again or rename it") from error
+        raise FetchError(
+            f"{file} could not be read as a .{kind} file ({error.__class__.__name__}: {error}); it is "
+            "damaged or not what its name says: fetch it again or rename it"
+        ) from error
 
 
 def decoded_chunks(files: list[Path], counted=None) -> Iterator[bytes]:
@@ -242,15 +265,24 @@ class BucketCorpus:
         with self.bucket.errors(f"list the corpus at {source}"):
             found = self.bucket.fs.find(self.bucket.prefix, detail=True)
         base = self.bucket.prefix + "/"
-        keys = {key.removeprefix(base): int(info.get("size") or 0) for key, info in found.items()
-                if key.startswith(base) and info.get("type", "file") == "file"}
-        self.objects = sorted((name, size) for name, size in keys.items()
-                              if not any(part.startswith(".") for part in name.split("/")) and selected(name, pattern))
+        keys = {
+            key.removeprefix(base): int(info.get("size") or 0)
+            for key, info in found.items()
+            if key.startswith(base) and info.get("type", "file") == "file"
+        }
+        self.objects = sorted(
+            (name, size)
+            for name, size in keys.items()
+            if not any(part.startswith(".") for part in name.split("/")) and selected(name, pattern)
+        )
         if not self.objects:
-            what = (f"objects matching data.glob={pattern!r}" if pattern
-                    else ".txt objects (or .txt.gz, .txt.xz, .txt.zst)")
-            raise FetchError(f"the corpus prefix {source} holds no {what}; check the prefix, or set data.glob to "
-                             "select the objects (e.g. --set data.glob='**/*.md')")
+            what = (
+                f"objects matching data.glob={pattern!r}" if pattern else ".txt objects (or .txt.gz, .txt.xz, .txt.zst)"
+            )
+            raise FetchError(
+                f"the corpus prefix {source} holds no {what}; check the prefix, or set data.glob to "
+                "select the objects (e.g. --set data.glob='**/*.md')"
+            )
 
     @property
     def size(self) -> int:
@@ -259,8 +291,10 @@ class BucketCorpus:
     def chunks(self, counted=None) -> Iterator[bytes]:
         done = 0
         for name, size in self.objects:
-            with self.bucket.errors(f"read {self.bucket.uri(name)}"), self.bucket.fs.open(self.bucket.path(name),
-                                                                                           "rb") as handle:
+            with (
+                self.bucket.errors(f"read {self.bucket.uri(name)}"),
+                self.bucket.fs.open(self.bucket.path(name), "rb") as handle,
+            ):
                 raw = _Counting(handle)
                 for chunk in decompressed(Path(name), raw, name):
                     if counted is not None:

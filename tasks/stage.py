@@ -44,10 +44,22 @@ class RunPlan:
 
     def training(self, devices: int, processes: int = 1, stop_after: int | None = None) -> TrainingRequest:
         """The request, once its estimated memory per device is known to fit (``model/memory.py``)."""
-        check_fits(self.config.model, self.config.train, devices, self.platform, self.config.data.seq_len,
-                   free_bytes_per_device())
-        return TrainingRequest(model=self.config.model, train=self.config.train, devices=devices,
-                               platform=self.platform, processes=processes, stop_after=stop_after)
+        check_fits(
+            self.config.model,
+            self.config.train,
+            devices,
+            self.platform,
+            self.config.data.seq_len,
+            free_bytes_per_device(),
+        )
+        return TrainingRequest(
+            model=self.config.model,
+            train=self.config.train,
+            devices=devices,
+            platform=self.platform,
+            processes=processes,
+            stop_after=stop_after,
+        )
 
     def single_device_training(self) -> TrainingRequest:
         """train_single: the first ``train.single_device_steps`` steps (all when 0) on one device."""
@@ -61,13 +73,15 @@ class RunPlan:
             if self.processes > 1:
                 raise ConfigError(
                     f"processes={self.processes} starts processes on this host, but this is process "
-                    f"{group.process_id} of {group.num_processes} of a cluster job already; leave processes at 1")
+                    f"{group.process_id} of {group.num_processes} of a cluster job already; leave processes at 1"
+                )
             return self.training(self.devices * group.num_processes, group.num_processes)
         if self.processes < 1 or self.devices % self.processes:
             hint = " (on a CPU, emulate devices with --cpu-devices)" if self.platform == "cpu" else ""
             raise ConfigError(
                 f"processes={self.processes} cannot share out the {self.devices} {self.platform} device(s) of "
-                f"this host evenly; use a divisor of {self.devices}{hint}")
+                f"this host evenly; use a divisor of {self.devices}{hint}"
+            )
         return self.training(self.devices, self.processes)
 
 
@@ -93,8 +107,12 @@ class Stage:
     def key(self, settings: Any, upstream: Mapping[str, Version]) -> str:
         """The version key: the only place one is computed."""
         keyed = self.reads if self.keyed_by is None else self.keyed_by
-        return version_key(self.name, self.code_version, self.recipe(settings),
-                           {name: version.fingerprint for name, version in upstream.items() if name in keyed})
+        return version_key(
+            self.name,
+            self.code_version,
+            self.recipe(settings),
+            {name: version.fingerprint for name, version in upstream.items() if name in keyed},
+        )
 
     @property
     def module(self) -> str:
@@ -116,9 +134,15 @@ class Stage:
         return getattr(importlib.import_module(self.module), self.function.partition(":")[2] or "build")
 
 
-def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store: VersionStore, force: bool = False,
-            notice: Callable[[str], None] | None = None,
-            around: Callable[[], AbstractContextManager] | None = None) -> tuple[Version, bool]:
+def produce(
+    stage: Stage,
+    settings: Any,
+    upstream: Mapping[str, Version],
+    store: VersionStore,
+    force: bool = False,
+    notice: Callable[[str], None] | None = None,
+    around: Callable[[], AbstractContextManager] | None = None,
+) -> tuple[Version, bool]:
     """``stage``'s version for these settings and upstream versions: the one in the store if
     it is there and intact (unless ``force``), else built now, inside ``around()`` when given
     (the flow holds the host's training slot there). Returns it and whether it was built.
@@ -135,8 +159,9 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
             raise RuntimeError(f"stage {stage.name} did not write {', '.join(missing)}")
 
     try:
-        version, built = store.produce(stage.name, stage.key(settings, checked), stage.recipe(settings), checked,
-                                       work, force=force, notice=notice)
+        version, built = store.produce(
+            stage.name, stage.key(settings, checked), stage.recipe(settings), checked, work, force=force, notice=notice
+        )
         accept = stage.acceptance()
         if not built and accept is not None:
             accept(settings, version)
@@ -145,6 +170,8 @@ def produce(stage: Stage, settings: Any, upstream: Mapping[str, Version], store:
         raise
     except Exception as error:
         if is_disk_full(error):  # in a version's files, a checkpoint or the store's own records
-            raise DiskFullError(f"the disk is full: {stage.name} could not write to the store {store.location} "
-                                f"({error.__class__.__name__}: {str(error)[:160]}); {FREE_SPACE_FIX}") from error
+            raise DiskFullError(
+                f"the disk is full: {stage.name} could not write to the store {store.location} "
+                f"({error.__class__.__name__}: {str(error)[:160]}); {FREE_SPACE_FIX}"
+            ) from error
         raise

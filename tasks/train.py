@@ -36,9 +36,15 @@ RESULT = "result.json"  # process 0's summary of a multi-process run
 def _files(encode: Version, out: Builder) -> RunFiles:
     """Checkpoints stay in ``out.resume`` (local); on an object store each complete one is
     copied to the bucket as well, so a rerun on another machine picks it up."""
-    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=out.resume.path, state=out.path(STATE),
-                    saved=out.resume.push if out.resume.url else None, shards=encode.manifest.get("shards"),
-                    bring=encode.bring)
+    return RunFiles(
+        train=encode.file(TRAIN),
+        val=encode.file(VAL),
+        resume=out.resume.path,
+        state=out.path(STATE),
+        saved=out.resume.push if out.resume.url else None,
+        shards=encode.manifest.get("shards"),
+        bring=encode.bring,
+    )
 
 
 def same_training(request: TrainingRequest) -> dict[str, Any]:
@@ -86,8 +92,7 @@ def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None
     with out.resume.writing(say=lambda line: ui.say("%s: %s", stage, line)):
         adopted = adopt_checkpoints(out.resume.path, request)
     if adopted is not None:
-        ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage,
-               *adopted)
+        ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage, *adopted)
         return
     kept = TrainingCheckpoints.steps(out.resume.path)
     if kept:
@@ -101,8 +106,9 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
     _resume_or_adopt(TRAIN_SINGLE.name, out, settings)
     with out.resume.writing(), ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
-        summary = run_training(settings, _files(encode, out), [device], parallel=False, on_step=progress,
-                               warn=ui.warning, note=ui.say)
+        summary = run_training(
+            settings, _files(encode, out), [device], parallel=False, on_step=progress, warn=ui.warning, note=ui.say
+        )
     _finish(TRAIN_SINGLE.name, out, summary)
 
 
@@ -125,24 +131,31 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
         # supervised process trains instead, so that such an end is this stage's one-line
         # failure and the run goes on reporting it (docs/reliability.md).
         return _build_in_processes(settings, files, out, encode)
-    label = (f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
-             f"batch {settings.train.per_device_batch * visible})")
+    label = (
+        f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
+        f"batch {settings.train.per_device_batch * visible})"
+    )
     with out.resume.writing(), ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
-        summary = run_training(settings, files, jax.devices()[:visible], parallel=True, on_step=progress,
-                               warn=ui.warning, note=ui.say)
+        summary = run_training(
+            settings, files, jax.devices()[:visible], parallel=True, on_step=progress, warn=ui.warning, note=ui.say
+        )
     _finish(TRAIN_PARALLEL.name, out, summary)
 
 
 def _reuse(train_single: Version, out: Builder) -> None:
     """One device, one process: data-parallel training would repeat train_single's
     computation step for step, so its version is taken over instead of trained again."""
-    ui.say("train_parallel: only one device is visible, so data-parallel training would repeat train_single "
-           "exactly; reusing its version %s (on a CPU, emulate devices with --cpu-devices)", train_single.key)
+    ui.say(
+        "train_parallel: only one device is visible, so data-parallel training would repeat train_single "
+        "exactly; reusing its version %s (on a CPU, emulate devices with --cpu-devices)",
+        train_single.key,
+    )
     shutil.copytree(train_single.file(STATE), out.path(STATE))
     shutil.copyfile(train_single.file(HISTORY), out.path(HISTORY))
     out.metrics.update({**train_single.metrics, "reused_from": train_single.key})
-    out.record.update({"devices": train_single.manifest.get("devices"), "resumed_from_step": None,
-                       "reused_from": train_single.key})
+    out.record.update(
+        {"devices": train_single.manifest.get("devices"), "resumed_from_step": None, "reused_from": train_single.key}
+    )
     out.fingerprint = train_single.fingerprint
 
 
@@ -153,28 +166,46 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
     group = ProcessGroup.from_env()
     launch = files.resume / "launch"
     launch.mkdir(parents=True, exist_ok=True)
-    spec = {"request": settings.model_dump(mode="json"), "result": str(launch / RESULT),
-            **{name: str(getattr(files, name)) for name in ("train", "val", "resume", "state")},
-            "store": encode.store, "encode": encode.key, "resume_url": out.resume.url}
+    spec = {
+        "request": settings.model_dump(mode="json"),
+        "result": str(launch / RESULT),
+        **{name: str(getattr(files, name)) for name in ("train", "val", "resume", "state")},
+        "store": encode.store,
+        "encode": encode.key,
+        "resume_url": out.resume.url,
+    }
     (launch / RESULT).unlink(missing_ok=True)
     (launch / "spec.json").write_text(json.dumps(spec, indent=1))
     processes = settings.processes if group is None else group.num_processes
     where = f"{processes} processes, " if processes > 1 else ""
-    label = (f"train_parallel ({where}{settings.devices} {settings.platform} devices, "
-             f"batch {settings.train.per_device_batch * settings.devices})")
+    label = (
+        f"train_parallel ({where}{settings.devices} {settings.platform} devices, "
+        f"batch {settings.train.per_device_batch * settings.devices})"
+    )
     try:
         with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
-                launch_local(train_process, launch / "spec.json", settings.processes,
-                             settings.devices // settings.processes, settings.platform, on_step=progress,
-                             on_warning=_relay(settings), on_note=ui.say)
+                launch_local(
+                    train_process,
+                    launch / "spec.json",
+                    settings.processes,
+                    settings.devices // settings.processes,
+                    settings.platform,
+                    on_step=progress,
+                    on_warning=_relay(settings),
+                    on_note=ui.say,
+                )
             else:
-                launch_leader(train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings),
-                              on_note=ui.say)
+                launch_leader(
+                    train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings), on_note=ui.say
+                )
     except (ProcessFailure, stopping.Stopped) as failure:
         kept = TrainingCheckpoints.steps(files.resume)
-        resume = (f"rerun the same command to resume from the checkpoint of step {kept[-1]}" if kept
-                  else "no checkpoint was written yet, so a rerun starts from step 0")
+        resume = (
+            f"rerun the same command to resume from the checkpoint of step {kept[-1]}"
+            if kept
+            else "no checkpoint was written yet, so a rerun starts from step 0"
+        )
         if isinstance(failure, stopping.Stopped):
             raise stopping.Stopped(failure.exit_code - 128, f"{failure} during train_parallel; {resume}") from None
         if settings.platform == "cpu" and processes == 1:
@@ -211,11 +242,23 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
     out.record["resumed_from_step"] = metrics["resumed_from_step"]
     out.fingerprint = training_fingerprint(summary)
     if metrics["resumed_from_step"] is not None:
-        ui.log("%s resumed from its checkpoint at step %d (restored in %.1f s)",
-               stage, metrics["resumed_from_step"], metrics["resume_s"])
-    rows = [{"step": h["step"], "loss": round(h["loss"], 4), "perplexity": round(h["perplexity"], 2),
-             "val_loss": None if h.get("val_loss") is None else round(h["val_loss"], 4),
-             "tokens": h["tokens"], "seconds": h.get("seconds")} for h in history]
+        ui.log(
+            "%s resumed from its checkpoint at step %d (restored in %.1f s)",
+            stage,
+            metrics["resumed_from_step"],
+            metrics["resume_s"],
+        )
+    rows = [
+        {
+            "step": h["step"],
+            "loss": round(h["loss"], 4),
+            "perplexity": round(h["perplexity"], 2),
+            "val_loss": None if h.get("val_loss") is None else round(h["val_loss"], 4),
+            "tokens": h["tokens"],
+            "seconds": h.get("seconds"),
+        }
+        for h in history
+    ]
     ui.table(
         stage,
         rows,
@@ -231,10 +274,13 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
     if tuning:  # the CPU step's settings: the one used and what was measured (runtime/cpu_tuning.py)
         chosen = tuning["chosen"]
         rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]
-        ui.table(stage, [{**row, "used": all(row[k] == v for k, v in chosen.items())} for row in rows],
-                 description=f"{stage}: CPU step settings ({tuning['source']}): kernels {chosen['kernels']}, "
-                             f"{chosen['rows_per_pass']} rows per pass, XLA options {chosen['xla']}",
-                 what="cpu-step")
+        ui.table(
+            stage,
+            [{**row, "used": all(row[k] == v for k, v in chosen.items())} for row in rows],
+            description=f"{stage}: CPU step settings ({tuning['source']}): kernels {chosen['kernels']}, "
+            f"{chosen['rows_per_pass']} rows per pass, XLA options {chosen['xla']}",
+            what="cpu-step",
+        )
 
 
 def trained_model(version: Version):

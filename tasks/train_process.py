@@ -45,19 +45,33 @@ def files_of(spec: dict, leader: bool) -> RunFiles:
     # shard when a row of it is first read.
     encode = open_store(spec["store"]).lookup(ENCODE.name, spec["encode"])
     if encode is None:
-        raise StoreError(f"the encode version {spec['encode']} is missing or damaged in {spec['store']}; "
-                         "rerun with --refresh encode")
-    return RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=local["resume"], state=local["state"],
-                    saved=saved if leader else None, shards=encode.manifest.get("shards"), bring=encode.bring)
+        raise StoreError(
+            f"the encode version {spec['encode']} is missing or damaged in {spec['store']}; rerun with --refresh encode"
+        )
+    return RunFiles(
+        train=encode.file(TRAIN),
+        val=encode.file(VAL),
+        resume=local["resume"],
+        state=local["state"],
+        saved=saved if leader else None,
+        shards=encode.manifest.get("shards"),
+        bring=encode.bring,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__spec__.name}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("spec", nargs="?", type=Path, help="the run's description (process 0 only)")
     parser.add_argument("--follow", action="store_true", help="take the description from process 0")
-    parser.add_argument("--join-timeout", type=int, default=300, metavar="S",
-                        help="seconds to wait for every process to join (default 300)")
+    parser.add_argument(
+        "--join-timeout",
+        type=int,
+        default=300,
+        metavar="S",
+        help="seconds to wait for every process to join (default 300)",
+    )
     args = parser.parse_args(argv)
     from ..runtime import stopping
     from ..runtime.launch import follow_launcher
@@ -68,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     follow_launcher()  # and the same stop should the launcher die without a word (kill -9 of its run)
     try:
         # Process 0 writes the checkpoints: the resume folder's one writer for as long as it runs.
-        writer = (ResumeFolder(Path(json.loads(args.spec.read_text())["resume"])).writing(wait_s=10.0)
-                  if args.spec is not None else contextlib.nullcontext())
+        writer = (
+            ResumeFolder(Path(json.loads(args.spec.read_text())["resume"])).writing(wait_s=10.0)
+            if args.spec is not None
+            else contextlib.nullcontext()
+        )
         with writer:
             run_process(None if args.follow else args.spec, args.join_timeout, files_of)
     except stopping.Stopped as stop:

@@ -22,16 +22,19 @@ class VerificationError(BardflowError, AssertionError):
     """The restored model does not reproduce the trained one."""
 
 
-def build(settings: VerifyConfig, out: Builder, checkpoint: Version, train_parallel: Version,
-          encode: Version) -> None:
+def build(settings: VerifyConfig, out: Builder, checkpoint: Version, train_parallel: Version, encode: Version) -> None:
     reference, request = trained_model(train_parallel)
     restored = load_model(checkpoint.file(MODEL), init_seed=settings.init_seed)
     # A row may be one byte longer than the context (data.every_position): the probe fits it.
     probe = split_rows(encode, VAL)[: settings.probe_sequences][:, : request.model.max_seq_len]
     diff = max_logit_diff(reference, restored, probe)
     passed = diff < settings.tolerance
-    verdict = {"max_abs_diff": diff, "tolerance": settings.tolerance, "passed": passed,
-               "probe_shape": list(probe.shape)}
+    verdict = {
+        "max_abs_diff": diff,
+        "tolerance": settings.tolerance,
+        "passed": passed,
+        "probe_shape": list(probe.shape),
+    }
     ui.markdown(
         VERIFY.name,
         f"## {'PASS' if passed else 'FAIL'}: restored logits {'match' if passed else 'differ'}\n\n"

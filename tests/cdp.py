@@ -16,9 +16,17 @@ from pathlib import Path
 
 from websockets.sync.client import connect
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-         "--window-size=1400,1000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--window-size=1400,1000",
+]
 
 
 def chromium_binary() -> str | None:
@@ -30,7 +38,8 @@ class Browser:
         self.profile = tempfile.mkdtemp(prefix="bardflow-chromium-")
         self.process = subprocess.Popen(
             [binary, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-port=0", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         port_file = Path(self.profile) / "DevToolsActivePort"
         for _ in range(300):

@@ -28,22 +28,31 @@ def _quick_compile_flags() -> str:
     found = os.environ.get("BARDFLOW_TEST_XLA_FLAGS")
     if found is None:
         emitters = "--xla_cpu_use_fusion_emitters=false"
-        tried = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=False, capture_output=True,
-                               env={**os.environ, "XLA_FLAGS": emitters, "JAX_PLATFORMS": "cpu"})
+        tried = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"],
+            check=False,
+            capture_output=True,
+            env={**os.environ, "XLA_FLAGS": emitters, "JAX_PLATFORMS": "cpu"},
+        )
         found = os.environ["BARDFLOW_TEST_XLA_FLAGS"] = "--xla_backend_optimization_level=0" + (
-            f" {emitters}" if tried.returncode == 0 else "")
+            f" {emitters}" if tried.returncode == 0 else ""
+        )
     return found
 
 
 # Every process a test starts inherits these with the rest of XLA_FLAGS.
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), _quick_compile_flags(), "--xla_force_host_platform_device_count=2"]).strip()
+    [os.environ.get("XLA_FLAGS", ""), _quick_compile_flags(), "--xla_force_host_platform_device_count=2"]
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Compiled programs are kept on disk and shared by every process of the session (the CLI
 # runs, the training processes) and by later sessions: most tests compile the same few
 # tiny-model programs. Outside the repository; BARDFLOW_TEST_JAX_CACHE moves it.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get("BARDFLOW_TEST_JAX_CACHE") or str(
-    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bardflow" / "test-jax-cache"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.environ.get("BARDFLOW_TEST_JAX_CACHE")
+    or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bardflow" / "test-jax-cache"),
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _prefect_home = tempfile.mkdtemp(prefix="bardflow-test-prefect-")
@@ -116,13 +125,40 @@ def pytest_configure(config):
 # docs/benchmarks.md): handed out in this order, the two workers end together. The second is
 # one that needs no Prefect server: it keeps the other core busy while the first starts the
 # session's server (its database made from scratch), instead of waiting for it.
-LONGEST_FIRST = ("test_deployment", "test_train", "test_sweep", "test_distributed", "test_signals",
-                 "test_object_store_flow", "test_flow", "test_fsdp", "test_reliability", "test_pool_server",
-                 "test_hf_export", "test_bench_baselines", "test_tracking", "test_slots", "test_object_store",
-                 "test_stages", "test_cpu_tuning", "test_cli", "test_resume", "test_kernels", "test_model",
-                 "test_checkpoint_and_sampling", "test_sources", "test_layers", "test_bench_quality", "test_data",
-                 "test_navigation", "test_code_versions", "test_prefect_private", "test_config", "test_store",
-                 "test_gpu_kit")
+LONGEST_FIRST = (
+    "test_deployment",
+    "test_train",
+    "test_sweep",
+    "test_distributed",
+    "test_signals",
+    "test_object_store_flow",
+    "test_flow",
+    "test_fsdp",
+    "test_reliability",
+    "test_pool_server",
+    "test_hf_export",
+    "test_bench_baselines",
+    "test_tracking",
+    "test_slots",
+    "test_object_store",
+    "test_stages",
+    "test_cpu_tuning",
+    "test_cli",
+    "test_resume",
+    "test_kernels",
+    "test_model",
+    "test_checkpoint_and_sampling",
+    "test_sources",
+    "test_layers",
+    "test_bench_quality",
+    "test_data",
+    "test_navigation",
+    "test_code_versions",
+    "test_prefect_private",
+    "test_config",
+    "test_store",
+    "test_gpu_kit",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -139,11 +175,15 @@ def pytest_collection_modifyitems(items):
         name = item.module.__name__.rsplit(".", 1)[-1]
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    unranked = {item.module.__name__: item for item in items
-                if item.module.__name__.rsplit(".", 1)[-1] not in LONGEST_FIRST}
+    unranked = {
+        item.module.__name__: item for item in items if item.module.__name__.rsplit(".", 1)[-1] not in LONGEST_FIRST
+    }
     for name, item in unranked.items():
-        item.warn(pytest.PytestWarning(f"{name} is not in tests/conftest.py's LONGEST_FIRST: add it where its "
-                                       "duration puts it"))
+        item.warn(
+            pytest.PytestWarning(
+                f"{name} is not in tests/conftest.py's LONGEST_FIRST: add it where its duration puts it"
+            )
+        )
     items.sort(key=rank)  # stable: file order within a module, and among the rest
 
 
@@ -195,8 +235,9 @@ def object_server(tmp_path_factory):
         server = ObjectServer(home).serve()
         return {"home": str(home), "port": server.port, "pid": server.process.pid}
 
-    with shared(_session_root(tmp_path_factory) / "s3-server", start, lambda record: ObjectServer.kill(record["pid"])
-                ) as record:
+    with shared(
+        _session_root(tmp_path_factory) / "s3-server", start, lambda record: ObjectServer.kill(record["pid"])
+    ) as record:
         yield ObjectServer(Path(record["home"]), record["port"])
 
 

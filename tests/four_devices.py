@@ -34,26 +34,52 @@ from tests.helpers import play_text  # noqa: E402
 STEPS = 8
 # The cpu and codelab shapes' widths (every array FSDP splits has a block's shape), with fewer
 # blocks and a small batch: each run compiles and trains in seconds.
-CPU = {"train.steps": STEPS, "train.single_device_steps": 0, "train.warmup_steps": 2, "train.log_every": 1,
-       "train.checkpoint_every": 4, "train.per_device_batch": 4, "model.num_layers": 1}
+CPU = {
+    "train.steps": STEPS,
+    "train.single_device_steps": 0,
+    "train.warmup_steps": 2,
+    "train.log_every": 1,
+    "train.checkpoint_every": 4,
+    "train.per_device_batch": 4,
+    "model.num_layers": 1,
+}
 CODELAB = {"train.steps": 4, "train.log_every": 1, "train.per_device_batch": 2, "model.num_layers": 2}
 
 
 def placed(devices: int, fsdp: bool) -> Placement:
-    return Placement.data_parallel(jax.devices()[:devices], fsdp=fsdp) if devices > 1 else \
-        Placement.single(jax.devices()[0])
+    return (
+        Placement.data_parallel(jax.devices()[:devices], fsdp=fsdp)
+        if devices > 1
+        else Placement.single(jax.devices()[0])
+    )
 
 
-def losses(preset: str, settings: dict, rows, sharding: str, remat: bool = False, devices: int = 4,
-           resume: Path | None = None, stop_after: int | None = None):
+def losses(
+    preset: str,
+    settings: dict,
+    rows,
+    sharding: str,
+    remat: bool = False,
+    devices: int = 4,
+    resume: Path | None = None,
+    stop_after: int | None = None,
+):
     cfg = build_config(preset, {**settings, "train.sharding": sharding, "train.remat": remat})
     global_batch = cfg.train.per_device_batch * 4  # the same batches on any device count
     train_cfg = cfg.train.model_copy(update={"per_device_batch": global_batch // devices})
     graphdef, state = init_state(cfg.model, train_cfg)
     checkpoints = TrainingCheckpoints(resume, 2) if resume is not None else None
     try:
-        result = train(graphdef, state, Batches(rows, global_batch), [], placed(devices, sharding == "fsdp"),
-                       train_cfg, checkpoints=checkpoints, stop_after=stop_after)
+        result = train(
+            graphdef,
+            state,
+            Batches(rows, global_batch),
+            [],
+            placed(devices, sharding == "fsdp"),
+            train_cfg,
+            checkpoints=checkpoints,
+            stop_after=stop_after,
+        )
     finally:
         if checkpoints is not None:
             checkpoints.close()
@@ -68,11 +94,17 @@ def memory(preset: str, sharding: str, remat: bool) -> dict:
     graphdef, state = init_state(cfg.model, cfg.train)
     state = placement.put_state(state)
     tokens = placement.put_batch(np.zeros((cfg.train.per_device_batch * 4, cfg.data.seq_len), np.int32))
-    compiled = make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, remat=remat).lower(
-        state, tokens).compile()
+    compiled = (
+        make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, remat=remat)
+        .lower(state, tokens)
+        .compile()
+    )
     found = estimate(cfg.model, cfg.train, 4, cfg.data.seq_len, cfg.train.per_device_batch, "float32")
-    return {**step_memory(compiled, state), "estimate_bytes": found.total_bytes,
-            "estimate_state_bytes": found.state_bytes}
+    return {
+        **step_memory(compiled, state),
+        "estimate_bytes": found.total_bytes,
+        "estimate_state_bytes": found.state_bytes,
+    }
 
 
 def main(out: Path) -> None:
@@ -101,8 +133,10 @@ def main(out: Path) -> None:
             for step in [s for s in TrainingCheckpoints.steps(folder) if s != 4]:
                 shutil.rmtree(folder / str(step))
             result = losses("cpu", settings, cpu_rows, "fsdp", devices=devices, resume=folder)
-            found["resumed"][str(devices)] = {"losses": [h["loss"] for h in result.history],
-                                              "metrics": result.metrics()}
+            found["resumed"][str(devices)] = {
+                "losses": [h["loss"] for h in result.history],
+                "metrics": result.metrics(),
+            }
         cfg = build_config("cpu", settings)
         graphdef, template = nnx.eval_shape(lambda: init_state(cfg.model, cfg.train))
         restored = load_train_state(work / "state", template)

@@ -112,8 +112,11 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
         handler.setStream(err)
         handler.console.file = err
     try:
-        with (temporary_settings(updates={PREFECT_API_URL: env.get("PREFECT_API_URL")}),
-              contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
+        with (
+            temporary_settings(updates={PREFECT_API_URL: env.get("PREFECT_API_URL")}),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
             try:
                 code = main([str(arg) for arg in args])
             except SystemExit as exit:  # argparse's usage errors
@@ -140,14 +143,21 @@ def _console_handlers() -> list:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
-    return list({id(h): h for logger in loggers for h in getattr(logger, "handlers", [])
-                 if isinstance(h, PrefectConsoleHandler)}.values())
+    return list(
+        {
+            id(h): h
+            for logger in loggers
+            for h in getattr(logger, "handlers", [])
+            if isinstance(h, PrefectConsoleHandler)
+        }.values()
+    )
 
 
 def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     """``bardflow ARGS`` in the background, in a session of its own, stderr to ``log``."""
-    return subprocess.Popen(cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
@@ -159,8 +169,21 @@ def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
 def base_args(corpus: Path, store: Path, *extra: str, devices: int = 2) -> list[str]:
     """A ``tiny`` run of ``corpus`` on ``devices`` emulated devices, its summary as JSON. With
     one, train_parallel takes over train_single's version: no training process is started."""
-    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store),
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--cpu-devices", str(devices), "--json", *extra]
+    return [
+        "run",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(store),
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--cpu-devices",
+        str(devices),
+        "--json",
+        *extra,
+    ]
 
 
 def checkpoint_steps(store: Path, stage: str) -> list[int]:

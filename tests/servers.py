@@ -83,14 +83,20 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
-        self.env = {**env, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{self.url}/api",
-                    "PREFECT_WORKER_QUERY_SECONDS": "2", "BARDFLOW_SERVER_FILE": str(home / "server.json")}
+        self.env = {
+            **env,
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": f"{self.url}/api",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "BARDFLOW_SERVER_FILE": str(home / "server.json"),
+        }
         self.processes: list[subprocess.Popen] = []
 
     def start(self, name: str, *command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "w")
-        process = subprocess.Popen(command, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.processes.append(process)
         return process
 
@@ -107,8 +113,9 @@ class Server:
         """POST ``body`` (a filter) to the API, or GET ``path`` without one. A 503 (the server's
         SQLite database busy with another writer) is retried, as Prefect's own client does."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}/api{path}", data=data,
-                                         headers={"content-type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.url}/api{path}", data=data, headers={"content-type": "application/json"}
+        )
         for attempt in range(tries - 1):
             try:
                 return json.loads(urllib.request.urlopen(request, timeout=30).read())
@@ -120,8 +127,9 @@ class Server:
 
     def serve(self, timeout_s: float = 240) -> Server:
         """``bardflow server start``: the background server users keep running."""
-        done = self.run(sys.executable, "-m", "bardflow", "server", "start", "--port", str(self.port),
-                        timeout=timeout_s)
+        done = self.run(
+            sys.executable, "-m", "bardflow", "server", "start", "--port", str(self.port), timeout=timeout_s
+        )
         log = self.home / "server.log"
         assert done.returncode == 0, done.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
         return self
@@ -160,24 +168,58 @@ class ObjectServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
-        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
-                    "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY, "AWS_REGION": "us-east-1"}
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+        }
 
     def serve(self, timeout_s: float = 90) -> ObjectServer:
         weed = Path(sys.executable).parent / "weed"
         config = self.home / "identities.json"
-        config.write_text(json.dumps({"identities": [{"name": "bardflow", "credentials": [
-            {"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "bardflow",
+                            "credentials": [{"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         (self.home / "data").mkdir(exist_ok=True)
-        ports = {f"-{part}": free_port() for part in ("master.port", "master.port.grpc", "volume.port",
-                                                       "volume.port.grpc", "filer.port", "filer.port.grpc",
-                                                       "s3.port.grpc")}
-        command = [str(weed), "server", f"-dir={self.home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                   *(f"{flag}={port}" for flag, port in ports.items()), "-s3", f"-s3.port={self.port}",
-                   f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                   # Small volumes, many of them: each bucket takes volumes of its own.
-                   "-master.volumeSizeLimitMB=64", "-volume.max=100"]
+        ports = {
+            f"-{part}": free_port()
+            for part in (
+                "master.port",
+                "master.port.grpc",
+                "volume.port",
+                "volume.port.grpc",
+                "filer.port",
+                "filer.port.grpc",
+                "s3.port.grpc",
+            )
+        }
+        command = [
+            str(weed),
+            "server",
+            f"-dir={self.home / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            *(f"{flag}={port}" for flag, port in ports.items()),
+            "-s3",
+            f"-s3.port={self.port}",
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            # Small volumes, many of them: each bucket takes volumes of its own.
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=100",
+        ]
         log = open(self.home / "weed.log", "w")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -198,8 +240,13 @@ class ObjectServer:
     def filesystem(self):
         import s3fs
 
-        return s3fs.S3FileSystem(key=self.ACCESS_KEY, secret=self.SECRET_KEY, endpoint_url=self.url,
-                                 skip_instance_cache=True, use_listings_cache=False)
+        return s3fs.S3FileSystem(
+            key=self.ACCESS_KEY,
+            secret=self.SECRET_KEY,
+            endpoint_url=self.url,
+            skip_instance_cache=True,
+            use_listings_cache=False,
+        )
 
     def prefix(self, name: str) -> str:
         """A fresh ``s3://`` location in the session's bucket."""
@@ -253,15 +300,29 @@ class PostgresServer:
 
             shutil.chown(self.home, "postgres")
             shutil.chown(data, "postgres")
-        for command in ([str(bin_dir / "initdb"), "-D", str(data), "-U", self.USER, "-A", "trust", "--no-sync"],
-                        [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(self.home / "server.log"), "-w", "-o",
-                         f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.home} -c fsync=off", "start"],
-                        [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.USER,
-                         self.DATABASE]):
+        for command in (
+            [str(bin_dir / "initdb"), "-D", str(data), "-U", self.USER, "-A", "trust", "--no-sync"],
+            [
+                str(bin_dir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(self.home / "server.log"),
+                "-w",
+                "-o",
+                f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.home} -c fsync=off",
+                "start",
+            ],
+            [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.USER, self.DATABASE],
+        ):
             done = subprocess.run(self._as_owner(*command), capture_output=True, text=True, timeout=120, check=False)
             assert done.returncode == 0, f"{command[0]}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
         return self
 
     def stop(self) -> None:
-        subprocess.run(self._as_owner(str(self.binaries() / "pg_ctl"), "-D", str(self.home / "data"), "-m", "fast",
-                                      "stop"), capture_output=True, timeout=60, check=False)
+        subprocess.run(
+            self._as_owner(str(self.binaries() / "pg_ctl"), "-D", str(self.home / "data"), "-m", "fast", "stop"),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )

@@ -32,12 +32,12 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
     rows = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0).train[: 50 * 8]
     stream = rows.reshape(50, 8, -1).astype(np.int32)
     model = build_model(TINY.model, TINY.train.init_seed)
-    optimizer = nnx.Optimizer(model, optax.adamw(TINY.train.learning_rate, weight_decay=TINY.train.weight_decay),
-                              wrt=nnx.Param)
+    optimizer = nnx.Optimizer(
+        model, optax.adamw(TINY.train.learning_rate, weight_decay=TINY.train.weight_decay), wrt=nnx.Param
+    )
     graphdef, state = init_state(TINY.model, TINY.train)
     # Compiled as the training stages compile it (in one pass and in several).
-    step = make_train_step(graphdef, passes=passes).lower(state, stream[0]).compile(
-        compiler_options=XLA_CPU_TUNED)
+    step = make_train_step(graphdef, passes=passes).lower(state, stream[0]).compile(compiler_options=XLA_CPU_TUNED)
     for tokens in stream:
         baseline = codelab_train_step(model, optimizer, tokens)
         state, fast = step(state, tokens)
@@ -47,8 +47,9 @@ def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
 
 # One layer and two (the cache of every layer); learned positions (the cached loop, then
 # the sliding one) and rotary ones (the cache wraps around: never a whole-window pass).
-@pytest.mark.parametrize("preset, positions", [("tiny", "learned"), ("cpu", "learned"), ("tiny", "rope"),
-                                               ("cpu", "rope")])
+@pytest.mark.parametrize(
+    "preset, positions", [("tiny", "learned"), ("cpu", "learned"), ("tiny", "rope"), ("cpu", "rope")]
+)
 def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions):
     cfg = model_config(preset, positions)
     model = build_model(cfg, seed=5)
@@ -78,8 +79,9 @@ def test_a_long_sample_drawn_in_several_calls_is_the_codelab_loop_s(monkeypatch)
     window = cfg.max_seq_len
     monkeypatch.setattr(sampling, "SEGMENT", 1)  # calls of one window's bytes each
     new = 3 * window + 5
-    assert generate(model, "KING:", new, 0.8, 42, window) == \
-        codelab_generate(model, b"KING:", new, 0.8, 42, window, absolute=True)
+    assert generate(model, "KING:", new, 0.8, 42, window) == codelab_generate(
+        model, b"KING:", new, 0.8, 42, window, absolute=True
+    )
 
 
 def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: int, span: int) -> bytes:
@@ -93,7 +95,11 @@ def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: i
     total = len(prompt) + new
     return host_sampling_loop(
         lambda tokens: logits_at(jnp.asarray([tokens + [0] * (total - len(tokens))], jnp.int32), len(tokens) - 1),
-        prompt, new, temperature, seed)
+        prompt,
+        new,
+        temperature,
+        seed,
+    )
 
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])
@@ -109,8 +115,9 @@ def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(prese
     batch = generate_batch(model, "KING:", new, 0.8, seeds, window)
     assert batch == [generate(model, "KING:", new, 0.8, seed, window) for seed in seeds]
     assert batch == codelab_generate_batch(model, b"KING:", new, 0.8, seeds, window)
-    assert generate_batch(model, "KING:", new, 0.0, seeds[:2], window) == \
-        codelab_generate_batch(model, b"KING:", new, 0.0, seeds[:2], window)
+    assert generate_batch(model, "KING:", new, 0.0, seeds[:2], window) == codelab_generate_batch(
+        model, b"KING:", new, 0.0, seeds[:2], window
+    )
     assert len(set(batch)) == 8  # the seeds really differ
 
 
@@ -125,6 +132,7 @@ def test_every_timed_round_comes_after_an_untimed_warm_up_call():
         def timed() -> float:
             calls[name] += 1
             return 100.0 if calls[name] == 1 else 1.0  # the first call: a compilation's figure
+
         return timed
 
     a, b = alternating([run("a"), run("b")], 3)

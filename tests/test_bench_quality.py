@@ -16,10 +16,27 @@ def test_the_quality_preset_runs_and_the_benchmark_reports_its_curve(tmp_path, c
     corpus = tmp_path / "play.txt"
     corpus.write_bytes(play_text(40_000))
     # Its widths, window and schedule, one layer of six: compiling six costs this test 30 s.
-    settings = ["train.steps=2", "train.warmup_steps=0", "train.single_device_steps=0", "train.per_device_batch=1",
-                "train.log_every=1", "model.num_layers=1"]
-    code = main(["--preset", "quality", "--target", "100", "--corpus", str(corpus), "--out", str(tmp_path / "out"),
-                 *[arg for item in settings for arg in ("--set", item)]])
+    settings = [
+        "train.steps=2",
+        "train.warmup_steps=0",
+        "train.single_device_steps=0",
+        "train.per_device_batch=1",
+        "train.log_every=1",
+        "model.num_layers=1",
+    ]
+    code = main(
+        [
+            "--preset",
+            "quality",
+            "--target",
+            "100",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(tmp_path / "out"),
+            *[arg for item in settings for arg in ("--set", item)],
+        ]
+    )
     assert code == 0
     report = json.loads(next((tmp_path / "out").glob("*-quality-quality.json")).read_text())
     quality = report["quality"]

@@ -13,8 +13,16 @@ from tests.helpers import REPO, bardflow, md5_bytes, play_text
 def common(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(4_000))
-    return ["--preset", "tiny", "--corpus", str(corpus), "--store", str(tmp_path / "store"),
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}"]
+    return [
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(tmp_path / "store"),
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+    ]
 
 
 def test_cli_refuses_bad_input_before_any_work(common, tmp_path):
@@ -91,25 +99,35 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
     assert "PREFECT_API_URL" not in os.environ
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--set", "generate.prompts=[]"], ["generate.prompts"]),
-    (["--set", "generate.seed=100000000000000000000000"], ["generate.seed"]),
-    (["--set", "data.shuffle_seed=-1"], ["data.shuffle_seed"]),
-    (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
-    (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
-    (["--corpus", ""], ["--corpus is empty"]),
-    (["--set", "data.corpus=/dev/zero"], ["corpus /dev/zero is a character device, not a regular file"]),
-    (["--set", 'generate.prompts=[{"text": "A", "temperature": 1e308}]'], ["temperature", "less than or equal to"]),
-    (["--processes", "0"], ["--processes must be at least 1"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--set", "generate.prompts=[]"], ["generate.prompts"]),
+        (["--set", "generate.seed=100000000000000000000000"], ["generate.seed"]),
+        (["--set", "data.shuffle_seed=-1"], ["data.shuffle_seed"]),
+        (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
+        (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
+        (["--corpus", ""], ["--corpus is empty"]),
+        (["--set", "data.corpus=/dev/zero"], ["corpus /dev/zero is a character device, not a regular file"]),
+        (["--set", 'generate.prompts=[{"text": "A", "temperature": 1e308}]'], ["temperature", "less than or equal to"]),
+        (["--processes", "0"], ["--processes must be at least 1"]),
+    ],
+)
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
     """Checked in the CLI before anything heavy: refused in well under a second of work."""
-    code = ("import sys; from bardflow.cli.main import main; "
-            "rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
-            "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
-            "print('imported:', heavy); sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from bardflow.cli.main import main; "
+        "rc = main(['run', '--store', sys.argv[1], *sys.argv[2:]]); "
+        "heavy = [m for m in ('jax', 'prefect') if m in sys.modules]; "
+        "print('imported:', heavy); sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode in (1, 2) and "imported: []" in done.stdout, done.stdout + done.stderr
     line = done.stderr.strip()
     assert line.startswith("bardflow: error:") and "\n" not in line and all(w in line for w in words), line
@@ -120,12 +138,25 @@ def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypat
     from bardflow.cli.printing import print_summary
 
     monkeypatch.setenv("COLUMNS", "80")
-    metrics = {"fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
-               "train_parallel": {"devices": 2, "tokens_per_s": 21925.7, "ms_per_step": 186.813, "final_loss": 1.4895,
-                                  "val_loss": 1.6869}}
-    summary = {"preset": "cpu", "store": "/home/me/bardflow/store", "stages": {
-        name: {"state": "ran", "key": "ddc481f338a28f94d7e5", "path": "", "metrics": m} for name, m in metrics.items()},
-        "samples": [{"prompt": "ROMEO:", "temperature": 0.8, "seed": 42, "text": "ROMEO:\nIn must thou [warrant]"}]}
+    metrics = {
+        "fetch": {"bytes": 1115394, "md5": "6fb458f1232090904fb40fe944165e91"},
+        "train_parallel": {
+            "devices": 2,
+            "tokens_per_s": 21925.7,
+            "ms_per_step": 186.813,
+            "final_loss": 1.4895,
+            "val_loss": 1.6869,
+        },
+    }
+    summary = {
+        "preset": "cpu",
+        "store": "/home/me/bardflow/store",
+        "stages": {
+            name: {"state": "ran", "key": "ddc481f338a28f94d7e5", "path": "", "metrics": m}
+            for name, m in metrics.items()
+        },
+        "samples": [{"prompt": "ROMEO:", "temperature": 0.8, "seed": 42, "text": "ROMEO:\nIn must thou [warrant]"}],
+    }
     print_summary(summary)
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
@@ -148,21 +179,29 @@ def test_a_dead_prefect_server_is_one_line_before_any_work(tmp_path):
     done = bardflow("run", "--preset", "tiny", "--store", str(tmp_path / "store"), env=env, check=False)
     assert done.returncode == 1 and not (tmp_path / "store").exists()
     line = done.stderr.strip()
-    assert line.startswith("bardflow: error: cannot reach the Prefect server at http://127.0.0.1:9/api") \
-        and "bardflow server start" in line and "\n" not in line, line
+    assert (
+        line.startswith("bardflow: error: cannot reach the Prefect server at http://127.0.0.1:9/api")
+        and "bardflow server start" in line
+        and "\n" not in line
+    ), line
 
 
 def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_server_starts(tmp_path):
     """The only refusal that needs JAX (to count the devices): still one line, before any server."""
-    code = ("import sys; from bardflow.cli.main import main; "
-            "rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', '--processes', '3']); "
-            " import bardflow.cli.main as cli; print('server:', cli._embedded); sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from bardflow.cli.main import main; "
+        "rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', '--processes', '3']); "
+        " import bardflow.cli.main as cli; print('server:', cli._embedded); sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr
     line = done.stderr.strip()
-    assert line == ("bardflow: error: processes=3 cannot share out the 2 cpu device(s) of this host evenly; use a "
-                    "divisor of 2 (on a CPU, emulate devices with --cpu-devices)"), line
+    assert line == (
+        "bardflow: error: processes=3 cannot share out the 2 cpu device(s) of this host evenly; use a "
+        "divisor of 2 (on a CPU, emulate devices with --cpu-devices)"
+    ), line
     assert not (tmp_path / "store").exists()
 
 
@@ -175,19 +214,43 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
     from bardflow.cli.tables import Column, fitted, short_time
 
     monkeypatch.setenv("COLUMNS", "80")
-    rows = [{"run": n, "train.learning_rate": lr, "train.steps": 380, "status": "completed", "val_loss": 1.68691,
-             "val_bpb": 2.43372, "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
-             "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
+    rows = [
+        {
+            "run": n,
+            "train.learning_rate": lr,
+            "train.steps": 380,
+            "status": "completed",
+            "val_loss": 1.68691,
+            "val_bpb": 2.43372,
+            "tokens_per_s": 21925.7,
+            "training_s": 62.4,
+            "train_parallel": "ddc481f338a28f94d7e5",
+            "generate": "0123456789abcdef0123",
+        }
+        for n, lr in ((1, "0.003"), (2, "0.01"))
+    ]
     print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store"})
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     for value in ("0.003", "0.01", "1.6869", "completed", "train.learning_rate"):
         assert value in out, out
     assert "left out at this width" in out and "generate" in out.split("left out at this width")[1]
-    cells = [["train_parallel", "ddc481f338a28f94d7e5", short_time("2026-12-01T06:35:50.123456Z"), "0.52 MB",
-              "devices=2\ntokens_per_s=21925.7\nval_loss=1.6869"]]
-    columns = [Column("stage", 4), Column("key", 3), Column("created", 1), Column("size", 0),
-               Column("key figures", 2, text=True)]
+    cells = [
+        [
+            "train_parallel",
+            "ddc481f338a28f94d7e5",
+            short_time("2026-12-01T06:35:50.123456Z"),
+            "0.52 MB",
+            "devices=2\ntokens_per_s=21925.7\nval_loss=1.6869",
+        ]
+    ]
+    columns = [
+        Column("stage", 4),
+        Column("key", 3),
+        Column("created", 1),
+        Column("size", 0),
+        Column("key figures", 2, text=True),
+    ]
     for width in (80, 120):
         console = Console(width=width, record=True)
         console.print(fitted("versions", columns, cells, width=width))
@@ -204,12 +267,29 @@ def test_a_sweep_table_keeps_the_setting_its_runs_differ_in(capsys, monkeypatch)
     from bardflow.cli.printing import print_sweep
 
     monkeypatch.setenv("COLUMNS", "80")
-    rows = [{"run": n, "model.d_model": 64, "train.warmup_steps": 10, "generate.max_new_bytes": 300,
-             "train.learning_rate": lr, "status": "completed", "val_loss": 1.68691, "val_bpb": 2.43372,
-             "tokens_per_s": 21925.7, "training_s": 62.4, "train_parallel": "ddc481f338a28f94d7e5",
-             "generate": "0123456789abcdef0123"} for n, lr in ((1, "0.003"), (2, "0.01"))]
-    best = {"run": 2, "val_loss": 1.68691, "set": "--set train.learning_rate=0.0026938830192854116",
-            "line": "run 2, validation loss 1.6869: --set train.learning_rate=0.0026938830192854116"}
+    rows = [
+        {
+            "run": n,
+            "model.d_model": 64,
+            "train.warmup_steps": 10,
+            "generate.max_new_bytes": 300,
+            "train.learning_rate": lr,
+            "status": "completed",
+            "val_loss": 1.68691,
+            "val_bpb": 2.43372,
+            "tokens_per_s": 21925.7,
+            "training_s": 62.4,
+            "train_parallel": "ddc481f338a28f94d7e5",
+            "generate": "0123456789abcdef0123",
+        }
+        for n, lr in ((1, "0.003"), (2, "0.01"))
+    ]
+    best = {
+        "run": 2,
+        "val_loss": 1.68691,
+        "set": "--set train.learning_rate=0.0026938830192854116",
+        "line": "run 2, validation loss 1.6869: --set train.learning_rate=0.0026938830192854116",
+    }
     rows[1]["train.learning_rate"] = "0.0026938830192854116"
     print_sweep({"rows": rows, "runs": [{}, {}], "preset": "cpu", "store": "/home/me/store", "best": best})
     out = capsys.readouterr().out
@@ -227,28 +307,54 @@ def test_a_virtual_memory_limit_a_run_cannot_live_under_is_refused_in_one_line(t
     or hung once a thread could not start."""
     # The limit set by a shell, as a user's is: a preexec_fn would fork this process, whose
     # JAX threads make os.fork unsafe.
-    done = subprocess.run(["bash", "-c", 'ulimit -v 3000000 && exec "$0" "$@"', sys.executable, "-m", "bardflow",
-                           "run", "--preset", "tiny", "--store", str(tmp_path / "store")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'ulimit -v 3000000 && exec "$0" "$@"',
+            sys.executable,
+            "-m",
+            "bardflow",
+            "run",
+            "--preset",
+            "tiny",
+            "--store",
+            str(tmp_path / "store"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     line = done.stderr.strip()
     assert done.returncode == 1 and "\n" not in line, done.stderr
     assert line.startswith("bardflow: error: this shell limits virtual memory to 2.9 GiB (ulimit -v 3000000)"), line
     assert "ulimit -v unlimited" in line and not (tmp_path / "store").exists()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--set", "train.learning_rate=3e-2..1e-3", "--search", "2"], "LOW < HIGH"),
-    (["--search", "2"], "--search needs a range to search"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--set", "train.learning_rate=3e-2..1e-3", "--search", "2"], "LOW < HIGH"),
+        (["--search", "2"], "--search needs a range to search"),
+    ],
+)
 def test_a_sweep_is_refused_before_its_temporary_server_starts(tmp_path, args, words):
     """An inverted search range used to print `starting a temporary Prefect server…` first."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["BARDFLOW_SERVER_FILE"] = str(tmp_path / "no-server.json")
-    done = subprocess.run([sys.executable, "-m", "bardflow", "sweep", "--preset", "tiny", "--store",
-                           str(tmp_path / "store"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "bardflow", "sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode in (1, 2) and words in done.stderr, done.stderr
     assert "temporary Prefect server" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
@@ -276,9 +382,15 @@ def test_the_ui_command_with_a_server_already_there_says_where_it_is(tmp_path):
     """It printed the URLs, then `Port 4200 is already in use`, exit 1."""
     server = healthy_server()
     try:
-        done = subprocess.run([sys.executable, "-m", "bardflow", "ui", "--port", str(server.server_port)], cwd=REPO,
-                              env={**os.environ, "BARDFLOW_SERVER_FILE": str(tmp_path / "none.json")},
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "bardflow", "ui", "--port", str(server.server_port)],
+            cwd=REPO,
+            env={**os.environ, "BARDFLOW_SERVER_FILE": str(tmp_path / "none.json")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     finally:
         server.shutdown()
     assert done.returncode == 0, done.stderr
@@ -289,9 +401,11 @@ def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_proce
     """A fully cached run needs no JAX in the command's process (a second of a cached run's
     four): the flow's modules load without it, and the device count comes from a process that
     started while Prefect loaded."""
-    code = ("import sys; import bardflow.cli.main, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
-            "from bardflow.runtime.distributed import hardware, probe_devices; probe_devices(); "
-            "print(loaded, hardware(), hardware(), 'jax' in sys.modules)")
+    code = (
+        "import sys; import bardflow.cli.main, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
+        "from bardflow.runtime.distributed import hardware, probe_devices; probe_devices(); "
+        "print(loaded, hardware(), hardware(), 'jax' in sys.modules)"
+    )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[0] == "False (3, 'cpu') (3, 'cpu') False", done.stdout + done.stderr
@@ -308,8 +422,14 @@ def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
     searched = Trial({"train.learning_rate": 9.0}, trial=5)
     searched.failed("loss became nan at step 4")
     rows = [{"run": n, "status": "failed", "val_loss": None} for n in (1, 2)]
-    print_sweep({"rows": rows, "runs": [Trial({}).to_json() | {"status": "completed"}, failed.to_json(),
-                                        searched.to_json()], "preset": "tiny", "store": "s"})
+    print_sweep(
+        {
+            "rows": rows,
+            "runs": [Trial({}).to_json() | {"status": "completed"}, failed.to_json(), searched.to_json()],
+            "preset": "tiny",
+            "store": "s",
+        }
+    )
     err = capsys.readouterr().err
     assert "run 2 failed: loss became nan at step 3" in err and "run 5 failed: loss became nan at step 4" in err
 
@@ -326,15 +446,25 @@ def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not
     record.write_text(json.dumps({"pid": os.getpid(), "url": url, "log": str(tmp_path / "server.log")}))
     env = {**os.environ, "BARDFLOW_SERVER_FILE": str(record)}
     try:
-        other, same = (subprocess.run([sys.executable, "-m", "bardflow", "server", "start", "--port", str(port)],
-                                      cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
-                       for port in (server.server_port + 1, server.server_port))
+        other, same = (
+            subprocess.run(
+                [sys.executable, "-m", "bardflow", "server", "start", "--port", str(port)],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            for port in (server.server_port + 1, server.server_port)
+        )
     finally:
         server.shutdown()
     assert other.returncode == 1 and other.stderr.strip().splitlines() == [
         f"bardflow: error: a background Prefect server already runs at {url} (pid {os.getpid()}), so --port "
         f"{server.server_port + 1} was not used; `bardflow server stop`, then start again to move it to port "
-        f"{server.server_port + 1}"], other.stderr
+        f"{server.server_port + 1}"
+    ], other.stderr
     assert same.returncode == 0 and same.stdout.startswith(f"already running: Prefect server: {url}"), same.stderr
 
 

@@ -14,11 +14,16 @@ def test_every_stage_code_change_comes_with_a_decision_about_its_code_version():
         if before is None:
             problems.append(f"{stage} is new: record it")
             continue
-        changed = sorted(m for m in now["modules"].keys() | before["modules"].keys()
-                         if now["modules"].get(m) != before["modules"].get(m))
+        changed = sorted(
+            m
+            for m in now["modules"].keys() | before["modules"].keys()
+            if now["modules"].get(m) != before["modules"].get(m)
+        )
         if changed and now["code_version"] == before["code_version"]:
-            problems.append(f"the code of {stage} changed ({', '.join(changed)}): bump the code version of {stage} "
-                            f"in tasks/registry.py if what it builds for the same inputs changes, then record")
+            problems.append(
+                f"the code of {stage} changed ({', '.join(changed)}): bump the code version of {stage} "
+                f"in tasks/registry.py if what it builds for the same inputs changes, then record"
+            )
         elif now["code_version"] != before["code_version"] and not changed:
             problems.append(f"{stage}'s code version changed: record it")
         elif changed:
@@ -41,5 +46,5 @@ def test_the_digest_ignores_comments_and_docstrings_but_not_code(tmp_path, monke
     assert list(first) == ["thingpkg.thing"]  # found where Python finds it
     source.write_text('"""Another docstring."""\n\n\ndef f(x):\n    """Adds one."""\n    return x + 1\n')
     assert code_versions.digests("thingpkg.thing") == first
-    source.write_text('def f(x):\n    return x + 2\n')
+    source.write_text("def f(x):\n    return x + 2\n")
     assert code_versions.digests("thingpkg.thing") != first

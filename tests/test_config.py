@@ -92,8 +92,10 @@ def test_bad_settings_name_the_problem_and_the_fix(overrides, words):
         assert word in str(error.value)
 
 
-@pytest.mark.parametrize("prompt, clause", [({"text": "ROMEO:", "temperature": float("nan")}, "finite number"),
-                                            ({"text": ""}, "at least 1 character")])
+@pytest.mark.parametrize(
+    "prompt, clause",
+    [({"text": "ROMEO:", "temperature": float("nan")}, "finite number"), ({"text": ""}, "at least 1 character")],
+)
 def test_a_refused_prompt_is_one_clause_not_an_empty_list_too(prompt, clause):
     with pytest.raises(ConfigError) as error:
         build_config("tiny", {"generate.prompts": [prompt]})
@@ -115,13 +117,16 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
 
     from tests.helpers import REPO
 
-    printed = json.loads(subprocess.run([sys.executable, "-m", "bardflow", "presets"], cwd=REPO, check=True,
-                                        capture_output=True, text=True).stdout)
+    printed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "bardflow", "presets"], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout
+    )
     lines = (REPO / "README.md").read_text().split("\n")
     header = next(i for i, line in enumerate(lines) if line.startswith("| preset | seq_len |"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
     rows = {}
-    for line in lines[header + 2:]:
+    for line in lines[header + 2 :]:
         if not line.startswith("| `"):
             break
         cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
@@ -129,11 +134,18 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
     assert set(rows) == set(printed)
     for name, cfg in printed.items():
         data, model, train = cfg["data"], cfg["model"], cfg["train"]
-        expected = {"seq_len": data["seq_len"], "layers": model["num_layers"], "d_model": model["d_model"],
-                    "heads": model["num_heads"], "positions": model["positions"], "steps": train["steps"],
-                    "single-device steps": train["single_device_steps"] or train["steps"],
-                    "batch per device": train["per_device_batch"], "optimizer": train["optimizer"],
-                    "sharding": train["sharding"]}
+        expected = {
+            "seq_len": data["seq_len"],
+            "layers": model["num_layers"],
+            "d_model": model["d_model"],
+            "heads": model["num_heads"],
+            "positions": model["positions"],
+            "steps": train["steps"],
+            "single-device steps": train["single_device_steps"] or train["steps"],
+            "batch per device": train["per_device_batch"],
+            "optimizer": train["optimizer"],
+            "sharding": train["sharding"],
+        }
         assert {k: rows[name][k] for k in expected} == {k: str(v) for k, v in expected.items()}, name
 
 
@@ -185,17 +197,23 @@ def _laughs(levels: int = 9, under: str = "data:\n  corpus") -> str:
     return "\n".join(lines) + f"\n{under}: *a{levels}\n"
 
 
-@pytest.mark.parametrize("text, words", [
-    (_laughs(), "expands to more than 100,000 values"),
-    (_laughs(under="generate:\n  prompts"), "expands to more than 100,000 values"),
-    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML or JSON"),
-    ("train: &r\n  x: *r\n", "refers to itself (a recursive alias)"),
-    ("train:\n  steps: 5\n  warmup_steps: 1\n  steps: 7\n", "the key 'steps' is given twice (lines 2 and 4); keep one"),
-    ("preset: tiny\npreset: cpu\n", "the key 'preset' is given twice (lines 1 and 2)"),
-    (None, "holds at most 1,048,576"),
-    ('{"generate": {"prompts": [' + ", ".join(['{"text": "x"}'] * 1001) + "]}}", "at most 1000 items"),
-    ('{"generate": {"prompts": [{"text": "' + "x" * 10_001 + '"}]}}', "at most 10000 characters"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (_laughs(), "expands to more than 100,000 values"),
+        (_laughs(under="generate:\n  prompts"), "expands to more than 100,000 values"),
+        ("x: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML or JSON"),
+        ("train: &r\n  x: *r\n", "refers to itself (a recursive alias)"),
+        (
+            "train:\n  steps: 5\n  warmup_steps: 1\n  steps: 7\n",
+            "the key 'steps' is given twice (lines 2 and 4); keep one",
+        ),
+        ("preset: tiny\npreset: cpu\n", "the key 'preset' is given twice (lines 1 and 2)"),
+        (None, "holds at most 1,048,576"),
+        ('{"generate": {"prompts": [' + ", ".join(['{"text": "x"}'] * 1001) + "]}}", "at most 1000 items"),
+        ('{"generate": {"prompts": [{"text": "' + "x" * 10_001 + '"}]}}', "at most 10000 characters"),
+    ],
+)
 def test_a_hostile_config_file_is_refused_in_one_line_at_once(tmp_path, text, words):
     """516 bytes of nested aliases took 46 s and 3.15 GB before a 28-line MemoryError (or hung,
     under generate.prompts); 50 MB of prompts passed and then hung; a duplicate key was taken,
@@ -227,16 +245,30 @@ def test_the_command_takes_a_config_file_under_set_and_refuses_a_bad_one_before_
 
     bad = tmp_path / "run.yaml"
     bad.write_text("preset: tiny\ntrain:\n  steps: -2\n")
-    code = ("import sys; from bardflow.cli.main import main; rc = main(['run', '--store', sys.argv[1], '--config', "
-            "sys.argv[2]]); print('imported:', [m for m in ('jax', 'prefect') if m in sys.modules]); sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(bad)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=False)
+    code = (
+        "import sys; from bardflow.cli.main import main; rc = main(['run', '--store', sys.argv[1], '--config', "
+        "sys.argv[2]]); print('imported:', [m for m in ('jax', 'prefect') if m in sys.modules]); sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store"), str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     line = done.stderr.strip()
     assert done.returncode == 1 and "imported: []" in done.stdout, done.stdout + done.stderr
     assert line.startswith(f"bardflow: error: {bad}: train.steps = -2:") and "\n" not in line, line
     assert not (tmp_path / "store").exists()
-    printed = subprocess.run([sys.executable, "-m", "bardflow", "presets", "--yaml", "tiny"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+    printed = subprocess.run(
+        [sys.executable, "-m", "bardflow", "presets", "--yaml", "tiny"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert printed.startswith("# bardflow run --config FILE") and "\npreset: tiny\n" in printed
 
 

@@ -44,8 +44,9 @@ def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     # and passes as on one device, only XLA's options tried both ways.
     two = choose(cfg.model, cfg.train, Placement.data_parallel(jax.devices()[:2]), cfg.data.seq_len)
     assert two["source"] == "measured now" and len(two["measured"]) == 2
-    assert {(m["kernels"], m["rows_per_pass"]) for m in two["measured"]} == \
-        {(first["chosen"]["kernels"], first["chosen"]["rows_per_pass"])}
+    assert {(m["kernels"], m["rows_per_pass"]) for m in two["measured"]} == {
+        (first["chosen"]["kernels"], first["chosen"]["rows_per_pass"])
+    }
     assert {m["xla"] for m in two["measured"]} == {"tuned", "default"}
     assert sorted(json.loads(key)["devices"] for key in json.loads((measuring / "cpu-step.json").read_text())) == [1, 2]
 

@@ -14,7 +14,7 @@ def test_encoding_is_the_bytes_cut_into_windows(small_corpus):
     split = encode(raw, seq_len=64, train_fraction=0.9, seed=0)
     windows = np.frombuffer(raw, np.uint8)[: (len(raw) // 64) * 64].reshape(-1, 64)
     # validation keeps corpus order; training holds exactly the other windows, reordered
-    np.testing.assert_array_equal(split.val, windows[len(split.train):])
+    np.testing.assert_array_equal(split.val, windows[len(split.train) :])
     assert sorted(map(bytes, split.train)) == sorted(map(bytes, windows[: len(split.train)]))
     assert bytes(split.val[0]).decode() in raw.decode()
 
@@ -57,8 +57,14 @@ def test_a_split_is_bounded_shards_hashed_as_written_and_read_as_one(tmp_path, s
     (tmp_path / "corpus").write_bytes(raw)
     mapped = windows(np.memmap(tmp_path / "corpus", np.uint8, mode="r"), 32)
     written = []
-    shards = write_split(tmp_path / "train", mapped[: len(split.train)], {}, order=train_order(len(split.train), 0),
-                         shard_bytes=20_000, progress=written.append)
+    shards = write_split(
+        tmp_path / "train",
+        mapped[: len(split.train)],
+        {},
+        order=train_order(len(split.train), 0),
+        shard_bytes=20_000,
+        progress=written.append,
+    )
     assert len(shards) == 3 and all(s["bytes"] <= 20_000 + 2_000 for s in shards)  # rows, plus Arrow's framing
     assert sum(s["rows"] for s in shards) == len(split.train) and written[-1] == split.train.size
     for shard in shards:
@@ -67,16 +73,16 @@ def test_a_split_is_bounded_shards_hashed_as_written_and_read_as_one(tmp_path, s
     rows = read_split(tmp_path / "train")
     np.testing.assert_array_equal(np.asarray(rows), split.train)  # the in-memory encode's rows, in its order
     boundary = shards[0]["rows"]
-    np.testing.assert_array_equal(rows[boundary - 3: boundary + 4], split.train[boundary - 3: boundary + 4])
+    np.testing.assert_array_equal(rows[boundary - 3 : boundary + 4], split.train[boundary - 3 : boundary + 4])
     np.testing.assert_array_equal(rows[boundary], split.train[boundary])
     chosen = np.array([0, boundary - 1, boundary, len(split.train) - 1])
     np.testing.assert_array_equal(rows.take(chosen), split.train[chosen])
-    assert len(rows[len(rows) - 2: len(rows) + 5]) == 2
+    assert len(rows[len(rows) - 2 : len(rows) + 5]) == 2
     # With the manifest's list, a shard is opened, and asked for first, only when read.
     asked = []
     lazy = read_split(tmp_path / "train", shards, bring=lambda path: asked.append(path.name))
     assert (len(lazy), lazy.shape[1], asked) == (len(split.train), 32, ["00000.arrow"])  # its schema: the width
-    np.testing.assert_array_equal(lazy[boundary - 3: boundary + 4], split.train[boundary - 3: boundary + 4])
+    np.testing.assert_array_equal(lazy[boundary - 3 : boundary + 4], split.train[boundary - 3 : boundary + 4])
     assert asked == ["00000.arrow", "00000.arrow", "00001.arrow"]
     np.testing.assert_array_equal(lazy.take(chosen), split.train[chosen])
     assert asked[-1] == "00002.arrow" and lazy.metadata == {}
@@ -112,7 +118,7 @@ def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monk
         order = data.FeistelOrder(n, seed=7)
         whole = order[0:n]
         assert np.array_equal(np.sort(whole), np.arange(n))  # every window once
-        assert np.array_equal(order[n // 3: n // 2], whole[n // 3: n // 2])  # a slice is its part of the whole
+        assert np.array_equal(order[n // 3 : n // 2], whole[n // 3 : n // 2])  # a slice is its part of the whole
     # Its rounds' tables hold the values the round function computes (so the order is the one
     # any earlier encode wrote), for splits that fit 32 bits and beyond.
     for n in (12_345, 1 << 33):
@@ -121,7 +127,7 @@ def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monk
         computed = data.FeistelOrder(n, seed=3)
         monkeypatch.undo()
         assert tabled.tables is not None and computed.tables is None
-        assert np.array_equal(tabled[n - 5_000:n], computed[n - 5_000:n])
+        assert np.array_equal(tabled[n - 5_000 : n], computed[n - 5_000 : n])
     assert not np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 2)[0:1_000])
     assert np.array_equal(data.FeistelOrder(1_000, 1)[0:1_000], data.FeistelOrder(1_000, 1)[0:1_000])
     # TinyShakespeare-sized splits keep numpy's permutation; larger ones switch.
@@ -155,7 +161,7 @@ def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_positi
     written = read_split(tmp_path / "train", shards)
     # Rows from every batch where they belong: no batch array was filled again while in use.
     sample = np.sort(np.random.default_rng(1).choice(len(rows), 20_000, replace=False))
-    np.testing.assert_array_equal(written.take(sample), rows[order[0:len(rows)][sample]])
+    np.testing.assert_array_equal(written.take(sample), rows[order[0 : len(rows)][sample]])
 
 
 def test_a_file_written_around_the_page_cache_holds_exactly_its_bytes(tmp_path, monkeypatch):
@@ -169,7 +175,7 @@ def test_a_file_written_around_the_page_cache_holds_exactly_its_bytes(tmp_path, 
         start = 0
         while start < size:  # pieces of uneven sizes, as Arrow's writer hands them over
             piece = int(rng.integers(1, 20_000))
-            assert out.write(memoryview(content)[start:start + piece]) == len(content[start:start + piece])
+            assert out.write(memoryview(content)[start : start + piece]) == len(content[start : start + piece])
             start += piece
         out.close()
         assert (tmp_path / f"{size}.bin").read_bytes() == content, size

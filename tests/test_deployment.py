@@ -36,16 +36,28 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
         pytest.skip(f"needs the offline TinyShakespeare copy at {SHARED_CORPUS}")
     store = object_server.prefix("deployed")
     with prefect_server.deployments():
-        for command in (["work-pool", "create", "--overwrite", "--type", "process", "gpu"],
-                        ["--no-prompt", "deploy", "--all"]):
+        for command in (
+            ["work-pool", "create", "--overwrite", "--type", "process", "gpu"],
+            ["--no-prompt", "deploy", "--all"],
+        ):
             done = prefect_server.run(str(BIN / "prefect"), *command)
             assert done.returncode == 0, done.stdout + done.stderr
     # The worker's host has an offline mirror of the corpus, the bucket's credentials and a
     # working folder of its own; flow runs inherit the worker's environment, as on a GPU host.
-    worker = prefect_server.start("worker", str(BIN / "prefect"), "worker", "start", "--pool", "gpu",
-                                  env={**prefect_server.env, **object_server.env,
-                                       "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
-                                       "BARDFLOW_WORKDIR": str(tmp_path_factory.mktemp("worker-workdir"))})
+    worker = prefect_server.start(
+        "worker",
+        str(BIN / "prefect"),
+        "worker",
+        "start",
+        "--pool",
+        "gpu",
+        env={
+            **prefect_server.env,
+            **object_server.env,
+            "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
+            "BARDFLOW_WORKDIR": str(tmp_path_factory.mktemp("worker-workdir")),
+        },
+    )
     try:
         yield prefect_server, store, object_server
     finally:
@@ -87,7 +99,8 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     assert flow_run["state"]["type"] == "COMPLETED"
     assert set(stage_states(server, run_id).values()) == {"Completed"}
     timings["deployment_run_to_flow_start_s"] = round(
-        datetime.fromisoformat(flow_run["start_time"]).timestamp() - first_deployment_run["started"], 1)
+        datetime.fromisoformat(flow_run["start_time"]).timestamp() - first_deployment_run["started"], 1
+    )
     keys = {a["key"] for a in server.api("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})}
     assert {f"bardflow-{s.replace('_', '-')}" for s in STAGES} <= keys
 
@@ -113,8 +126,9 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
         pytest.skip("chromium is not installed (.ci/run installs it)")
     run_filter = {"flow_run_id": {"any_": [first_deployment_run["id"]]}}
     compare = server.api("/artifacts/filter", {"artifacts": {"key": {"any_": ["bardflow-compare"]}, **run_filter}})
-    plots = server.api("/artifacts/filter",
-                       {"artifacts": {"key": {"any_": ["bardflow-compare-plots"]}, **run_filter}})[0]
+    plots = server.api("/artifacts/filter", {"artifacts": {"key": {"any_": ["bardflow-compare-plots"]}, **run_filter}})[
+        0
+    ]
     shots = OUTPUT / "deployment"
     shots.mkdir(parents=True, exist_ok=True)
     browser = Browser(binary)
@@ -125,8 +139,10 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
         for stage in STAGES:
             assert f"bardflow-{stage.replace('_', '-')}" in listing
 
-        browser.open(f"{server.url}/artifacts/artifact/{plots['id']}",
-                     "document.images.length >= 2 && [...document.images].every(i => i.complete)")
+        browser.open(
+            f"{server.url}/artifacts/artifact/{plots['id']}",
+            "document.images.length >= 2 && [...document.images].every(i => i.complete)",
+        )
         browser.screenshot(shots / "compare-plots.png")
         page = browser.text()
         # The comparison table's numbers, as the compare stage computed them.
@@ -162,8 +178,9 @@ def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_
     def start_run() -> str:
         """What `prefect deployment run` sends (the first test runs that command), without its
         interpreter's start-up."""
-        return server.api(f"/deployments/{deployment}/create_flow_run",
-                          {"parameters": params, "job_variables": {"env": one_device}})["id"]
+        return server.api(
+            f"/deployments/{deployment}/create_flow_run", {"parameters": params, "job_variables": {"env": one_device}}
+        )["id"]
 
     run_id = start_run()
     stopped = cancel_in_training(server, run_id)
@@ -209,9 +226,10 @@ def wait_for_training(server: Server, run_id: str) -> int:
     # A progress line: training is under way.
     while not any(m.startswith("train_single (") and "/4000" in m for m in messages_of(server, run_id)):
         state = server.api(f"/flow_runs/{run_id}")["state"]
-        assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING") and time.monotonic() < deadline, \
-            f"the run never reached training: {state['type']} {state.get('message')}\n" + \
-            "\n".join(messages_of(server, run_id)[-20:])
+        assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING") and time.monotonic() < deadline, (
+            f"the run never reached training: {state['type']} {state.get('message')}\n"
+            + "\n".join(messages_of(server, run_id)[-20:])
+        )
         time.sleep(0.5)
     return int(str(server.api(f"/flow_runs/{run_id}")["infrastructure_pid"]).rsplit(":", 1)[-1])
 
@@ -222,8 +240,12 @@ def cancel_in_training(server: Server, run_id: str) -> str:
     cancelled = time.monotonic()
     cancelling = {"state": {"type": "CANCELLING", "name": "Cancelling"}}  # what the UI's Cancel and the CLI send
     assert server.api(f"/flow_runs/{run_id}/set_state", cancelling)["status"] == "ACCEPT"
-    while (state := server.api(f"/flow_runs/{run_id}")["state"])["type"] not in ("CANCELLED", "FAILED", "COMPLETED",
-                                                                                   "CRASHED"):
+    while (state := server.api(f"/flow_runs/{run_id}")["state"])["type"] not in (
+        "CANCELLED",
+        "FAILED",
+        "COMPLETED",
+        "CRASHED",
+    ):
         assert time.monotonic() - cancelled < 30, "not stopped within the worker's grace period"
         time.sleep(0.3)
     assert state["type"] == "CANCELLED", state
@@ -235,6 +257,7 @@ def cancel_in_training(server: Server, run_id: str) -> str:
 
 def messages_of(server: Server, run_id: str) -> list[str]:
     """The run's newest 200 log messages, oldest first (the API returns at most 200 at a time)."""
-    newest = server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC",
-                                          "limit": 200})
+    newest = server.api(
+        "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC", "limit": 200}
+    )
     return [log["message"] for log in reversed(newest)]

@@ -45,10 +45,11 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
     indexed_job = {"BARDFLOW_COORDINATOR": "job-0.svc:1234", "BARDFLOW_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"}
     assert ProcessGroup.from_env(indexed_job) == ProcessGroup(2, 1, "job-0.svc:1234")
     assert ProcessGroup.from_env({}) is None
-    for bad, message in [({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"},
-                          "BARDFLOW_COORDINATOR is not set"),
-                         ({**env, "BARDFLOW_PROCESS_ID": "4"}, "outside 0..3"),
-                         ({**env, "BARDFLOW_PROCESS_ID": "one"}, "must be integers")]:
+    for bad, message in [
+        ({"BARDFLOW_NUM_PROCESSES": "2", "BARDFLOW_PROCESS_ID": "0"}, "BARDFLOW_COORDINATOR is not set"),
+        ({**env, "BARDFLOW_PROCESS_ID": "4"}, "outside 0..3"),
+        ({**env, "BARDFLOW_PROCESS_ID": "one"}, "must be integers"),
+    ]:
         with pytest.raises(DistributedError, match=message):
             ProcessGroup.from_env(bad)
 
@@ -110,9 +111,14 @@ def describe_run(folder: Path, cfg, report: TrackingTarget | None = None) -> obj
     write_split(folder / "val", split.val, {})
     request = TrainingRequest(model=TINY.model, train=cfg, devices=2, platform="cpu", processes=2, report=report)
     (folder / "out").mkdir()
-    spec = {"request": request.model_dump(mode="json"), "train": str(folder / "train"),
-            "val": str(folder / "val"), "state": str(folder / "out" / "state"),
-            "resume": str(folder / "resume"), "result": str(folder / "result.json")}
+    spec = {
+        "request": request.model_dump(mode="json"),
+        "train": str(folder / "train"),
+        "val": str(folder / "val"),
+        "state": str(folder / "out" / "state"),
+        "resume": str(folder / "resume"),
+        "result": str(folder / "result.json"),
+    }
     (folder / "spec.json").write_text(json.dumps(spec))
     return split
 
@@ -125,14 +131,27 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     # Both processes are told where to track; process 0 alone writes.
     split = describe_run(tmp_path, cfg, TrackingTarget(stage="train_parallel", tensorboard=str(tmp_path / "tb")))
     seen = []
-    launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=1, platform="cpu",
-                 on_step=lambda done, total: seen.append(done))
+    launch_local(
+        train_process,
+        tmp_path / "spec.json",
+        processes=2,
+        devices_per_process=1,
+        platform="cpu",
+        on_step=lambda done, total: seen.append(done),
+    )
     assert seen[-1] == 40  # process 0 reported its progress
 
     step = resolve(TINY.model, cfg, TINY.data.seq_len, "cpu")  # the settings a training run resolves here
     graphdef, state = init_state(step.model(TINY.model), cfg)
-    one = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8, multiple=2),
-                Placement.data_parallel(jax.devices()), cfg, step=step)
+    one = train(
+        graphdef,
+        state,
+        Batches(split.train, 8),
+        val_batches(split.val, 8, multiple=2),
+        Placement.data_parallel(jax.devices()),
+        cfg,
+        step=step,
+    )
 
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["metrics"]["processes"] == 2 and result["metrics"]["devices"] == 2
@@ -167,8 +186,17 @@ def test_two_processes_of_two_devices_resume_fsdp_training_and_end_like_one_proc
     write the next checkpoint and the final state, and the losses are one process's."""
     # The cpu preset's width (arrays large enough to split), one block, a short context.
     shape = build_config("cpu", {"model.num_layers": 1, "data.seq_len": 32, "model.max_seq_len": 32})
-    cfg = shape.train.model_copy(update={"steps": 8, "single_device_steps": 0, "warmup_steps": 2, "log_every": 1,
-                                         "checkpoint_every": 2, "per_device_batch": 2, "sharding": "fsdp"})
+    cfg = shape.train.model_copy(
+        update={
+            "steps": 8,
+            "single_device_steps": 0,
+            "warmup_steps": 2,
+            "log_every": 1,
+            "checkpoint_every": 2,
+            "per_device_batch": 2,
+            "sharding": "fsdp",
+        }
+    )
     split = encode(play_text(200_000), shape.data.seq_len, 0.9, 0, every_position=True)
     write_split(tmp_path / "train", split.train, {})
     write_split(tmp_path / "val", split.val[:16], {})
@@ -177,15 +205,28 @@ def test_two_processes_of_two_devices_resume_fsdp_training_and_end_like_one_proc
     here = cfg.model_copy(update={"per_device_batch": 4})
     graphdef, state = init_state(step.model(shape.model), here)
     checkpoints = TrainingCheckpoints(tmp_path / "resume", 8)
-    one = train(graphdef, state, Batches(split.train, 8), [], Placement.data_parallel(jax.devices(), fsdp=True),
-                here, checkpoints=checkpoints, step=step)
+    one = train(
+        graphdef,
+        state,
+        Batches(split.train, 8),
+        [],
+        Placement.data_parallel(jax.devices(), fsdp=True),
+        here,
+        checkpoints=checkpoints,
+        step=step,
+    )
     checkpoints.close()
     for later in TrainingCheckpoints.steps(tmp_path / "resume")[1:]:  # from the checkpoint of step 2
         shutil.rmtree(tmp_path / "resume" / str(later))
     request = TrainingRequest(model=shape.model, train=cfg, devices=4, platform="cpu", processes=2)
-    spec = {"request": request.model_dump(mode="json"), "train": str(tmp_path / "train"),
-            "val": str(tmp_path / "val"), "state": str(tmp_path / "state"), "resume": str(tmp_path / "resume"),
-            "result": str(tmp_path / "result.json")}
+    spec = {
+        "request": request.model_dump(mode="json"),
+        "train": str(tmp_path / "train"),
+        "val": str(tmp_path / "val"),
+        "state": str(tmp_path / "state"),
+        "resume": str(tmp_path / "resume"),
+        "result": str(tmp_path / "result.json"),
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     launch_local(train_process, tmp_path / "spec.json", processes=2, devices_per_process=2, platform="cpu")
     resumed = json.loads((tmp_path / "result.json").read_text())
@@ -209,8 +250,16 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = tmp_path / "store"
-    long = ("--processes", "2", "--set", "train.steps=100", "--set", "train.checkpoint_every=20",
-            "--set", "train.single_device_steps=5")
+    long = (
+        "--processes",
+        "2",
+        "--set",
+        "train.steps=100",
+        "--set",
+        "train.checkpoint_every=20",
+        "--set",
+        "train.single_device_steps=5",
+    )
     run = start(base_args(corpus, store, *long), tmp_path / "killed.log", run_env)
     deadline = time.monotonic() + 300
     while not [s for s in checkpoint_steps(store, "train_parallel") if s >= 40]:
@@ -240,8 +289,10 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
 
 # A run's launcher, as the train_parallel stage is one: it trains the spec in one supervised
 # process of two emulated devices (what `--cpu-devices 2` does).
-LAUNCHER = ("import sys; from pathlib import Path; from bardflow.runtime.launch import launch_local; "
-            "from bardflow.tasks import train_process; launch_local(train_process, Path(sys.argv[1]), 1, 2, 'cpu')")
+LAUNCHER = (
+    "import sys; from pathlib import Path; from bardflow.runtime.launch import launch_local; "
+    "from bardflow.tasks import train_process; launch_local(train_process, Path(sys.argv[1]), 1, 2, 'cpu')"
+)
 
 
 def _alive(pid: int) -> bool:
@@ -259,13 +310,17 @@ def test_a_training_process_stops_with_its_run_and_leaves_its_resume_folder_to_t
     writer."""
     from bardflow.artifacts.store import ResumeFolder, StoreError
 
-    describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 10,
-                                                         "log_every": 10}))
+    describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 10, "log_every": 10}))
     spec = json.loads((tmp_path / "spec.json").read_text())
     spec["request"]["processes"] = 1
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "spec.json")], cwd=REPO,
-                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "spec.json")],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     resume = ResumeFolder(tmp_path / "resume")
     deadline = time.monotonic() + 120
     while not (TrainingCheckpoints.steps(resume.path) and (tmp_path / "process-0.pid").exists()):
@@ -298,9 +353,13 @@ def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_
     port, timeout_s = free_port(), 5  # shorter than the default 30 s, to keep the test short
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     processes = [
-        subprocess.Popen(process_command(train_process, tmp_path / "spec.json" if i == 0 else None), cwd=REPO,
-                         env=process_env(i, 2, port, 1, "cpu", {**os.environ, HEARTBEAT: str(timeout_s)}),
-                         stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            process_command(train_process, tmp_path / "spec.json" if i == 0 else None),
+            cwd=REPO,
+            env=process_env(i, 2, port, 1, "cpu", {**os.environ, HEARTBEAT: str(timeout_s)}),
+            stdout=open(logs[i], "w"),
+            stderr=subprocess.STDOUT,
+        )
         for i in range(2)
     ]
     try:
@@ -334,8 +393,10 @@ def test_cluster_examples_run_the_same_command_on_every_host():
     assert container["command"][:2] == ["bardflow", "run"]
     env = {e["name"]: e for e in container["env"]}
     assert env["BARDFLOW_NUM_PROCESSES"]["value"] == str(spec["completions"])
-    assert env["BARDFLOW_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        env["BARDFLOW_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     host, port = env["BARDFLOW_COORDINATOR"]["value"].rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]

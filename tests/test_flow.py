@@ -27,8 +27,17 @@ def workspace(tmp_path_factory):
     # Your own text as the README shows it: no md5 to pass (it is computed and keys the version);
     # the preset and a setting from a config file, --set on top of it where a test adds one.
     (root / "run.yaml").write_text("preset: tiny\ntrain:\n  single_device_steps: 10\n")
-    common = ["--config", str(root / "run.yaml"), "--corpus", str(corpus), "--store", str(root / "store"),
-              "--cpu-devices", "2", "--json"]
+    common = [
+        "--config",
+        str(root / "run.yaml"),
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(root / "store"),
+        "--cpu-devices",
+        "2",
+        "--json",
+    ]
     return root / "store", common, md5_bytes(corpus.read_bytes())
 
 
@@ -93,13 +102,22 @@ def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):
     # the comparison only (one run for all three).
     # Retraining the same weights (--refresh train_parallel) leaves their readers cached: a
     # version's fingerprint describes what it holds, not how fast it was made.
-    refreshed = run(common, "--refresh", "generate", "--refresh", "train_parallel",
-                    "--set", "train.single_device_steps=5", env=run_env)[1]
+    refreshed = run(
+        common,
+        "--refresh",
+        "generate",
+        "--refresh",
+        "train_parallel",
+        "--set",
+        "train.single_device_steps=5",
+        env=run_env,
+    )[1]
     # Built again with the stored output: the stored version (and its figures) is kept, and
     # the summary says so rather than show that version's timings as this run's.
     assert {"generate": "ran (unchanged)", "train_parallel": "ran (unchanged)"}.items() <= refreshed.items()
-    assert {stage: state.removesuffix(" (unchanged)") for stage, state in refreshed.items()} == \
-        only("generate", "train_single", "train_parallel", "compare")
+    assert {stage: state.removesuffix(" (unchanged)") for stage, state in refreshed.items()} == only(
+        "generate", "train_single", "train_parallel", "compare"
+    )
     # (A changed generation setting reruns only generate too: the `bardflow-samples/generate`
     # deployment in test_deployment.py.)
     # A model or training change reruns training and all after it; data stays cached.
@@ -125,9 +143,16 @@ def test_every_stage_left_artifacts_for_the_ui(first_run, prefect_server):
     for artifact in found:
         by_key.setdefault(artifact["key"], []).append(artifact)
     expected = {f"bardflow-{s.replace('_', '-')}" for s in STAGES} | {
-        "bardflow-compare-plots", "bardflow-encode-sample", "bardflow-train-single-progress",
-        "bardflow-train-parallel-progress", "bardflow-fetch-progress", "bardflow-encode-progress", "bardflow-run",
-        "bardflow-train-single-cpu-step", "bardflow-train-parallel-cpu-step"}
+        "bardflow-compare-plots",
+        "bardflow-encode-sample",
+        "bardflow-train-single-progress",
+        "bardflow-train-parallel-progress",
+        "bardflow-fetch-progress",
+        "bardflow-encode-progress",
+        "bardflow-run",
+        "bardflow-train-single-cpu-step",
+        "bardflow-train-parallel-cpu-step",
+    }
     assert set(by_key) == expected
     assert by_key["bardflow-compare-plots"][0]["data"].count("data:image/png;base64,") == 2
     assert "Tokens/s" in json.dumps(by_key["bardflow-compare"][0]["data"])
@@ -168,9 +193,23 @@ def test_the_exported_model_generates_text_without_bardflow(first_run):
     from tests.helpers import REPO
 
     folder = Path(first_run["stages"]["export"]["path"]) / "export"
-    done = subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_from_export.py"), str(folder),
-                           "--prompt", "ROMEO:", "--bytes", "40", "--seed", "1"], capture_output=True, timeout=300,
-                          check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            str(REPO / "examples" / "generate_from_export.py"),
+            str(folder),
+            "--prompt",
+            "ROMEO:",
+            "--bytes",
+            "40",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     text = done.stdout.rstrip(b"\n")
     assert text.startswith(b"ROMEO:") and 40 <= len(text) - len(b"ROMEO:") <= 40 * 3  # 40 bytes (utf-8 replaced)
@@ -198,8 +237,13 @@ def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(fir
     version = Path(first_run["stages"]["export"]["path"])
 
     def sample(folder: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_from_export.py"), str(folder),
-                               "--bytes", "3"], capture_output=True, text=True, timeout=300, check=False)
+        return subprocess.run(
+            [sys.executable, "-I", str(REPO / "examples" / "generate_from_export.py"), str(folder), "--bytes", "3"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
 
     assert sample(version).returncode == 0  # the version folder: its export folder is found
     assert "holds no bardflow export" in sample(tmp_path).stderr
@@ -215,19 +259,23 @@ def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(fir
             data = bytearray((folder / name).read_bytes())
             data[len(data) // 2] ^= 0x01
             (folder / name).write_bytes(bytes(data))
+
         return change
 
     def other_configuration(folder: Path) -> None:  # a forward pass of another shape, its checksum updated
         cfg = build_config("tiny", {"model.d_model": 48}).model
-        (folder / "forward.jax").write_bytes(export_forward(Transformer(cfg, rngs=nnx.Rngs(0)), portable_config(cfg),
-                                                            platforms=(jax.default_backend(),)))
+        (folder / "forward.jax").write_bytes(
+            export_forward(Transformer(cfg, rngs=nnx.Rngs(0)), portable_config(cfg), platforms=(jax.default_backend(),))
+        )
         sums = json.loads((folder / "checksums.json").read_text())
         sums["sha256"]["forward.jax"] = hashlib.sha256((folder / "forward.jax").read_bytes()).hexdigest()
         (folder / "checksums.json").write_text(json.dumps(sums))
 
-    for folder, words in ((damaged("model.safetensors", flip("model.safetensors")), "model.safetensors does not match"),
-                          (damaged("forward.jax", flip("forward.jax")), "forward.jax does not match its checksum"),
-                          (damaged("other", other_configuration), "the two files come from different exports")):
+    for folder, words in (
+        (damaged("model.safetensors", flip("model.safetensors")), "model.safetensors does not match"),
+        (damaged("forward.jax", flip("forward.jax")), "forward.jax does not match its checksum"),
+        (damaged("other", other_configuration), "the two files come from different exports"),
+    ):
         done = sample(folder)
         line = done.stderr.strip()
         assert done.returncode == 1 and "\n" not in line and line.startswith("error: ") and words in line, done.stderr
@@ -247,8 +295,10 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("bardflow")
     # The run ends saying where it was tracked and how to see it.
-    assert any(line.startswith("MLflow: run ") and "mlflow ui --backend-store-uri sqlite:///" in line
-               for line in second["tracking"]), second["tracking"]
+    assert any(
+        line.startswith("MLflow: run ") and "mlflow ui --backend-store-uri sqlite:///" in line
+        for line in second["tracking"]
+    ), second["tracking"]
     assert any("tensorboard --logdir" in line for line in second["tracking"]), second["tracking"]
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
@@ -259,7 +309,8 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
         assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run']}")
         assert tags["bardflow.store"] == str(store)
         assert {stage: tags[f"bardflow.version.{stage}"] for stage in summary["stages"]} == {
-            stage: row["key"] for stage, row in summary["stages"].items()}
+            stage: row["key"] for stage, row in summary["stages"].items()
+        }
         # The whole configuration, as resolved: the preset, the corpus and the config file's setting.
         assert params["train.steps"] == str(preset.train.steps) and params["model.d_model"] == str(preset.model.d_model)
         assert params["train.single_device_steps"] == "10" and params["data.corpus"] == str(root / "corpus.txt")

@@ -20,8 +20,9 @@ from tests.helpers import REPO
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     out = tmp_path_factory.mktemp("four") / "found.json"
-    done = subprocess.run([sys.executable, "-m", "tests.four_devices", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.four_devices", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -46,10 +47,13 @@ def test_fsdp_and_remat_train_to_the_same_losses_as_replicated_at_every_step(fou
     for shape, optimizer, variants in (("cpu", "muon", ("fsdp", "fsdp remat")), ("codelab", "adamw", ("fsdp",))):
         reference = losses[f"{shape} {optimizer} replicated"]
         for variant in variants:
-            np.testing.assert_allclose(losses[f"{shape} {optimizer} {variant}"], reference, rtol=1e-5,
-                                       err_msg=f"{shape} {optimizer} {variant}")
-    assert len(losses["cpu muon replicated"]) == 8 and losses["cpu muon replicated"][-1] < 0.5 * \
-        losses["cpu muon replicated"][0]  # it learned
+            np.testing.assert_allclose(
+                losses[f"{shape} {optimizer} {variant}"], reference, rtol=1e-5, err_msg=f"{shape} {optimizer} {variant}"
+            )
+    assert (
+        len(losses["cpu muon replicated"]) == 8
+        and losses["cpu muon replicated"][-1] < 0.5 * losses["cpu muon replicated"][0]
+    )  # it learned
 
 
 def test_xla_measures_a_quarter_of_the_state_per_device_and_remat_cuts_the_temporaries(four):
@@ -83,25 +87,37 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figure_and_the_fix():
     from bardflow.tasks.stage import RunPlan
 
     huge = build_config("gpt2", {"train.per_device_batch": 64, "train.micro_batch": 64})
-    with pytest.raises(ConfigError, match=r"training needs about [\d.]+ GiB per device \(2 cpu devices, fsdp: "
-                                          r"state .* GiB free: set train.remat=true, or lower train.per_device_batch"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training needs about [\d.]+ GiB per device \(2 cpu devices, fsdp: "
+        r"state .* GiB free: set train.remat=true, or lower train.per_device_batch",
+    ):
         RunPlan(huge, devices=2, platform="cpu").parallel_training()
     small = build_config("gpt2", {"train.per_device_batch": 1, "train.sharding": "replicated"})
     fits = check_fits(small.model, small.train, 2, "gpu", 1024, 40 * GIB)
     assert fits.layout == "replicated" and fits.total_bytes < 40 * GIB
     room = fits.state_bytes + fits.gradient_bytes + fits.activation_bytes // 2  # the state fits, not the batch
-    with pytest.raises(ConfigError, match=r"GiB free: set train.sharding=fsdp or train.remat=true, or lower "
-                                          r"train.per_device_batch$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GiB free: set train.sharding=fsdp or train.remat=true, or lower "
+        r"train.per_device_batch$",
+    ):
         check_fits(small.model, small.train, 2, "gpu", 1024, room)
     # The state and gradients alone do not fit: no batch or remat helps, so neither is named.
-    with pytest.raises(ConfigError, match=r"the model's state \([\d.]+ GiB\) and gradients \([\d.]+ GiB\) alone take "
-                                          r"[\d.]+ GiB, more than the 1.0 GiB free whatever the batch; use "
-                                          r"train.sharding=fsdp or a smaller model \(lower model.d_model or "
-                                          r"model.num_layers\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the model's state \([\d.]+ GiB\) and gradients \([\d.]+ GiB\) alone take "
+        r"[\d.]+ GiB, more than the 1.0 GiB free whatever the batch; use "
+        r"train.sharding=fsdp or a smaller model \(lower model.d_model or "
+        r"model.num_layers\)$",
+    ):
         check_fits(small.model, small.train, 2, "gpu", 1024, GIB)
     wide = build_config("cpu", {"model.d_model": 65536})  # 576 GiB of state: no device count helps here
-    with pytest.raises(ConfigError, match=r"whatever the batch; use a smaller model \(lower model.d_model or "
-                                          r"model.num_layers\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"whatever the batch; use a smaller model \(lower model.d_model or "
+        r"model.num_layers\)$",
+    ):
         check_fits(wide.model, wide.train, 1, "cpu", wide.data.seq_len, 24 * GIB)
 
 

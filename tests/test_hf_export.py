@@ -30,8 +30,12 @@ def _model(cfg, seed: int):
     model = build_model(cfg, seed)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                                for x, k in zip(leaves, keys, strict=True)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(
+            tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+        ),
+    )
     return model
 
 
@@ -46,8 +50,14 @@ def _trained_in_bfloat16(cfg):
 
     split = encode(play_text(20_000), cfg.data.seq_len, 0.9, 0)
     graphdef, state = init_state(cfg.model, cfg.train)
-    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 8),
-                   Placement.single(jax.devices()[0]), cfg.train)
+    result = train(
+        graphdef,
+        state,
+        Batches(split.train, 8),
+        val_batches(split.val, 8),
+        Placement.single(jax.devices()[0]),
+        cfg.train,
+    )
     return model_from_state(graphdef, result.state)
 
 
@@ -79,7 +89,8 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
 
     results = export.run_hf_check([*checks, (bad, checks[0][1])])
     assert [r["architecture"] for r in results[:5]] == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"] * 2 + [
-        "GPT2LMHeadModel"]
+        "GPT2LMHeadModel"
+    ]
     for (folder, reference), result in zip(checks, results[:5], strict=True):
         export.hf_verdict(result)  # passes
         assert result["max_abs_diff"] <= export.HF_TOLERANCE and result["greedy_equal"], folder.name
@@ -101,16 +112,24 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
     shutil.copytree(checks[0][0], exported / "hf")
     export.write_checksums(exported)
     assert json.loads((exported / "checksums.json").read_text())["sha256"].keys() >= {
-        "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "hf/generation_config.json"}
+        "hf/config.json",
+        "hf/model.safetensors",
+        "hf/tokenizer.json",
+        "hf/generation_config.json",
+    }
     done = example(exported, "--prompt", "ROMEO:", "--temperature", "0")
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    greedy = checks[0][1]["greedy"][:32 - len("ROMEO:")].astype(np.uint8).tobytes()
+    greedy = checks[0][1]["greedy"][: 32 - len("ROMEO:")].astype(np.uint8).tobytes()
     assert done.stdout.rstrip(b"\n") == b"ROMEO:" + greedy.decode("utf-8", "replace").encode()
 
 
 def example(folder, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-I", str(REPO / "examples" / "generate_with_transformers.py"), str(folder),
-                           *args], capture_output=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-I", str(REPO / "examples" / "generate_with_transformers.py"), str(folder), *args],
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_for_or_that_asks_for_code(tmp_path):
@@ -131,8 +150,11 @@ def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_fo
 
     original = (hf / "model.safetensors").read_bytes()
     (hf / "model.safetensors").write_bytes((tmp_path / "other" / "hf" / "model.safetensors").read_bytes())
-    refused(tmp_path / "good", r"hf/model.safetensors does not match its checksum \(damaged, edited or from another "
-                               r"export\); export it again")
+    refused(
+        tmp_path / "good",
+        r"hf/model.safetensors does not match its checksum \(damaged, edited or from another "
+        r"export\); export it again",
+    )
     (hf / "model.safetensors").write_bytes(original)
 
     (hf / "modeling_gpt2.py").write_text("import os\n")
@@ -140,8 +162,16 @@ def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_fo
     (hf / "modeling_gpt2.py").unlink()
 
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "modeling_gpt2.X"},
-                                                "trust_remote_code": True, "layer_norm_epsilon": 0.5}))
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                **config,
+                "auto_map": {"AutoModelForCausalLM": "modeling_gpt2.X"},
+                "trust_remote_code": True,
+                "layer_norm_epsilon": 0.5,
+            }
+        )
+    )
     refused(tmp_path / "good", r"hf/config.json does not match its checksum")
     export.write_checksums(tmp_path / "good")  # the checksums rewritten to match: still refused
     refused(tmp_path / "good", r"hf/config.json asks for code from elsewhere \(auto_map, trust_remote_code\)")
@@ -162,11 +192,11 @@ def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *rest: None if name == "transformers" else real(name, *rest))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "transformers" else real(name, *rest)
+    )
     monkeypatch.delenv(export.HF_CHECKING, raising=False)
     model = build_model(cfg, 0)
     found = export._hf(tmp_path / "hf", model, cfg, flat_params(model))
     assert found["checked"] is False and "pip install 'bardflow[hf]'" in found["status"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
-

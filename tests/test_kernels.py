@@ -26,8 +26,11 @@ def test_dense_matches_autodiff_of_x_times_kernel_plus_bias(dtype, tolerance):
     x = jax.random.normal(keys[0], (3, 7, 16), dtype)
     kernel = jax.random.normal(keys[1], (16, 24), dtype)
     bias = jax.random.normal(keys[2], (24,), dtype)
-    assert_close(jax.jit(lambda *a: value_and_grads(dense, *a))(x, kernel, bias),
-                 jax.jit(lambda *a: value_and_grads(lambda x, k, b: x @ k + b, *a))(x, kernel, bias), tolerance)
+    assert_close(
+        jax.jit(lambda *a: value_and_grads(dense, *a))(x, kernel, bias),
+        jax.jit(lambda *a: value_and_grads(lambda x, k, b: x @ k + b, *a))(x, kernel, bias),
+        tolerance,
+    )
 
 
 @pytest.mark.parametrize("length", [16, 9])  # two query blocks, and one
@@ -35,8 +38,11 @@ def test_dense_matches_autodiff_of_x_times_kernel_plus_bias(dtype, tolerance):
 def test_causal_attention_matches_autodiff_of_dot_product_attention(length, dtype, tolerance):
     q, k, v = (jax.random.normal(key, (2, length, 3, 8), dtype) for key in jax.random.split(jax.random.key(1), 3))
     reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    assert_close(jax.jit(lambda *a: value_and_grads(causal_attention, *a))(q, k, v),
-                 jax.jit(lambda *a: value_and_grads(reference, *a))(q, k, v), tolerance)
+    assert_close(
+        jax.jit(lambda *a: value_and_grads(causal_attention, *a))(q, k, v),
+        jax.jit(lambda *a: value_and_grads(reference, *a))(q, k, v),
+        tolerance,
+    )
 
 
 def test_causal_attention_never_looks_ahead():

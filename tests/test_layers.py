@@ -14,9 +14,15 @@ from tests.code_versions import imports as imports_of
 from tests.helpers import REPO
 
 # What each room may import of bardflow's own rooms.
-ALLOWED = {"cli": set(ROOMS), "flows": set(ROOMS) - {"cli"}, "server": {"server", "runtime", "model"},
-           "tasks": {"tasks", "runtime", "model", "artifacts"}, "runtime": {"runtime", "model"}, "model": {"model"},
-           "artifacts": {"artifacts", "model"}}
+ALLOWED = {
+    "cli": set(ROOMS),
+    "flows": set(ROOMS) - {"cli"},
+    "server": {"server", "runtime", "model"},
+    "tasks": {"tasks", "runtime", "model", "artifacts"},
+    "runtime": {"runtime", "model"},
+    "model": {"model"},
+    "artifacts": {"artifacts", "model"},
+}
 # Beside the standard library, model/ imports the numerical stack and what its data and
 # configuration are made of (Arrow files, validated pydantic models): no Prefect, no store.
 MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
@@ -31,8 +37,12 @@ def own_imports(path) -> set[str]:
 
 
 def modules() -> dict[str, object]:
-    return {f"bardflow.{room}.{path.stem}": path for room in ROOMS for path in (REPO / room).glob("*.py")
-            if path.stem != "__init__"}
+    return {
+        f"bardflow.{room}.{path.stem}": path
+        for room in ROOMS
+        for path in (REPO / room).glob("*.py")
+        if path.stem != "__init__"
+    }
 
 
 @pytest.mark.parametrize("room", ROOMS)
@@ -47,8 +57,9 @@ def test_model_is_pure_ml():
     for path in sorted((REPO / "model").glob("*.py")):
         for name in imports(path):
             top = name.split(".")[0]
-            assert top in standard | MODEL_THIRD_PARTY or name.startswith("bardflow.model"), \
+            assert top in standard | MODEL_THIRD_PARTY or name.startswith("bardflow.model"), (
                 f"{path.relative_to(REPO)} imports {name}"
+            )
 
 
 def test_artifacts_take_only_the_error_family_from_model():
@@ -95,7 +106,7 @@ def test_no_import_cycle_among_modules():
     done, path = set(), []
 
     def visit(module):
-        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module) :] + [module])}"
         if module in done:
             return
         path.append(module)
@@ -109,9 +120,11 @@ def test_no_import_cycle_among_modules():
 
 
 def test_a_training_process_and_the_registry_never_import_prefect():
-    code = ("import sys, bardflow.tasks.train_process, bardflow.runtime.multiprocess, bardflow.runtime.launch, "
-            "bardflow.tasks.registry, bardflow.tasks.stage; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'jax')))")
+    code = (
+        "import sys, bardflow.tasks.train_process, bardflow.runtime.multiprocess, bardflow.runtime.launch, "
+        "bardflow.tasks.registry, bardflow.tasks.stage; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'jax')))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"  # not even JAX: the command line reads the registry first
 
@@ -139,7 +152,10 @@ def test_the_pipeline_the_samples_flow_and_the_sweep_are_distinct_flows_in_the_u
     flow_of = {"pipeline": pipeline.name, "samples": samples.name}
     assert DEPLOYMENT == f"{flow_of[entry['sweep']]}/sweep"
     assert {name: flow_of[function] for name, function in entry.items()} == {
-        "pipeline": "bardflow-pipeline", "generate": "bardflow-samples", "sweep": "bardflow-pipeline"}
+        "pipeline": "bardflow-pipeline",
+        "generate": "bardflow-samples",
+        "sweep": "bardflow-pipeline",
+    }
     # Each loads as `prefect deploy` and a worker's flow run load it (a file path would not
     # import: the package's modules import each other relatively).
     from prefect.flows import load_flow_from_entrypoint

@@ -118,6 +118,7 @@ def test_a_damaged_mirror_copy_is_fetched_again(s3, bucket, tmp_path):
 def test_on_demand_files_come_down_one_by_one_as_they_are_read_and_verified(s3, bucket, tmp_path):
     """A split's shards: a worker's mirror holds the version without them, and fetches each
     (checked against the manifest) when a reader first opens it."""
+
     def shards(out):
         write("meta")(out)
         for name in ("train/00000.arrow", "train/00001.arrow", "val/00000.arrow"):
@@ -131,8 +132,9 @@ def test_on_demand_files_come_down_one_by_one_as_they_are_read_and_verified(s3, 
     assert version is not None and (version.path / "a.txt").read_text() == "meta"
     assert sorted(p.name for p in version.path.rglob("*.arrow")) == []  # the folders, empty
     version.bring(version.file("train/00001.arrow"))
-    assert sorted(p.relative_to(version.path).as_posix() for p in version.path.rglob("*.arrow")) == \
-        ["train/00001.arrow"]
+    assert sorted(p.relative_to(version.path).as_posix() for p in version.path.rglob("*.arrow")) == [
+        "train/00001.arrow"
+    ]
     assert version.file("train/00001.arrow").read_bytes() == b"train/00001.arrow" * 100
     again = worker.lookup("demo", KEY)  # a fetched shard is verified like the rest; absent ones are fine
     assert again is not None and again.path == version.path
@@ -212,9 +214,11 @@ def test_a_store_that_cannot_be_used_gets_one_clear_error(case, s3, monkeypatch,
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     if case == "unreachable endpoint":
         monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
-    expected = {"missing bucket": ["does not exist", "aws s3 mb", "--store"],
-                "wrong credentials": ["refused access", "AWS_SECRET_ACCESS_KEY"],
-                "unreachable endpoint": ["cannot reach", "AWS_ENDPOINT_URL"]}[case]
+    expected = {
+        "missing bucket": ["does not exist", "aws s3 mb", "--store"],
+        "wrong credentials": ["refused access", "AWS_SECRET_ACCESS_KEY"],
+        "unreachable endpoint": ["cannot reach", "AWS_ENDPOINT_URL"],
+    }[case]
     store = open_store(url, tmp_path / "w")
     with pytest.raises(ObjectStoreError) as error:
         store.check()

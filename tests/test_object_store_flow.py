@@ -32,8 +32,19 @@ def machine(run_env: dict, object_server, workdir: Path, **extra: str) -> dict[s
 
 
 def args(corpus: Path, store: str, *extra: str) -> list[str]:
-    return ["run", "--preset", "tiny", "--corpus", str(corpus), "--store", store,
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--json", *extra]
+    return [
+        "run",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        store,
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--json",
+        *extra,
+    ]
 
 
 def committed(object_server, store: str) -> dict[str, list[str]]:
@@ -49,8 +60,11 @@ def committed(object_server, store: str) -> dict[str, list[str]]:
 def build_prefixes(object_server, store: str) -> set[str]:
     """The build prefixes that hold objects (SeaweedFS may keep an emptied one as a folder)."""
     found = object_server.filesystem().find(store[5:], detail=True)
-    return {path.rsplit("/build-", 1)[0] + "/build-" + path.rsplit("/build-", 1)[1].split("/")[0]
-            for path, info in found.items() if info["type"] == "file" and "/build-" in path}
+    return {
+        path.rsplit("/build-", 1)[0] + "/build-" + path.rsplit("/build-", 1)[1].split("/")[0]
+        for path, info in found.items()
+        if info["type"] == "file" and "/build-" in path
+    }
 
 
 def params_digest_of(version_path: str, workdir: Path) -> str:
@@ -69,14 +83,23 @@ def shared_bucket(tmp_path_factory, corpus, run_env, object_server):
     (process 0 and a follower, each with its own working folder) and a plain run."""
     store, root = object_server.prefix("shared"), tmp_path_factory.mktemp("machines")
     cluster = {"BARDFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "BARDFLOW_NUM_PROCESSES": "2"}
-    leader = start(args(corpus, store, "--cpu-devices", "1"), root / "leader.log",
-                   machine(run_env, object_server, root / "host-0", BARDFLOW_PROCESS_ID="0", **cluster))
-    follower = start(args(corpus, store, "--cpu-devices", "1"), root / "follower.log",
-                     machine(run_env, object_server, root / "host-1", BARDFLOW_PROCESS_ID="1", **cluster))
+    leader = start(
+        args(corpus, store, "--cpu-devices", "1"),
+        root / "leader.log",
+        machine(run_env, object_server, root / "host-0", BARDFLOW_PROCESS_ID="0", **cluster),
+    )
+    follower = start(
+        args(corpus, store, "--cpu-devices", "1"),
+        root / "follower.log",
+        machine(run_env, object_server, root / "host-1", BARDFLOW_PROCESS_ID="1", **cluster),
+    )
     try:
         # The plain run in this process, while the cluster's two run beside it.
-        plain = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
-                                env=machine(run_env, object_server, root / "laptop")).stdout)
+        plain = json.loads(
+            call(
+                *args(corpus, store, "--cpu-devices", "2"), env=machine(run_env, object_server, root / "laptop")
+            ).stdout
+        )
         runs = {"cluster": finish(leader), "plain": plain}
         follower.communicate(timeout=60)
     finally:  # a follower whose leader failed would wait for it for an hour
@@ -105,12 +128,14 @@ def test_two_machines_building_at_once_share_one_version_of_each_stage(shared_bu
     # process driving both devices.
     for name, value in object_server.env.items():
         monkeypatch.setenv(name, value)
-    assert params_digest_of(cluster["train_parallel"]["path"], root / "check") == \
-        params_digest_of(plain["train_parallel"]["path"], root / "check")
+    assert params_digest_of(cluster["train_parallel"]["path"], root / "check") == params_digest_of(
+        plain["train_parallel"]["path"], root / "check"
+    )
 
 
-def test_a_worker_without_keys_of_its_own_takes_them_from_a_prefect_block(shared_bucket, object_server, corpus,
-                                                                        run_env, prefect_server):
+def test_a_worker_without_keys_of_its_own_takes_them_from_a_prefect_block(
+    shared_bucket, object_server, corpus, run_env, prefect_server
+):
     """BARDFLOW_STORE_CREDENTIALS names an AWS Credentials block (prefect-aws) on the server:
     keys, region and endpoint come from there; a wrong key in it is one line that names it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -119,25 +144,37 @@ def test_a_worker_without_keys_of_its_own_takes_them_from_a_prefect_block(shared
     store, root, _ = shared_bucket
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
         for name, secret in (("bucket-keys", object_server.SECRET_KEY), ("stale-keys", "wrong")):
-            AwsCredentials(aws_access_key_id=object_server.ACCESS_KEY, aws_secret_access_key=secret,
-                           region_name="us-east-1",
-                           aws_client_parameters={"endpoint_url": object_server.url}).save(name, overwrite=True)
+            AwsCredentials(
+                aws_access_key_id=object_server.ACCESS_KEY,
+                aws_secret_access_key=secret,
+                region_name="us-east-1",
+                aws_client_parameters={"endpoint_url": object_server.url},
+            ).save(name, overwrite=True)
     keyless = {k: v for k, v in machine(run_env, object_server, root / "keyless").items() if not k.startswith("AWS_")}
-    cached = json.loads(call(*args(corpus, store, "--cpu-devices", "2"),
-                             env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/bucket-keys"}).stdout)
+    cached = json.loads(
+        call(
+            *args(corpus, store, "--cpu-devices", "2"),
+            env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/bucket-keys"},
+        ).stdout
+    )
     assert {s["state"] for s in cached["stages"].values()} == {"cached"}
-    refused = call(*args(corpus, store, "--cpu-devices", "2"),
-                   env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/stale-keys"}, check=False)
+    refused = call(
+        *args(corpus, store, "--cpu-devices", "2"),
+        env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/stale-keys"},
+        check=False,
+    )
     lines = [line for line in refused.stderr.splitlines() if line.startswith("bardflow: error:")]
     assert refused.returncode == 1 and len(lines) == 1, refused.stderr
     assert "AWS_SECRET_ACCESS_KEY" in lines[0] and "Prefect block aws-credentials/stale-keys" in lines[0]
-    missing = call(*args(corpus, store), env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/none-such"},
-                   check=False)
+    missing = call(
+        *args(corpus, store), env={**keyless, "BARDFLOW_STORE_CREDENTIALS": "aws-credentials/none-such"}, check=False
+    )
     assert missing.returncode == 1 and "the Prefect server has no such block" in missing.stderr.splitlines()[-1]
 
 
 def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
-        shared_bucket, object_server, corpus, run_env):
+    shared_bucket, object_server, corpus, run_env
+):
     store, root, runs = shared_bucket
     env = machine(run_env, object_server, root / "third")
     cached = json.loads(call(*args(corpus, store, "--cpu-devices", "2", "--processes", "2"), env=env).stdout)
@@ -165,8 +202,11 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     long = ("--set", "train.steps=300", "--set", "train.checkpoint_every=100", "--set", "train.log_every=100")
     # One device: train_single is what is cut short, and train_parallel then takes over its
     # version (no training process to start).
-    victim = start(args(corpus, store, "--cpu-devices", "1", *long), tmp_path / "victim.log",
-                   machine(run_env, object_server, tmp_path / "preempted"))
+    victim = start(
+        args(corpus, store, "--cpu-devices", "1", *long),
+        tmp_path / "victim.log",
+        machine(run_env, object_server, tmp_path / "preempted"),
+    )
     fs, deadline = object_server.filesystem(), time.monotonic() + 300
 
     def committed_steps() -> list[int]:
@@ -176,8 +216,11 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
         """A checkpoint is being written on the victim's own disk (Orbax's folders begin with
         the step; listed while they are renamed)."""
         try:
-            return any(entry.name[:1].isdigit() for folder in
-                       (tmp_path / "preempted").glob("*/train_single/.resume-*") for entry in folder.iterdir())
+            return any(
+                entry.name[:1].isdigit()
+                for folder in (tmp_path / "preempted").glob("*/train_single/.resume-*")
+                for entry in folder.iterdir()
+            )
         except FileNotFoundError:
             return False
 
@@ -201,8 +244,12 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     victim.wait()
     saved = max(committed_steps())
 
-    resumed = json.loads(call(*args(corpus, store, "--cpu-devices", "1", *long),
-                              env=machine(run_env, object_server, tmp_path / "replacement")).stdout)
+    resumed = json.loads(
+        call(
+            *args(corpus, store, "--cpu-devices", "1", *long),
+            env=machine(run_env, object_server, tmp_path / "replacement"),
+        ).stdout
+    )
     single = resumed["stages"]["train_single"]
     assert single["state"] == "ran" and single["metrics"]["resumed_from_step"] == saved >= 100
 
@@ -224,31 +271,47 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     assert version.manifest["resumed_from_step"] == saved
     data = bucket.lookup("encode", resumed["stages"]["encode"]["key"])
     assert not list(data.path.rglob("*.arrow"))  # a new machine's mirror: shards come as they are read
-    files = RunFiles(train=data.file("train"), val=data.file("val"), resume=tmp_path / "ref-resume",
-                     state=tmp_path / "ref-state", shards=data.manifest["shards"], bring=data.bring)
-    reference = run_training(TrainingRequest.model_validate(version.manifest["params"]), files,
-                             [jax.devices()[0]], parallel=False)
+    files = RunFiles(
+        train=data.file("train"),
+        val=data.file("val"),
+        resume=tmp_path / "ref-resume",
+        state=tmp_path / "ref-state",
+        shards=data.manifest["shards"],
+        bring=data.bring,
+    )
+    reference = run_training(
+        TrainingRequest.model_validate(version.manifest["params"]), files, [jax.devices()[0]], parallel=False
+    )
     assert reference["metrics"]["resumed_from_step"] is None
-    assert without_seconds(json.loads(version.file("history.json").read_text())) == \
-        without_seconds(reference["history"])
+    assert without_seconds(json.loads(version.file("history.json").read_text())) == without_seconds(
+        reference["history"]
+    )
     assert params_digest(trained_model(version)[0]) == reference["params_digest"]
-    left = [p for p, info in fs.find(f"{store[5:]}/train_single", detail=True).items()
-            if info["type"] == "file" and "/.resume-" in p]
+    left = [
+        p
+        for p, info in fs.find(f"{store[5:]}/train_single", detail=True).items()
+        if info["type"] == "file" and "/.resume-" in p
+    ]
     assert not left, "the checkpoints go once the version is in"
 
 
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials", "unreachable endpoint"])
 def test_a_store_that_cannot_be_used_stops_the_run_in_one_line(case, tmp_path, corpus, run_env, object_server):
     store = "s3://no-such-bucket-here/x" if case == "missing bucket" else object_server.prefix("refused")
-    extra = {"wrong credentials": {"AWS_SECRET_ACCESS_KEY": "wrong"},
-             "unreachable endpoint": {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}}.get(case, {})
+    extra = {
+        "wrong credentials": {"AWS_SECRET_ACCESS_KEY": "wrong"},
+        "unreachable endpoint": {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+    }.get(case, {})
     done = call(*args(corpus, store), env=machine(run_env, object_server, tmp_path / "w", **extra), check=False)
     error = done.stderr.strip()
     assert done.returncode == 1
     lines = [line for line in error.splitlines() if line.startswith("bardflow: error:")]
     assert len(lines) == 1 and len(error.splitlines()) == 1, error
-    assert {"missing bucket": "does not exist", "wrong credentials": "AWS_SECRET_ACCESS_KEY",
-            "unreachable endpoint": "AWS_ENDPOINT_URL"}[case] in lines[0]
+    assert {
+        "missing bucket": "does not exist",
+        "wrong credentials": "AWS_SECRET_ACCESS_KEY",
+        "unreachable endpoint": "AWS_ENDPOINT_URL",
+    }[case] in lines[0]
     assert not (tmp_path / "w").exists() or not list((tmp_path / "w").rglob("*.*"))
     if case != "missing bucket":
         assert committed(object_server, store) == {}

@@ -41,8 +41,17 @@ def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
     postgres = PostgresServer().serve()
     server = Server(tmp_path, {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
     try:
-        started = server.run(sys.executable, "-m", "bardflow", "server", "start", "--port", str(server.port),
-                             "--database", postgres.url.replace("bardflow@", "bardflow:secret@"))
+        started = server.run(
+            sys.executable,
+            "-m",
+            "bardflow",
+            "server",
+            "start",
+            "--port",
+            str(server.port),
+            "--database",
+            postgres.url.replace("bardflow@", "bardflow:secret@"),
+        )
         assert started.returncode == 0, started.stderr[-2000:]
         assert f"database postgresql+asyncpg://bardflow:***@127.0.0.1:{postgres.port}/prefect" in started.stdout
         with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}):
@@ -62,9 +71,24 @@ def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
             assert notify.listed() == [{"name": "pg", "messages": ["crashed", "failed", "sweep"], "enabled": True}]
         # The server's tables are PostgreSQL's: the automations are rows there.
         rows = subprocess.run(
-            postgres._as_owner(str(postgres.binaries() / "psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U",
-                               postgres.USER, "-d", postgres.DATABASE, "-tAc", "select name from automation"),
-            capture_output=True, text=True, cwd=REPO, check=False)
+            postgres._as_owner(
+                str(postgres.binaries() / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(postgres.port),
+                "-U",
+                postgres.USER,
+                "-d",
+                postgres.DATABASE,
+                "-tAc",
+                "select name from automation",
+            ),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=False,
+        )
         assert sorted(rows.stdout.split()) == [f"bardflow-notify-pg-{what}" for what in ("crashed", "failed", "sweep")]
         record = json.loads((tmp_path / "server.json").read_text())
         assert record["database"].startswith("postgresql+asyncpg://")
@@ -90,12 +114,37 @@ def dies_under_a_run(server, pid: int, tmp_path) -> None:
     corpus.write_bytes(play_text(64_000, seed=7))
     store, steps = tmp_path / "store", 4000
     env = {k: v for k, v in server.env.items() if k != "PREFECT_API_URL"}  # found through BARDFLOW_SERVER_FILE
-    command = [sys.executable, "-m", "bardflow", "run", "--preset", "tiny", "--corpus", str(corpus), "--store",
-               str(store), "--cpu-devices", "1", "--set", f"data.md5={md5_bytes(corpus.read_bytes())}",
-               "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}",
-               "--set", f"train.checkpoint_every={steps}"]
-    process = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "bardflow",
+        "run",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(store),
+        "--cpu-devices",
+        "1",
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"train.log_every={steps // 10}",
+        "--set",
+        f"train.checkpoint_every={steps}",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in process.stderr:
             assert "temporary Prefect server" not in line  # it found the background one

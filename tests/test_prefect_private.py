@@ -47,7 +47,12 @@ def test_no_other_module_uses_prefects_internals():
             text = path.read_text()
             assert "PREFECT__" not in text, f"{path.relative_to(REPO)} sets a private Prefect variable"
             for node in ast.walk(ast.parse(text)):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                    [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else [alias.name for alias in node.names]
+                    if isinstance(node, ast.Import)
+                    else []
+                )
                 for name in names:
                     assert not name.startswith(INTERNAL), f"{path.relative_to(REPO)} imports {name}"

@@ -59,23 +59,30 @@ def test_two_runs_on_one_store_both_finish(tmp_path, corpus, run_env):
 BAD_INPUTS = {
     "md5 mismatch, truncated corpus": (
         ["--corpus", "{truncated}", "--set", "data.md5=6fb458f1232090904fb40fe944165e91"],
-        ["md5 mismatch", "expected 6fb458f1232090904fb40fe944165e91", "--set data.md5=", "truncated or another file"]),
+        ["md5 mismatch", "expected 6fb458f1232090904fb40fe944165e91", "--set data.md5=", "truncated or another file"],
+    ),
     "empty corpus": (["--corpus", "{empty}", "--set", "data.md5=d41d8cd98f00b204e9800998ecf8427e"], ["is empty"]),
-    "corpus shorter than a sequence": (["--corpus", "{short}", "--set", "data.md5={short_md5}"],
-                                       ["too few", "smaller data.seq_len"]),
+    "corpus shorter than a sequence": (
+        ["--corpus", "{short}", "--set", "data.md5={short_md5}"],
+        ["too few", "smaller data.seq_len"],
+    ),
     # These ask for the real corpus' checksum, which the store does not hold yet: a
     # corpus already in the store would be reused whatever its source (by design).
     "missing corpus": (["--corpus", "{missing}", "--set", "data.md5={real_md5}"], ["does not exist", "--corpus"]),
-    "URL not found": (["--corpus", "{missing_url}", "--set", "data.md5={real_md5}"],
-                      ["could not download", "Not Found", "after 1 attempt(s)", "--corpus PATH"]),
+    "URL not found": (
+        ["--corpus", "{missing_url}", "--set", "data.md5={real_md5}"],
+        ["could not download", "Not Found", "after 1 attempt(s)", "--corpus PATH"],
+    ),
     "seq_len > max_seq_len": (["--set", "data.seq_len=64"], ["max_seq_len", "lower data.seq_len"]),
     "d_model not divisible": (["--set", "model.d_model=33"], ["not divisible", "num_heads"]),
     "zero steps": (["--set", "train.steps=0"], ["train.steps", "greater than 0"]),
     "negative batch": (["--set", "train.per_device_batch=-4"], ["train.per_device_batch", "greater than 0"]),
     "zero log interval": (["--set", "train.log_every=0"], ["train.log_every", "greater than 0"]),
     "zero checkpoint interval": (["--set", "train.checkpoint_every=0"], ["train.checkpoint_every"]),
-    "negative temperature": (["--set", 'generate.prompts=[{"text": "ROMEO:", "temperature": -1}]'],
-                             ["temperature", "greater than or equal to 0"]),
+    "negative temperature": (
+        ["--set", 'generate.prompts=[{"text": "ROMEO:", "temperature": -1}]'],
+        ["temperature", "greater than or equal to 0"],
+    ),
     "empty prompt": (["--set", 'generate.prompts=[{"text": ""}]'], ["text", "at least 1 character"]),
     "unwritable store": (["--store", "{blocked}/store"], ["cannot write to the store", "--store / BARDFLOW_STORE"]),
     "unknown refresh stage": (["--refresh", "trian"], ["unknown stage 'trian'", "train_single"]),
@@ -92,8 +99,11 @@ def missing_url():
     import threading
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    server.RequestHandlerClass = type("NotFound", (http.server.BaseHTTPRequestHandler,), {
-        "do_GET": lambda self: self.send_error(404), "log_message": lambda self, *args: None})
+    server.RequestHandlerClass = type(
+        "NotFound",
+        (http.server.BaseHTTPRequestHandler,),
+        {"do_GET": lambda self: self.send_error(404), "log_message": lambda self, *args: None},
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}/input.txt"
@@ -111,11 +121,18 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(case, tmp_path, corpus
     (tmp_path / "short.txt").write_bytes(b"To be, or not to be")
     (tmp_path / "truncated.txt").write_bytes(corpus.read_bytes()[:1000])
     (tmp_path / "blocked").write_text("a file where a folder would go: no writes, even as root")
-    values = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "missing": tmp_path / "gone.txt",
-              "truncated": tmp_path / "truncated.txt", "blocked": tmp_path / "blocked",
-              "short_md5": md5_bytes(b"To be, or not to be"), "real_md5": "6fb458f1232090904fb40fe944165e91",
-              "missing_url": missing_url}
+    values = {
+        "empty": tmp_path / "empty.txt",
+        "short": tmp_path / "short.txt",
+        "missing": tmp_path / "gone.txt",
+        "truncated": tmp_path / "truncated.txt",
+        "blocked": tmp_path / "blocked",
+        "short_md5": md5_bytes(b"To be, or not to be"),
+        "real_md5": "6fb458f1232090904fb40fe944165e91",
+        "missing_url": missing_url,
+    }
     extra, words = BAD_INPUTS[case]
+
     def fill(arg: str) -> str:
         for name, value in values.items():
             arg = arg.replace("{" + name + "}", str(value))
@@ -147,8 +164,9 @@ def small_disk(tmp_path, request):
     """A tmpfs of ``request.param`` bytes (root may mount one; elsewhere the test says why it skips)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
     try:
@@ -158,10 +176,15 @@ def small_disk(tmp_path, request):
 
 
 @pytest.mark.flow
-@pytest.mark.parametrize("small_disk, line", [
-    ("100k", "bardflow: error: no room for the encoded splits (train/, val/)"),  # refused before writing
-    ("300k", "bardflow: error: no room for the checkpoint of step"),  # a training checkpoint
-], indirect=["small_disk"], ids=["version", "checkpoint"])
+@pytest.mark.parametrize(
+    "small_disk, line",
+    [
+        ("100k", "bardflow: error: no room for the encoded splits (train/, val/)"),  # refused before writing
+        ("300k", "bardflow: error: no room for the checkpoint of step"),  # a training checkpoint
+    ],
+    indirect=["small_disk"],
+    ids=["version", "checkpoint"],
+)
 def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(small_disk, line, corpus, run_env):
     store = small_disk / "store"
     done = call(*base_args(corpus, store, devices=1), env=run_env, check=False)
@@ -174,24 +197,41 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
         return
     assert (store / "encode").is_dir()  # the stages before it are kept
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-    states = {name: s["state"] for name, s in json.loads(call(*base_args(corpus, store, devices=1),
-                                                              env=run_env).stdout)["stages"].items()}
+    states = {
+        name: s["state"]
+        for name, s in json.loads(call(*base_args(corpus, store, devices=1), env=run_env).stdout)["stages"].items()
+    }
     assert states["encode"] == "cached" and states["train_single"] == "ran"
 
 
 @pytest.mark.flow
-def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed_run(tmp_path, corpus, run_env,
-                                                                                      prefect_server):
+def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed_run(
+    tmp_path, corpus, run_env, prefect_server
+):
     """On emulated CPU devices train_parallel trains in one supervised process, so that XLA's
     own end of a stalled collective (abort(): SIGABRT, a page of C++ stack trace) is this
     stage's failure: one line naming the step and both fixes, the trace left in the log,
     the Prefect run Failed, not Running."""
     store = tmp_path / "store"
-    run = start(base_args(corpus, store, "--set", "train.steps=2000", "--set", "train.checkpoint_every=50",
-                          "--set", "train.single_device_steps=5"), tmp_path / "run.log", run_env)
+    run = start(
+        base_args(
+            corpus,
+            store,
+            "--set",
+            "train.steps=2000",
+            "--set",
+            "train.checkpoint_every=50",
+            "--set",
+            "train.single_device_steps=5",
+        ),
+        tmp_path / "run.log",
+        run_env,
+    )
     deadline = time.monotonic() + 300
-    while not (list(store.glob("train_parallel/.resume-*/launch/process-0.pid"))
-               and [s for s in checkpoint_steps(store, "train_parallel") if s >= 50]):
+    while not (
+        list(store.glob("train_parallel/.resume-*/launch/process-0.pid"))
+        and [s for s in checkpoint_steps(store, "train_parallel") if s >= 50]
+    ):
         assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(0.05)
     (pid_file,) = store.glob("train_parallel/.resume-*/launch/process-0.pid")
@@ -200,8 +240,9 @@ def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed
     stderr = (tmp_path / "run.log").read_text()
     assert run.returncode == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("bardflow: error: train_parallel failed: the training process was killed by signal 6 "
-                           "(SIGABRT) at step "), last
+    assert last.startswith(
+        "bardflow: error: train_parallel failed: the training process was killed by signal 6 (SIGABRT) at step "
+    ), last
     saved = max(checkpoint_steps(store, "train_parallel"))
     assert f"rerun the same command to resume from the checkpoint of step {saved}" in last
     assert "--cpu-devices 1" in last and "process-0.log" in last

@@ -37,8 +37,9 @@ def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
             raise Preempted(done)
 
     graphdef, state = init_state(TINY.model, cfg)
-    return train(graphdef, state, batches, [], Placement.single(jax.devices()[0]), cfg,
-                 on_step=on_step, checkpoints=checkpoints)
+    return train(
+        graphdef, state, batches, [], Placement.single(jax.devices()[0]), cfg, on_step=on_step, checkpoints=checkpoints
+    )
 
 
 # The codelab's constant rate, and a schedule with clipping: its step count is optimizer
@@ -109,9 +110,11 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_an_int
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2, note=heard.append)
     resumed = run(batches, checkpoints)
     checkpoints.close()
-    assert heard == [f"the training checkpoint of step 10 in {tmp_path / 'ckpt'} is damaged "
-                     f"({data.relative_to(newest).as_posix()} changed since it was written); set aside as damaged-10, "
-                     "resuming from step 5"]
+    assert heard == [
+        f"the training checkpoint of step 10 in {tmp_path / 'ckpt'} is damaged "
+        f"({data.relative_to(newest).as_posix()} changed since it was written); set aside as damaged-10, "
+        "resuming from step 5"
+    ]
     assert resumed.resumed_from == 5 and (tmp_path / "ckpt" / "damaged-10").is_dir()
     assert without_seconds(resumed.history) == without_seconds(reference.history)
     for a, b in zip(leaves(resumed.state), leaves(reference.state), strict=True):
@@ -128,6 +131,7 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_an_int
     again = run(batches, checkpoints)
     checkpoints.close()
     assert again.resumed_from is None and len(heard) == len(kept)
-    assert heard[0].startswith(f"the training checkpoint of step {kept[-1]} in {tmp_path / 'ckpt'} is damaged (Orbax "
-                               "cannot read it: ") and heard[-1].endswith("resuming from the start")
+    assert heard[0].startswith(
+        f"the training checkpoint of step {kept[-1]} in {tmp_path / 'ckpt'} is damaged (Orbax cannot read it: "
+    ) and heard[-1].endswith("resuming from the start")
     assert without_seconds(again.history) == without_seconds(reference.history)

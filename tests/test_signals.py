@@ -47,23 +47,44 @@ def chain(tmp_path_factory, prefect_server):
     root = tmp_path_factory.mktemp("signals")
     corpus = root / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=5))
-    args = ["--preset", "tiny", "--corpus", str(corpus), "--processes", "2", "--cpu-devices", "2",
-            "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", f"train.steps={STEPS}",
-            "--set", f"train.log_every={STEPS // 10}", "--set", f"train.checkpoint_every={STEPS}"]
+    args = [
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--processes",
+        "2",
+        "--cpu-devices",
+        "2",
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--set",
+        f"train.steps={STEPS}",
+        "--set",
+        f"train.log_every={STEPS // 10}",
+        "--set",
+        f"train.checkpoint_every={STEPS}",
+    ]
     own_server = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     # The session's Prefect home: its database is already made, as on a user's machine.
     own_server.update(BARDFLOW_SERVER_FILE=str(root / "no-server.json"))
     shared = {**os.environ, "PREFECT_API_URL": prefect_server.env["PREFECT_API_URL"]}
-    return {"args": args, "store": root / "store", "own_server": own_server,
-            "shared": shared}
+    return {"args": args, "store": root / "store", "own_server": own_server, "shared": shared}
 
 
 def stop_run(chain, env, stage: str, sig: signal.Signals, group: bool) -> dict:
     """Starts `bardflow run`, sends ``sig`` once ``stage`` reports training progress, and
     waits for the exit."""
     command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"])]
-    process = subprocess.Popen(command, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     seen = []
     for line in process.stderr:
         seen.append(line)
@@ -79,14 +100,23 @@ def stop_run(chain, env, stage: str, sig: signal.Signals, group: bool) -> dict:
         os.kill(process.pid, sig)
     rest = process.stderr.read()
     process.wait(timeout=60)
-    return {"code": process.returncode, "seconds": time.monotonic() - sent, "children": children,
-            "last_line": rest.strip().splitlines()[-1], "stderr": rest}
+    return {
+        "code": process.returncode,
+        "seconds": time.monotonic() - sent,
+        "children": children,
+        "last_line": rest.strip().splitlines()[-1],
+        "stderr": rest,
+    }
 
 
-@pytest.mark.parametrize("stage, sig, group", [
-    ("train_single", signal.SIGINT, True),
-    ("train_parallel", signal.SIGTERM, False),
-], ids=["group-SIGINT", "main-SIGTERM-processes"])
+@pytest.mark.parametrize(
+    "stage, sig, group",
+    [
+        ("train_single", signal.SIGINT, True),
+        ("train_parallel", signal.SIGTERM, False),
+    ],
+    ids=["group-SIGINT", "main-SIGTERM-processes"],
+)
 def test_a_signal_stops_the_run_within_10_s_at_a_saved_step(chain, stage, sig, group):
     stopped = stop_run(chain, chain["own_server"], stage, sig, group)
     assert stopped["code"] == 128 + sig, stopped["stderr"][-3000:]
@@ -104,15 +134,34 @@ def test_the_run_s_own_server_dying_mid_run_ends_it_in_one_line(chain):
     (The run then stops as on SIGTERM, whose way through train_parallel's processes is the
     stop test's above.)"""
     steps = 10 * STEPS  # a training of its own, still going (9 tenths of it) when the server is gone
-    command = [sys.executable, "-m", "bardflow", "run", *chain["args"], "--store", str(chain["store"]),
-               "--set", f"train.steps={steps}", "--set", f"train.log_every={steps // 10}"]
-    process = subprocess.Popen(command, cwd=REPO, env={**chain["own_server"], "PYTHONUNBUFFERED": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "bardflow",
+        "run",
+        *chain["args"],
+        "--store",
+        str(chain["store"]),
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"train.log_every={steps // 10}",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**chain["own_server"], "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     for line in process.stderr:
         if "train_single (" in line and f"/{steps} (" in line:
             break
-    listed = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
-                            text=True).stdout.splitlines()
+    listed = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True, text=True
+    ).stdout.splitlines()
     server = next(int(row.split()[0]) for row in listed if "uvicorn" in row)
     killed = time.monotonic()
     os.killpg(server, signal.SIGKILL)
@@ -142,16 +191,21 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
 
     if not list(chain["store"].glob("train_parallel/.resume-*")):  # run on its own: stop once first
         assert stop_run(chain, chain["shared"], "train_parallel", signal.SIGTERM, True)["code"] == 143
-    resumed = json.loads(call("run", *chain["args"], "--store", str(chain["store"]), "--json",
-                              env=chain["shared"]).stdout)["stages"]
+    resumed = json.loads(
+        call("run", *chain["args"], "--store", str(chain["store"]), "--json", env=chain["shared"]).stdout
+    )["stages"]
     assert resumed["train_parallel"]["metrics"]["resumed_from_step"] > 0
     store = Store(chain["store"])
     encode = store.lookup("encode", resumed["encode"]["key"])
     for stage, parallel in (("train_single", False), ("train_parallel", True)):
         version = store.lookup(stage, resumed[stage]["key"])
         request = TrainingRequest.model_validate(version.manifest["params"])
-        files = RunFiles(train=encode.file(TRAIN), val=encode.file(VAL), resume=tmp_path / stage / "resume",
-                         state=tmp_path / stage / "state")
-        whole = run_training(request, files, jax.devices()[:request.devices], parallel)
+        files = RunFiles(
+            train=encode.file(TRAIN),
+            val=encode.file(VAL),
+            resume=tmp_path / stage / "resume",
+            state=tmp_path / stage / "state",
+        )
+        whole = run_training(request, files, jax.devices()[: request.devices], parallel)
         assert whole["metrics"]["resumed_from_step"] is None
         assert training_fingerprint(whole) == version.fingerprint, stage  # bit for bit

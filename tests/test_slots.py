@@ -56,13 +56,17 @@ with training_slot("train_parallel", lambda line: None):
 def _waiter(prefect_server, name: str) -> subprocess.Popen:
     """A run that waits for the slot with the log turned down to warnings (nothing of
     Prefect's INFO on its terminal): what it says about its wait must still reach stderr."""
-    return subprocess.Popen([sys.executable, "-c", WAIT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **prefect_server.env, SLOT: name,
-                                            "PREFECT_LOGGING_LEVEL": "WARNING"})
+    return subprocess.Popen(
+        [sys.executable, "-c", WAIT],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **prefect_server.env, SLOT: name, "PREFECT_LOGGING_LEVEL": "WARNING"},
+    )
 
 
-def test_a_slot_is_released_when_its_stage_fails_and_a_killed_holder_s_slot_is_taken_over(on_server,
-                                                                                           prefect_server):
+def test_a_slot_is_released_when_its_stage_fails_and_a_killed_holder_s_slot_is_taken_over(on_server, prefect_server):
     name = on_server
     said: list[str] = []
     with pytest.raises(RuntimeError, match="diverged"), training_slot("train_single", said.append):
@@ -73,15 +77,21 @@ def test_a_slot_is_released_when_its_stage_fails_and_a_killed_holder_s_slot_is_t
 
     # A holder killed outright (no stage end, no release): a process of its own, SIGKILLed
     # while another run waits and says, on its terminal, who holds the slot.
-    holder = subprocess.Popen([sys.executable, "-c", HOLD], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **prefect_server.env, SLOT: name})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **prefect_server.env, SLOT: name},
+    )
     waiter = None
     try:
         assert holder.stdout.readline().startswith(f"train_single: holds this host's training slot {name}")
         waiter = _waiter(prefect_server, name)
         told = waiter.stderr.readline()
-        assert told.startswith(f"bardflow: train_parallel: waiting for this host's training slot {name}: held by "
-                               f"process {holder.pid} on "), told
+        assert told.startswith(
+            f"bardflow: train_parallel: waiting for this host's training slot {name}: held by process {holder.pid} on "
+        ), told
         assert "train_single of flow run None, for " in told, told
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -103,15 +113,24 @@ def test_a_slot_counted_with_no_live_holder_is_freed(on_server, prefect_server):
     from prefect.variables import Variable
 
     name = on_server
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     with get_client(sync_client=True) as client:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
         client.increment_concurrency_slots([name], 1, "concurrency")  # a count without a lease
     import socket
 
-    Variable.set(f"{name}-holder", {"lease": str(uuid.uuid4()), "host": socket.gethostname(),
-                                    "pid": int(gone.stdout), "started": "1", "stage": "train_single"})
+    Variable.set(
+        f"{name}-holder",
+        {
+            "lease": str(uuid.uuid4()),
+            "host": socket.gethostname(),
+            "pid": int(gone.stdout),
+            "started": "1",
+            "stage": "train_single",
+        },
+    )
     assert prefect_server.api(f"/v2/concurrency_limits/{name}")["active_slots"] == 1
     started = time.monotonic()
     waiter = _waiter(prefect_server, name)

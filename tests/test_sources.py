@@ -54,7 +54,7 @@ class FlakyFiles:
                 self.end_headers()
                 if name not in dropped:  # the first answer stops short and the connection closes
                     dropped.add(name)
-                    self.wfile.write(data[start: start + cut])
+                    self.wfile.write(data[start : start + cut])
                     self.close_connection = True
                     return
                 self.wfile.write(data[start:])
@@ -93,8 +93,12 @@ def test_downloads_resume_after_a_dropped_connection_and_an_archive_is_read_as_i
     finally:
         served.close()
     # Each was cut off once and resumed where it stopped, not downloaded again.
-    assert len(archive) > 40_000 and served.requests == [("corpus.txt", None), ("corpus.txt", "bytes=20000-"),
-                                                         ("enwik8.zip", None), ("enwik8.zip", "bytes=20000-")]
+    assert len(archive) > 40_000 and served.requests == [
+        ("corpus.txt", None),
+        ("corpus.txt", "bytes=20000-"),
+        ("enwik8.zip", None),
+        ("enwik8.zip", "bytes=20000-"),
+    ]
     for version in (plain, zipped):
         assert version.file(CORPUS).read_bytes() == text
         assert version.metrics["sha256"] == hashlib.sha256(text).hexdigest()
@@ -175,9 +179,11 @@ def test_without_a_terminal_a_long_copy_logs_its_bytes_speed_and_time_left():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    assert lines == ["fetch: 20.0 of 100.0 MB (20%), 5.0 MB/s, ETA 16 s",  # 25 MB: still 20 %, not said
-                     "fetch: 80.0 of 100.0 MB (80%), 8.0 MB/s, ETA 2 s",  # 60 MB in the 6 s since 20
-                     "fetch: 100.0 of 100.0 MB (100%), 8.3 MB/s, done"]
+    assert lines == [
+        "fetch: 20.0 of 100.0 MB (20%), 5.0 MB/s, ETA 16 s",  # 25 MB: still 20 %, not said
+        "fetch: 80.0 of 100.0 MB (80%), 8.0 MB/s, ETA 2 s",  # 60 MB in the 6 s since 20
+        "fetch: 100.0 of 100.0 MB (100%), 8.3 MB/s, done",
+    ]
     assert [ui.time_left(s) for s in (0.2, 59.6, 185)] == ["ETA 0 s", "ETA 1 min 00 s", "ETA 3 min 05 s"]
 
 
@@ -190,8 +196,9 @@ def test_a_local_corpus_is_read_once_for_its_figures_and_its_copy_checked_by_sha
     pinned = pin(DataConfig(corpus=str(source)))
     full = []  # the digests fetch makes that take an md5 and the byte values again
     real = fetch_module.Digest
-    monkeypatch.setattr(fetch_module, "Digest", lambda sha256_only=False: full.append(not sha256_only)
-                        or real(sha256_only))
+    monkeypatch.setattr(
+        fetch_module, "Digest", lambda sha256_only=False: full.append(not sha256_only) or real(sha256_only)
+    )
     version = make(FETCH, pinned, tmp_path / "store")[0]
     assert full == [False] and version.file(CORPUS).read_bytes() == text
     figures = version.metrics
@@ -222,8 +229,9 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     (folder / "b.txt").write_bytes(text[20_000:])
     reads = []  # how many files each full read of the corpus took
     real = fetch_module.decoded_chunks
-    monkeypatch.setattr(fetch_module, "decoded_chunks",
-                        lambda files, progress=None: reads.append(len(files)) or real(files, progress))
+    monkeypatch.setattr(
+        fetch_module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
+    )
 
     def pinned(**options) -> DataConfig:
         fetch_module._PINNED.clear()  # as a new run's process would start
@@ -234,8 +242,10 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     assert pinned() == first and reads == [2]  # remembered: nothing read
     version = make(FETCH, first, tmp_path / "store")[0]  # the copy still checked by its sha256
     assert reads == [2, 2] and version.file(CORPUS).read_bytes() == text
-    assert (version.metrics["sha256"], version.metrics["distinct_bytes"]) == (hashlib.sha256(text).hexdigest(),
-                                                                            len(set(text)))
+    assert (version.metrics["sha256"], version.metrics["distinct_bytes"]) == (
+        hashlib.sha256(text).hexdigest(),
+        len(set(text)),
+    )
     assert pinned(remembered=False) == first and reads == [2, 2, 2]
 
     (folder / "b.txt").write_bytes(text[20_000:].swapcase())  # same size, other bytes
@@ -294,8 +304,12 @@ def test_a_bucket_prefix_is_a_corpus_like_a_folder(tmp_path, object_server, monk
     text = play_text(90_000)
     prefix = object_server.prefix("corpus")
     fs = object_server.filesystem()
-    objects = {"a.txt": text[:30_000], "deep/b.txt.gz": gzip.compress(text[30_000:]), "c.md": b"left out",
-               ".hidden.txt": b"left out"}
+    objects = {
+        "a.txt": text[:30_000],
+        "deep/b.txt.gz": gzip.compress(text[30_000:]),
+        "c.md": b"left out",
+        ".hidden.txt": b"left out",
+    }
     for name, data in objects.items():
         fs.pipe(f"{prefix.removeprefix('s3://')}/{name}", data)
     chosen = pin(DataConfig(corpus=prefix))
@@ -325,8 +339,11 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
     make(FETCH, y, store)
     x = str(tmp_path / "x.txt")
 
-    with pytest.raises(FetchError, match=rf"md5 mismatch for {x}: expected {y.md5}, got {md5_bytes(x_text)}; fetch "
-                                         rf"it again or fix the source, .* --set data.md5={md5_bytes(x_text)}$"):
+    with pytest.raises(
+        FetchError,
+        match=rf"md5 mismatch for {x}: expected {y.md5}, got {md5_bytes(x_text)}; fetch "
+        rf"it again or fix the source, .* --set data.md5={md5_bytes(x_text)}$",
+    ):
         pin(DataConfig(corpus=x, md5=y.md5))
     assert pin(DataConfig(corpus=x, md5=md5_bytes(x_text))).md5 == md5_bytes(x_text)  # stated rightly: fine
     gone = DataConfig(corpus=str(tmp_path / "gone.txt"), md5=y.md5)
@@ -339,16 +356,21 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
 
     assert pinned().md5 == md5_bytes(x_text)
     record, _, key = fetch_module._figures_file(Path(x), None, [Path(x)])
-    y_figures = {"md5": y.md5, "sha256": hashlib.sha256(y_text).hexdigest(), "size": len(y_text),
-                 "seen": bytes(sorted(set(y_text))).hex()}
+    y_figures = {
+        "md5": y.md5,
+        "sha256": hashlib.sha256(y_text).hexdigest(),
+        "size": len(y_text),
+        "seen": bytes(sorted(set(y_text))).hex(),
+    }
     sealed = json.loads(record.read_text())
     times = os.stat(record)
     record.write_text(json.dumps({**sealed, "figures": y_figures}))
     os.utime(record, ns=(times.st_atime_ns, times.st_mtime_ns))
     reads = []
     real = fetch_module.decoded_chunks
-    monkeypatch.setattr(fetch_module, "decoded_chunks",
-                        lambda files, progress=None: reads.append(len(files)) or real(files, progress))
+    monkeypatch.setattr(
+        fetch_module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
+    )
     assert pinned().md5 == md5_bytes(x_text) and reads == [1]  # read again
     version, built = make(FETCH, pinned(), store)
     assert built and version.file(CORPUS).read_bytes() == x_text
@@ -365,8 +387,11 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
     sealed_record({**json.loads(record.read_text())["figures"], "md5": y.md5})
     lied = pinned()
     assert lied.md5 == y.md5
-    with pytest.raises(FetchError, match=rf"the stored corpus with md5 {y.md5} \(\w+\) is not the one at {x} "
-                                         r"\(70,000 bytes there, 50,000 here, other sha256\).*rerun to read"):
+    with pytest.raises(
+        FetchError,
+        match=rf"the stored corpus with md5 {y.md5} \(\w+\) is not the one at {x} "
+        r"\(70,000 bytes there, 50,000 here, other sha256\).*rerun to read",
+    ):
         make(FETCH, lied, store)
     assert not record.exists() and pinned().md5 == md5_bytes(x_text)
 
@@ -442,8 +467,10 @@ def test_a_server_that_trickles_bytes_is_given_up_on_and_retried_in_one_line(tmp
     finally:
         server.close()
     line = str(raised.value)
-    assert "\n" not in line and line.startswith(f"could not download {server.url}/corpus.txt (slower than 100 "
-                                                 "bytes/s for 1 s) after 2 attempt(s); check the network")
+    assert "\n" not in line and line.startswith(
+        f"could not download {server.url}/corpus.txt (slower than 100 "
+        "bytes/s for 1 s) after 2 attempt(s); check the network"
+    )
     assert len(server.requests) == 2 and took < 8, took
 
 
@@ -454,13 +481,20 @@ def test_redirects_stay_within_the_scheme_and_host_and_a_loop_is_one_line(tmp_pa
     from bardflow.tasks.download import download
 
     other = Trickle(0)
-    servers = [other, Trickle(0, redirect=other.url + "/moved.txt"), Trickle(0, redirect="{self}/moved.txt"),
-               Trickle(0, redirect="{self}{path}x")]
+    servers = [
+        other,
+        Trickle(0, redirect=other.url + "/moved.txt"),
+        Trickle(0, redirect="{self}/moved.txt"),
+        Trickle(0, redirect="{self}{path}x"),
+    ]
     away, within, loop = servers[1:]
     try:
-        with pytest.raises(FetchError, match=rf"{away.url}/corpus.txt redirects to {other.url}/moved.txt, another "
-                                             r"scheme, host or port, which is not followed; if that is where the "
-                                             r"corpus is, pass it with --corpus"):
+        with pytest.raises(
+            FetchError,
+            match=rf"{away.url}/corpus.txt redirects to {other.url}/moved.txt, another "
+            r"scheme, host or port, which is not followed; if that is where the "
+            r"corpus is, pass it with --corpus",
+        ):
             download(f"{away.url}/corpus.txt", tmp_path / "x")
         assert other.requests == []
         assert download(f"{within.url}/corpus.txt", tmp_path / "y") == f"{within.url}/moved.txt"

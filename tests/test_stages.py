@@ -69,8 +69,11 @@ def test_a_fetched_corpus_is_not_fetched_again(tmp_path, small_corpus):
 def test_the_real_corpus_matches_the_default_checksum(tmp_path, shakespeare):
     out = fetch(DataConfig(corpus=str(shakespeare), md5="6fb458f1232090904fb40fe944165e91"), tmp_path)
     assert {k: out.metrics[k] for k in ("bytes", "md5", "sha256", "distinct_bytes")} == {
-        "bytes": 1_115_394, "md5": "6fb458f1232090904fb40fe944165e91", "distinct_bytes": 65,
-        "sha256": hashlib.sha256(shakespeare.read_bytes()).hexdigest()}
+        "bytes": 1_115_394,
+        "md5": "6fb458f1232090904fb40fe944165e91",
+        "distinct_bytes": 65,
+        "sha256": hashlib.sha256(shakespeare.read_bytes()).hexdigest(),
+    }
     assert out.manifest["files"]["corpus.txt"]["sha256"] == out.metrics["sha256"]  # taken as it streamed
     assert pin(DataConfig()).md5 == "6fb458f1232090904fb40fe944165e91"  # the default download's known sum
 
@@ -121,8 +124,7 @@ def test_a_missing_file_and_an_unreachable_url_fail_fast_and_clearly(tmp_path):
         assert time.monotonic() - started < 5
 
 
-def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_one(tmp_path, small_corpus,
-                                                                                   monkeypatch):
+def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_one(tmp_path, small_corpus, monkeypatch):
     path, md5 = small_corpus
     store = tmp_path / "store"
     cfg = build_config("tiny", {"train.steps": 3})
@@ -141,8 +143,9 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     model, _ = trained_model(Store(store).require(trained))
     kernel = model.lm_head.kernel
     kernel.set_value(kernel.get_value().at[0, 0].add(0.05))
-    bad, _ = Store(store).produce("checkpoint", "f" * 20, {}, {},
-                                  lambda out: save_model(out.path(MODEL), model, cfg.model))
+    bad, _ = Store(store).produce(
+        "checkpoint", "f" * 20, {}, {}, lambda out: save_model(out.path(MODEL), model, cfg.model)
+    )
     with pytest.raises(VerificationError, match="differ .* --refresh checkpoint"):
         make(VERIFY, VerifyConfig(), store, **{**upstream, "checkpoint": bad})
     assert len(Store(store).versions("verify")) == 1  # the failed verdict was not published
@@ -156,17 +159,27 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
 
     exported, _ = make(EXPORT, {}, store, checkpoint=saved)
     folder = exported.file("export")
-    assert sorted(p.name for p in folder.iterdir()) == \
-        ["checksums.json", "config.json", "forward.jax", "hf", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "forward.jax",
+        "hf",
+        "model.safetensors",
+    ]
     # The transformers folder beside it (tests/test_hf_export.py loads such folders with
     # transformers; this session leaves that check off, BARDFLOW_HF_CHECK): said so.
     assert sorted(p.name for p in (folder / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    assert exported.manifest["hf"]["status"].startswith("not checked") and \
-        exported.metrics["hf_checked"] is False
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert exported.manifest["hf"]["status"].startswith("not checked") and exported.metrics["hf_checked"] is False
     sums = json.loads((folder / "checksums.json").read_text())["sha256"]  # every file, hf/'s too
-    assert sorted(sums) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                                  if p.is_file() and p.name != "checksums.json")
+    assert sorted(sums) == sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != "checksums.json"
+    )
     weights = load_file(str(folder / "model.safetensors"))
     ours = flat_params(trained_model(Store(store).require(trained))[0])
     assert sorted(weights) == sorted(ours) and "blocks.0.attn.qkv.kernel" in weights
@@ -277,15 +290,29 @@ def test_a_new_stage_is_one_function_and_one_entry(tmp_path, small_corpus):
 
     path, md5 = small_corpus
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), tmp_path)
-    stage = Stage("words", "1", reads=("fetch",), settings=lambda run: {"min_length": 5},
-                  builds=("words.json",), headline=("words",), function=count_words)
+    stage = Stage(
+        "words",
+        "1",
+        reads=("fetch",),
+        settings=lambda run: {"min_length": 5},
+        builds=("words.json",),
+        headline=("words",),
+        function=count_words,
+    )
     version, ran = make(stage, {"min_length": 5}, tmp_path, fetch=corpus)
     assert ran and version.metrics["words"] == len(json.loads(version.file("words.json").read_text())) > 0
     assert version.manifest["inputs"]["fetch"]["fingerprint"] == corpus.fingerprint
     assert make(stage, {"min_length": 5}, tmp_path, fetch=corpus) == (version, False)  # found, not rebuilt
     assert make(stage, {"min_length": 6}, tmp_path, fetch=corpus)[0].key != version.key
-    broken = Stage("words", "2", reads=("fetch",), settings=lambda run: {"min_length": 5},
-                   builds=("words.json", "letters.json"), headline=(), function=count_words)
+    broken = Stage(
+        "words",
+        "2",
+        reads=("fetch",),
+        settings=lambda run: {"min_length": 5},
+        builds=("words.json", "letters.json"),
+        headline=(),
+        function=count_words,
+    )
     with pytest.raises(RuntimeError, match="did not write letters.json"):
         make(broken, {"min_length": 5}, tmp_path, fetch=corpus)
 
@@ -297,11 +324,15 @@ def test_the_kernel_choice_and_checkpoint_cadence_are_not_part_of_the_training_k
     corpus = fetch(DataConfig(corpus=str(path), md5=md5), tmp_path)
     cfg = build_config("tiny")
     base = TrainingRequest(model=cfg.model, train=cfg.train, devices=1, platform="cpu")
-    faster = TrainingRequest(model=cfg.model.model_copy(update={"attention": "xla", "dense": "custom"}),
-                             train=cfg.train.model_copy(update={"checkpoint_every": 3, "keep_checkpoints": 5}),
-                             devices=1, platform="cpu")
-    other = TrainingRequest(model=cfg.model, train=cfg.train.model_copy(update={"steps": 21}), devices=1,
-                            platform="cpu")
+    faster = TrainingRequest(
+        model=cfg.model.model_copy(update={"attention": "xla", "dense": "custom"}),
+        train=cfg.train.model_copy(update={"checkpoint_every": 3, "keep_checkpoints": 5}),
+        devices=1,
+        platform="cpu",
+    )
+    other = TrainingRequest(
+        model=cfg.model, train=cfg.train.model_copy(update={"steps": 21}), devices=1, platform="cpu"
+    )
     upstream = {"encode": corpus}  # any version: only its fingerprint enters the key
     assert TRAIN_SINGLE.key(base, upstream) == TRAIN_SINGLE.key(faster, upstream)
     assert TRAIN_SINGLE.key(base, upstream) != TRAIN_SINGLE.key(other, upstream)
@@ -370,8 +401,13 @@ def test_overfitting_is_named_when_validation_loss_rises_as_training_loss_falls(
         return [{"step": 10 * i, "loss": loss, "val_loss": val} for i, (loss, val) in enumerate(pairs)]
 
     line = overfitting(history([(4.0, 3.9), (2.0, 2.6), (0.5, 3.2), (0.045, 4.31)]))
-    assert line.startswith("overfitting: validation loss rose from 2.600 (step 10) to 4.310 while training loss "
-                           "fell to 0.045") and "more text" in line and "train.steps" in line
+    assert (
+        line.startswith(
+            "overfitting: validation loss rose from 2.600 (step 10) to 4.310 while training loss fell to 0.045"
+        )
+        and "more text" in line
+        and "train.steps" in line
+    )
     assert overfitting(history([(4.0, 3.9), (2.0, 2.6), (1.5, 2.0)])) is None  # still learning
     assert overfitting(history([(4.0, 3.9), (2.0, 2.6), (1.9, 2.62)])) is None  # within noise
     assert overfitting(history([(4.0, 3.9), (2.0, 2.0), (2.1, 2.3)])) is None  # both rose: diverging, not this
@@ -389,10 +425,17 @@ def test_the_comparison_times_both_runs_on_the_same_steps():
         for step in range(steps):
             clock += (first_ms if step == 0 else ms) / 1e3
             if step % 10 == 0 or step == steps - 1:
-                history.append({"step": step, "tokens": (step + 1) * tokens_per_step, "seconds": round(clock, 3),
-                                "loss": 1.0})
-        metrics = {"tokens_per_s": steps * tokens_per_step / clock, "ms_per_step": 1e3 * clock / steps,
-                   "steps": steps, "global_batch": tokens_per_step // 100, "per_device_batch": 1, "devices": 2}
+                history.append(
+                    {"step": step, "tokens": (step + 1) * tokens_per_step, "seconds": round(clock, 3), "loss": 1.0}
+                )
+        metrics = {
+            "tokens_per_s": steps * tokens_per_step / clock,
+            "ms_per_step": 1e3 * clock / steps,
+            "steps": steps,
+            "global_batch": tokens_per_step // 100,
+            "per_device_batch": 1,
+            "devices": 2,
+        }
         return metrics, history
 
     (single, single_history), (parallel, parallel_history) = run(30, 100), run(460, 200)

@@ -18,13 +18,18 @@ def write(text):
 def test_version_key_changes_with_every_ingredient():
     base = version_key("encode", "1", {"seq_len": 256}, {"fetch": "abc"})
     assert base == version_key("encode", "1", {"seq_len": 256}, {"fetch": "abc"})
-    assert len({
-        base,
-        version_key("encode", "2", {"seq_len": 256}, {"fetch": "abc"}),
-        version_key("encode", "1", {"seq_len": 128}, {"fetch": "abc"}),
-        version_key("encode", "1", {"seq_len": 256}, {"fetch": "abd"}),
-        version_key("fetch", "1", {"seq_len": 256}, {"fetch": "abc"}),
-    }) == 5
+    assert (
+        len(
+            {
+                base,
+                version_key("encode", "2", {"seq_len": 256}, {"fetch": "abc"}),
+                version_key("encode", "1", {"seq_len": 128}, {"fetch": "abc"}),
+                version_key("encode", "1", {"seq_len": 256}, {"fetch": "abd"}),
+                version_key("fetch", "1", {"seq_len": 256}, {"fetch": "abc"}),
+            }
+        )
+        == 5
+    )
 
 
 def test_produce_publishes_a_checksummed_version_then_reuses_it(tmp_path):
@@ -219,15 +224,27 @@ def test_a_resume_folder_has_one_writer_and_the_next_waits_for_it(tmp_path):
 
     folder = ResumeFolder(tmp_path / ".resume-x")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from bardflow.artifacts.store import ResumeFolder\n"
-         "with ResumeFolder(Path(sys.argv[1])).writing():\n"
-         "    print('held', flush=True); time.sleep(float(sys.argv[2]))",
-         str(folder.path), "1.5"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from bardflow.artifacts.store import ResumeFolder\n"
+            "with ResumeFolder(Path(sys.argv[1])).writing():\n"
+            "    print('held', flush=True); time.sleep(float(sys.argv[2]))",
+            str(folder.path),
+            "1.5",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(StoreError, match=rf"process {holder.pid} still writes checkpoints into {folder.path} \(the "
-                                         rf"training of an earlier run\); wait for it to end or stop it \(kill "
-                                         rf"{holder.pid}\), then rerun"):
+    with pytest.raises(
+        StoreError,
+        match=rf"process {holder.pid} still writes checkpoints into {folder.path} \(the "
+        rf"training of an earlier run\); wait for it to end or stop it \(kill "
+        rf"{holder.pid}\), then rerun",
+    ):
         with folder.writing(wait_s=0.2):
             pass
     heard = []
@@ -235,7 +252,8 @@ def test_a_resume_folder_has_one_writer_and_the_next_waits_for_it(tmp_path):
     with folder.writing(say=heard.append, wait_s=30):
         assert 0.5 < time.monotonic() - started < 10  # it waited for the holder's 1.5 s
     assert holder.wait(timeout=10) == 0
-    assert heard == [f"waiting for process {holder.pid}, the training of an earlier run, to stop writing into "
-                     f"{folder.path}"]
+    assert heard == [
+        f"waiting for process {holder.pid}, the training of an earlier run, to stop writing into {folder.path}"
+    ]
     folder.drop_if_empty()  # its lock file is no reason to keep the folder
     assert not folder.path.exists()

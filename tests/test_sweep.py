@@ -17,16 +17,19 @@ from bardflow.model.config import ConfigError
 from tests.helpers import OUTPUT, Webhook, bardflow, call
 
 
-@pytest.mark.parametrize("grid, listed, max_runs, words", [
-    (["train.steps="], [], 32, ["lists no values"]),
-    (["train.stepz=1,2"], [], 32, ["sweep run 1", "unknown setting 'train.stepz'"]),
-    (["train.steps=5,0"], [], 32, ["sweep run 2 (train.steps=0)", "greater than 0"]),
-    (["train.steps=5,6", "train.steps=7"], [], 32, ["names train.steps twice"]),
-    (["train.steps=5,5"], [], 32, ["runs 1 and 2 are the same configuration"]),
-    (["train.steps=1,2,3", "model.num_layers=1,2"], [], 5, ["6 runs", "maximum of 5", "--max-runs 6"]),
-    ([], ["[1]"], 32, ["JSON object"]),
-    ([], [], 32, ["at least one --grid"]),
-])
+@pytest.mark.parametrize(
+    "grid, listed, max_runs, words",
+    [
+        (["train.steps="], [], 32, ["lists no values"]),
+        (["train.stepz=1,2"], [], 32, ["sweep run 1", "unknown setting 'train.stepz'"]),
+        (["train.steps=5,0"], [], 32, ["sweep run 2 (train.steps=0)", "greater than 0"]),
+        (["train.steps=5,6", "train.steps=7"], [], 32, ["names train.steps twice"]),
+        (["train.steps=5,5"], [], 32, ["runs 1 and 2 are the same configuration"]),
+        (["train.steps=1,2,3", "model.num_layers=1,2"], [], 5, ["6 runs", "maximum of 5", "--max-runs 6"]),
+        ([], ["[1]"], 32, ["JSON object"]),
+        ([], [], 32, ["at least one --grid"]),
+    ],
+)
 def test_a_bad_sweep_is_refused_with_what_and_how(grid, listed, max_runs, words):
     with pytest.raises(ConfigError) as error:
         grid_configurations("tiny", {}, grid, listed, max_runs)
@@ -35,18 +38,25 @@ def test_a_bad_sweep_is_refused_with_what_and_how(grid, listed, max_runs, words)
 
 
 def test_a_grid_is_every_combination_then_the_listed_ones():
-    runs = grid_configurations("tiny", {"train.steps": 8}, ["train.learning_rate=0.001,0.01", "model.num_layers=1,2"],
-                                ['{"train.per_device_batch": 2}'])
-    assert runs == [{"train.learning_rate": 0.001, "model.num_layers": 1},
-                    {"train.learning_rate": 0.001, "model.num_layers": 2},
-                    {"train.learning_rate": 0.01, "model.num_layers": 1},
-                    {"train.learning_rate": 0.01, "model.num_layers": 2},
-                    {"train.per_device_batch": 2}]
+    runs = grid_configurations(
+        "tiny",
+        {"train.steps": 8},
+        ["train.learning_rate=0.001,0.01", "model.num_layers=1,2"],
+        ['{"train.per_device_batch": 2}'],
+    )
+    assert runs == [
+        {"train.learning_rate": 0.001, "model.num_layers": 1},
+        {"train.learning_rate": 0.001, "model.num_layers": 2},
+        {"train.learning_rate": 0.01, "model.num_layers": 1},
+        {"train.learning_rate": 0.01, "model.num_layers": 2},
+        {"train.per_device_batch": 2},
+    ]
 
 
 def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
-    done = bardflow("sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), "--grid", "train.steps=0,5",
-                    check=False)
+    done = bardflow(
+        "sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), "--grid", "train.steps=0,5", check=False
+    )
     assert done.returncode != 0 and "bardflow: error: sweep run 1 (train.steps=0)" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "store").exists()
 
@@ -60,17 +70,41 @@ def swept(tmp_path_factory, run_env, mlflow_db):
     corpus = root / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = root / "store"
-    arguments = ["--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "1",
-                 "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.single_device_steps=5"]
+    arguments = [
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(store),
+        "--cpu-devices",
+        "1",
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--set",
+        "train.single_device_steps=5",
+    ]
     tracked = mlflow_db(root / "mlflow.db")
     # Told by a webhook (bardflow notify): the failed run and the finished sweep.
     hook = Webhook()
     call("notify", "add", hook.url, "--name", "sweep-tests", env=run_env)
     try:
-        done = call("sweep", *arguments, "--grid", "train.learning_rate=0.003,0.01",
-                    "--list", '{"train.learning_rate": 1e30}', "--track", f"mlflow={tracked}", "--json", env=run_env)
-        yield store, {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked, "hook": hook,
-                      "env": run_env}
+        done = call(
+            "sweep",
+            *arguments,
+            "--grid",
+            "train.learning_rate=0.003,0.01",
+            "--list",
+            '{"train.learning_rate": 1e30}',
+            "--track",
+            f"mlflow={tracked}",
+            "--json",
+            env=run_env,
+        )
+        yield (
+            store,
+            {**json.loads(done.stdout), "arguments": arguments, "mlflow": tracked, "hook": hook, "env": run_env},
+        )
     finally:
         call("notify", "remove", "sweep-tests", env=run_env)
         hook.close()
@@ -81,8 +115,9 @@ def test_a_failed_run_and_a_finished_sweep_each_send_one_message_with_a_link(swe
     _, result = swept
     hook = result["hook"]
     failed = hook.wait_for(lambda m: m["subject"] == "bardflow: sweep-run-3-of-3 failed in train_single")
-    assert failed["body"].startswith("bardflow run sweep-run-3-of-3 (bardflow-pipeline) failed in stage "
-                                     "train_single: loss became nan at step")
+    assert failed["body"].startswith(
+        "bardflow run sweep-run-3-of-3 (bardflow-pipeline) failed in stage train_single: loss became nan at step"
+    )
     link = failed["body"].splitlines()[-1]
     assert link.startswith(f"{prefect_server.url}/runs/flow-run/")
     assert prefect_server.api(f"/flow_runs/{link.rsplit('/', 1)[1]}")["name"] == "sweep-run-3-of-3"
@@ -90,18 +125,22 @@ def test_a_failed_run_and_a_finished_sweep_each_send_one_message_with_a_link(swe
     parent = prefect_server.api(f"/flow_runs/{result['flow_run']}")["name"]
     finished = hook.wait_for(lambda m: m["subject"] == f"bardflow: sweep {parent} finished")
     best = min((row for row in result["rows"] if row["status"] == "completed"), key=lambda row: row["val_loss"])
-    assert f"finished: 3 runs, 1 failed\nbest: run {best['run']}, validation loss {best['val_loss']:.4f}: " \
-           f"--set train.learning_rate={best['train.learning_rate']}\n" in finished["body"]
+    assert (
+        f"finished: 3 runs, 1 failed\nbest: run {best['run']}, validation loss {best['val_loss']:.4f}: "
+        f"--set train.learning_rate={best['train.learning_rate']}\n" in finished["body"]
+    )
     assert finished["body"].endswith(f"{prefect_server.url}/runs/flow-run/{result['flow_run']}")
     time.sleep(1)  # one message each, not one per retry or per state
     assert sum(m["subject"] in (failed["subject"], finished["subject"]) for m in hook.received) == 2
 
     listed = json.loads(call("notify", "list", "--json", env=result["env"]).stdout)
     assert {"name": "sweep-tests", "messages": ["crashed", "failed", "sweep"], "enabled": True} in listed
-    for args, words in ((["add", "mailto:ops@example.org"], "is not an http(s) webhook URL"),
-                        (["add"], "takes a webhook URL or --block TYPE/NAME"),
-                        (["add", "--block", "slack-webhook/none-such"], "no block slack-webhook/none-such"),
-                        (["remove", "none-such"], "no notification named 'none-such'")):
+    for args, words in (
+        (["add", "mailto:ops@example.org"], "is not an http(s) webhook URL"),
+        (["add"], "takes a webhook URL or --block TYPE/NAME"),
+        (["add", "--block", "slack-webhook/none-such"], "no block slack-webhook/none-such"),
+        (["remove", "none-such"], "no notification named 'none-such'"),
+    ):
         refused = call("notify", *args, env=result["env"], check=False)
         assert refused.returncode in (1, 2) and words in refused.stderr.strip().splitlines()[-1], refused.stderr
 
@@ -139,14 +178,21 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
     assert [run.data.params["train.learning_rate"] for run in tracked] == ["0.003", "0.01", "1e+30"]
     assert [run.info.status for run in tracked] == ["FINISHED", "FINISHED", "FAILED"]
 
-    artifact = prefect_server.api("/artifacts/filter", {"artifacts": {
-        "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [result["flow_run"]]}}})[0]
+    artifact = prefect_server.api(
+        "/artifacts/filter",
+        {"artifacts": {"key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [result["flow_run"]]}}},
+    )[0]
     assert "train.learning_rate" in artifact["data"] and "failed" in artifact["data"]
     assert artifact["data"].count("data:image/png;base64,") == 1
     best = min((row for row in rows if row["status"] == "completed"), key=lambda row: row["val_loss"])
-    assert artifact["data"].rstrip().endswith(  # ranked last: the best, ready to paste
-        f"**Best**: run {best['run']}, validation loss {best['val_loss']:.4f}: "
-        f"`--set train.learning_rate={best['train.learning_rate']}`")
+    assert (
+        artifact["data"]
+        .rstrip()
+        .endswith(  # ranked last: the best, ready to paste
+            f"**Best**: run {best['run']}, validation loss {best['val_loss']:.4f}: "
+            f"`--set train.learning_rate={best['train.learning_rate']}`"
+        )
+    )
 
     from tests.cdp import Browser, chromium_binary
 
@@ -155,8 +201,10 @@ def test_a_sweep_runs_each_configuration_as_a_child_run_and_compares_them(swept,
         pytest.skip("chromium is not installed (.ci/run installs it)")
     browser = Browser(binary)
     try:
-        browser.open(f"{prefect_server.url}/artifacts/artifact/{artifact['id']}",
-                     "document.images.length >= 1 && [...document.images].every(i => i.complete)")
+        browser.open(
+            f"{prefect_server.url}/artifacts/artifact/{artifact['id']}",
+            "document.images.length >= 1 && [...document.images].every(i => i.complete)",
+        )
         (OUTPUT / "sweep").mkdir(parents=True, exist_ok=True)
         browser.screenshot(OUTPUT / "sweep" / "sweep-artifact.png")
         assert all(w > 0 for w in browser.evaluate("[...document.images].map(i => i.naturalWidth)"))
@@ -174,12 +222,14 @@ def test_runs_lists_and_diffs_trained_versions_from_the_store_alone(swept):
     assert {row["differs"]["train.learning_rate"] for row in parallel} >= {0.003, 0.01}  # (the pool's sweep adds one)
     assert all(row["val_loss"] > 0 for row in parallel)
     a, b = result["rows"][0]["train_parallel"], result["rows"][1]["train_parallel"]
-    diff = json.loads(call("runs", "--store", str(store), "--diff", a[:8], b[:8], "--json",
-                           env={**os.environ, **env}).stdout)
+    diff = json.loads(
+        call("runs", "--store", str(store), "--diff", a[:8], b[:8], "--json", env={**os.environ, **env}).stdout
+    )
     assert diff["differences"]["settings.train.learning_rate"] == {"a": 0.003, "b": 0.01}
     assert not any(key.startswith(("libraries.", "data.")) for key in diff["differences"])  # same data, same libraries
     assert diff["figures"]["val_loss"]["b_minus_a"] == pytest.approx(
-        result["rows"][1]["val_loss"] - result["rows"][0]["val_loss"])
+        result["rows"][1]["val_loss"] - result["rows"][0]["val_loss"]
+    )
     missing = call("runs", "--store", str(store), "--diff", "zzzz", b, check=False)
     assert missing.returncode == 1 and "no trained version with a key starting 'zzzz'" in missing.stderr
 
@@ -193,8 +243,10 @@ def hold_the_slot_until(server, name: str, waiting: threading.Event, timeout_s: 
 
     from bardflow.server.slots import training_slot
 
-    with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}), \
-            training_slot("another run", lambda line: None, name=name):
+    with (
+        temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}),
+        training_slot("another run", lambda line: None, name=name),
+    ):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not waiting.is_set():
             found = server.api("/logs/filter", {"sort": "TIMESTAMP_DESC", "limit": 50})
@@ -212,17 +264,22 @@ def pool_workers(prefect_server):
 
     prefect = str(Path(sys.executable).parent / "prefect")
     with prefect_server.deployments():  # until the module is done: see Server.deployments
-        for command in (["work-pool", "create", "--overwrite", "--type", "process", "sweepers"],
-                        ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"]):
+        for command in (
+            ["work-pool", "create", "--overwrite", "--type", "process", "sweepers"],
+            ["--no-prompt", "deploy", "--name", "sweep", "--pool", "sweepers"],
+        ):
             done = prefect_server.run(prefect, *command)
             assert done.returncode == 0, done.stdout + done.stderr
         # Two workers of one host with one device: their runs take turns at the host's training
         # slot (server/slots.py), and train_parallel takes over train_single's version.
         one_device = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"
         env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME, "XLA_FLAGS": one_device}
-        workers = {name: prefect_server.start(name, prefect, "worker", "start", "--pool", "sweepers", "--name", name,
-                                              "--limit", "1", env=env)
-                   for name in ("sweeper-a", "sweeper-b")}
+        workers = {
+            name: prefect_server.start(
+                name, prefect, "worker", "start", "--pool", "sweepers", "--name", name, "--limit", "1", env=env
+            )
+            for name in ("sweeper-a", "sweeper-b")
+        }
         try:
             yield workers
         finally:
@@ -232,8 +289,9 @@ def pool_workers(prefect_server):
 
 
 @pytest.mark.flow
-def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(swept, prefect_server, pool_workers,
-                                                                                  run_env):
+def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
+    swept, prefect_server, pool_workers, run_env
+):
     """A search two trials at a time on two workers of one host: its trials train one at a time
     (the host's training slot), the proposed one finishes, and a trial that fails on its
     worker fails its row with the worker's error, not the search. (A grid on a pool is
@@ -245,9 +303,22 @@ def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
     waiting = threading.Event()
     holder = threading.Thread(target=hold_the_slot_until, args=(prefect_server, SLOT_NAME, waiting), daemon=True)
     holder.start()
-    done = call("sweep", *local["arguments"], "--pool", "sweepers", "--search", "2", "--parallel", "2",
-                "--set", "train.learning_rate=1e-3..2e-2:log", "--list", '{"train.learning_rate": 1e30}', "--json",
-                env=run_env)
+    done = call(
+        "sweep",
+        *local["arguments"],
+        "--pool",
+        "sweepers",
+        "--search",
+        "2",
+        "--parallel",
+        "2",
+        "--set",
+        "train.learning_rate=1e-3..2e-2:log",
+        "--list",
+        '{"train.learning_rate": 1e30}',
+        "--json",
+        env=run_env,
+    )
     holder.join(timeout=30)
     assert waiting.is_set(), "no trial waited for the host's training slot"
     result = json.loads(done.stdout)
@@ -257,8 +328,9 @@ def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
     assert 1e-3 <= float(rows[0]["train.learning_rate"]) <= 2e-2 and rows[0]["val_loss"] > 0
     failed = next(run for run in result["runs"] if run["status"] == "failed")
     assert "loss became nan" in failed["error"]  # its row says why; the search went on
-    assert all(run["stages"]["train_parallel"]["state"] == "ran"
-               for run in result["runs"] if run["status"] == "completed")
+    assert all(
+        run["stages"]["train_parallel"]["state"] == "ran" for run in result["runs"] if run["status"] == "completed"
+    )
 
     # Each child is a deployment run linked to the parent, and both workers took some.
     children = [run["flow_run"] for run in result["runs"]]
@@ -266,15 +338,18 @@ def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
         run = prefect_server.api(f"/flow_runs/{child}")
         assert run["deployment_id"] and run["parameters"]["store"] == str(store)
         assert prefect_server.api(f"/task_runs/{run['parent_task_run_id']}")["flow_run_id"] == result["flow_run"]
-    taken = {name: {child for child in children if child in (prefect_server.home / f"{name}.log").read_text()}
-             for name in pool_workers}
+    taken = {
+        name: {child for child in children if child in (prefect_server.home / f"{name}.log").read_text()}
+        for name in pool_workers
+    }
     assert all(taken.values()) and set().union(*taken.values()) == set(children), taken
 
     # The host's slot: every training stage held it alone, and whoever found it taken waited.
     held, waited = [], 0
     for child in children:
-        logs = prefect_server.api("/logs/filter", {"logs": {"flow_run_id": {"any_": [child]}}, "sort": "TIMESTAMP_ASC",
-                                                    "limit": 200})
+        logs = prefect_server.api(
+            "/logs/filter", {"logs": {"flow_run_id": {"any_": [child]}}, "sort": "TIMESTAMP_ASC", "limit": 200}
+        )
         marks = [(log["timestamp"], log["message"]) for log in logs if "training slot" in log["message"]]
         waited += sum("waiting for this host's training slot" in message for _, message in marks)
         takes = [at for at, message in marks if "holds this host's training slot" in message]
@@ -285,18 +360,42 @@ def test_a_search_fans_out_over_the_workers_of_a_pool_which_train_one_at_a_time(
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(held)), held  # no two at once
     assert waited >= 1
 
-    elsewhere = call("sweep", "--preset", "tiny", "--store", str(store), "--pool", "elsewhere",
-                     "--grid", "train.steps=1,2", env=run_env, check=False)
+    elsewhere = call(
+        "sweep",
+        "--preset",
+        "tiny",
+        "--store",
+        str(store),
+        "--pool",
+        "elsewhere",
+        "--grid",
+        "train.steps=1,2",
+        env=run_env,
+        check=False,
+    )
     assert elsewhere.returncode == 1 and "Traceback" not in elsewhere.stderr
-    assert "bardflow: error: deployment bardflow-pipeline/sweep runs on work pool 'sweepers', not 'elsewhere'" \
+    assert (
+        "bardflow: error: deployment bardflow-pipeline/sweep runs on work pool 'sweepers', not 'elsewhere'"
         in elsewhere.stderr
+    )
 
 
 def test_a_pool_without_a_server_is_refused_before_any_work(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["BARDFLOW_SERVER_FILE"] = str(tmp_path / "no-server.json")
-    done = bardflow("sweep", "--preset", "tiny", "--store", str(tmp_path / "store"), "--pool", "gpu",
-                    "--grid", "train.steps=1,2", env=env, check=False)
+    done = bardflow(
+        "sweep",
+        "--preset",
+        "tiny",
+        "--store",
+        str(tmp_path / "store"),
+        "--pool",
+        "gpu",
+        "--grid",
+        "train.steps=1,2",
+        env=env,
+        check=False,
+    )
     assert done.returncode == 2 and "--pool gpu needs a Prefect server" in done.stderr
     assert not (tmp_path / "store").exists()
 
@@ -314,9 +413,26 @@ def test_a_search_proposes_seeded_trials_keeps_its_study_in_the_store_and_resume
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=3))
     store = tmp_path / "store"
-    command = ["sweep", "--preset", "tiny", "--corpus", str(corpus), "--store", str(store), "--cpu-devices", "1",
-               "--set", f"data.md5={md5_bytes(corpus.read_bytes())}", "--set", "train.steps=10",
-               "--set", "train.learning_rate=1e-3..3e-2:log", "--list", '{"train.learning_rate": 1e30}', "--json"]
+    command = [
+        "sweep",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--store",
+        str(store),
+        "--cpu-devices",
+        "1",
+        "--set",
+        f"data.md5={md5_bytes(corpus.read_bytes())}",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.learning_rate=1e-3..3e-2:log",
+        "--list",
+        '{"train.learning_rate": 1e30}',
+        "--json",
+    ]
     first = json.loads(call(*command, "--search", "2", env=run_env).stdout)
     trials = sorted((row["run"], row["train.learning_rate"], row["status"]) for row in first["rows"])
     assert [status for *_, status in trials] == ["failed", "completed"]  # --list first: it diverges
@@ -328,8 +444,9 @@ def test_a_search_proposes_seeded_trials_keeps_its_study_in_the_store_and_resume
     journal.rename(tmp_path / "first.journal")
     again = json.loads(call(*command, "--search", "2", env=run_env).stdout)
     assert sorted((row["run"], row["train.learning_rate"], row["status"]) for row in again["rows"]) == trials
-    assert {run["stages"]["train_parallel"]["state"] for run in again["runs"] if run["status"] == "completed"} \
-        == {"cached"}
+    assert {run["stages"]["train_parallel"]["state"] for run in again["runs"] if run["status"] == "completed"} == {
+        "cached"
+    }
 
     # Stopped while a trial ran: that trial is asked again first when the search goes on.
     (tmp_path / "first.journal").replace(journal)
@@ -348,13 +465,22 @@ def test_a_search_proposes_seeded_trials_keeps_its_study_in_the_store_and_resume
     assert [row["status"] for row in rows] == ["completed", "completed", "failed"]  # ranked: failed last
     assert rows[0]["val_loss"] <= rows[1]["val_loss"]
 
-    artifact = prefect_server.api("/artifacts/filter", {"artifacts": {
-        "key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [resumed["flow_run"]]}}})[0]
-    assert artifact["data"].rstrip().endswith(f"validation loss {rows[0]['val_loss']:.4f}: "
-                                              f"`--set train.learning_rate={rows[0]['train.learning_rate']}`")
+    artifact = prefect_server.api(
+        "/artifacts/filter",
+        {"artifacts": {"key": {"any_": ["bardflow-sweep"]}, "flow_run_id": {"any_": [resumed["flow_run"]]}}},
+    )[0]
+    assert (
+        artifact["data"]
+        .rstrip()
+        .endswith(
+            f"validation loss {rows[0]['val_loss']:.4f}: `--set train.learning_rate={rows[0]['train.learning_rate']}`"
+        )
+    )
 
-    for args, words in ((["--search", "2", "--parallel", "2"], "add --pool NAME"),
-                        (["--search", "0"], "--search takes 1 to 32 trials")):
+    for args, words in (
+        (["--search", "2", "--parallel", "2"], "add --pool NAME"),
+        (["--search", "0"], "--search takes 1 to 32 trials"),
+    ):
         refused = call(*command, *args, env=run_env, check=False)
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
     bad_range = [arg.replace("1e-3..3e-2:log", "3e-2..1e-3") for arg in command]

@@ -25,10 +25,14 @@ require("mlflow")
 
 
 def test_records_become_scalars_with_the_throughput_between_them():
-    history = [{"step": 0, "loss": 5.0, "val_loss": 5.1, "val_bpb": 7.4, "tokens": 100, "seconds": 0.5},
-               {"step": 10, "loss": 4.0, "val_loss": None, "val_bpb": None, "tokens": 1100, "seconds": 2.5}]
-    assert scalars(history) == [(0, {"loss": 5.0, "val_loss": 5.1, "val_bpb": 7.4}),
-                                (10, {"loss": 4.0, "tokens_per_s": 500.0})]
+    history = [
+        {"step": 0, "loss": 5.0, "val_loss": 5.1, "val_bpb": 7.4, "tokens": 100, "seconds": 0.5},
+        {"step": 10, "loss": 4.0, "val_loss": None, "val_bpb": None, "tokens": 1100, "seconds": 2.5},
+    ]
+    assert scalars(history) == [
+        (0, {"loss": 5.0, "val_loss": 5.1, "val_bpb": 7.4}),
+        (10, {"loss": 4.0, "tokens_per_s": 500.0}),
+    ]
 
 
 def test_a_run_says_where_its_trackers_wrote_and_how_to_see_it():
@@ -42,11 +46,15 @@ def test_a_run_says_where_its_trackers_wrote_and_how_to_see_it():
 def test_track_options_name_a_destination_or_take_the_default(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert track_settings(["mlflow", "tensorboard"]) == {"track.mlflow": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                                         "track.tensorboard": str(tmp_path / "runs")}
+    assert track_settings(["mlflow", "tensorboard"]) == {
+        "track.mlflow": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "track.tensorboard": str(tmp_path / "runs"),
+    }
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert track_settings(["mlflow", "tensorboard=tb"]) == {"track.mlflow": "http://127.0.0.1:5000",
-                                                            "track.tensorboard": str(tmp_path / "tb")}
+    assert track_settings(["mlflow", "tensorboard=tb"]) == {
+        "track.mlflow": "http://127.0.0.1:5000",
+        "track.tensorboard": str(tmp_path / "tb"),
+    }
     with pytest.raises(ConfigError, match="unknown tracker 'wandb'.*--track mlflow"):
         track_settings(["wandb"])
 
@@ -58,18 +66,38 @@ def mlflow_server(tmp_path_factory, mlflow_db):
     home = tmp_path_factory.mktemp("mlflow-server")
     mlflow_db(home / "mlflow.db")
     port = free_port()
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-               "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination",
-               str(home / "artifacts"), "--workers", "1"]
+    command = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{home / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(home / "artifacts"),
+        "--workers",
+        "1",
+    ]
     log = home / "server.log"
     # Without MLflow 3's job runner (six more processes, for GenAI evaluation jobs): a tracking
     # server, as a team runs one for training runs.
-    process = subprocess.Popen(command, cwd=home, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True,
-                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    process = subprocess.Popen(
+        command,
+        cwd=home,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
     try:
-        yield {"process": process, "url": f"http://127.0.0.1:{port}", "db": f"sqlite:///{home / 'mlflow.db'}",
-               "log": log}
+        yield {
+            "process": process,
+            "url": f"http://127.0.0.1:{port}",
+            "db": f"sqlite:///{home / 'mlflow.db'}",
+            "log": log,
+        }
     finally:
         stop(process)
 
@@ -86,7 +114,6 @@ def wait_up(server: dict, timeout_s: float = 180) -> None:
     raise AssertionError("mlflow server did not come up:\n" + server["log"].read_text()[-3000:])
 
 
-
 @pytest.mark.flow
 def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_completes(tmp_path, run_env, mlflow_server):
     from mlflow.tracking import MlflowClient
@@ -98,10 +125,21 @@ def test_a_tracking_server_killed_mid_run_costs_one_warning_and_the_run_complete
     taken = tmp_path / "taken"  # a file where the TensorBoard folder should be: no folder can be made there
     taken.write_text("")
     # One device: the subject is the tracking, not parallel training (no training process).
-    args = base_args(corpus, tmp_path / "store", "--track", f"mlflow={mlflow_server['url']}",
-                     "--track", f"tensorboard={taken}", "--set",
-                     f"train.steps={steps}", "--set", "train.log_every=10", "--set", f"train.checkpoint_every={steps}",
-                     devices=1)
+    args = base_args(
+        corpus,
+        tmp_path / "store",
+        "--track",
+        f"mlflow={mlflow_server['url']}",
+        "--track",
+        f"tensorboard={taken}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.log_every=10",
+        "--set",
+        f"train.checkpoint_every={steps}",
+        devices=1,
+    )
     log = tmp_path / "run.log"
     run = start(args, log, run_env)
     client = MlflowClient(mlflow_server["url"])

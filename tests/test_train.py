@@ -27,8 +27,9 @@ def split():
 def test_loss_falls_on_tiny(split):
     cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10, "eval_every": 20})
     graphdef, state = init_state(TINY.model, cfg)
-    result = train(graphdef, state, Batches(split.train, 8), val_batches(split.val, 6),
-                   Placement.single(jax.devices()[0]), cfg)
+    result = train(
+        graphdef, state, Batches(split.train, 8), val_batches(split.val, 6), Placement.single(jax.devices()[0]), cfg
+    )
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert first > 5.0  # about ln(256) at initialisation
     assert last < first - 1.5
@@ -43,7 +44,8 @@ def test_loss_falls_on_tiny(split):
     whole = float(nnx.jit(target_losses)(trained, jnp.asarray(split.val, jnp.int32)).mean())
     assert result.val_loss == pytest.approx(whole, rel=1e-5)
     assert result.history[0]["val_loss"] > result.val_loss and result.history[-1]["val_bpb"] == pytest.approx(
-        result.val_loss / np.log(2))
+        result.val_loss / np.log(2)
+    )
     seconds = [h["seconds"] for h in result.history]
     assert seconds == sorted(seconds) and seconds[-1] <= result.elapsed_s + 1e-3  # rounded to ms
     assert result.tokens_per_s > 0 and result.compile_s > 0
@@ -97,10 +99,12 @@ def test_a_step_in_several_passes_is_the_one_pass_step(split):
     devices = jax.devices()
     batch = split.train[:8].astype(np.int32)
     steps = {}
-    for name, placement, passes in [("one pass", Placement.single(devices[0]), 1),
-                                    ("4 passes", Placement.single(devices[0]), 4),
-                                    ("2 devices, 1 pass", Placement.data_parallel(devices), 1),
-                                    ("2 devices, 2 passes", Placement.data_parallel(devices), 2)]:
+    for name, placement, passes in [
+        ("one pass", Placement.single(devices[0]), 1),
+        ("4 passes", Placement.single(devices[0]), 4),
+        ("2 devices, 1 pass", Placement.data_parallel(devices), 1),
+        ("2 devices, 2 passes", Placement.data_parallel(devices), 2),
+    ]:
         graphdef, state = init_state(TINY.model, TINY.train)
         step = make_train_step(graphdef, placement.state_sharding, placement.batch_sharding, passes=passes)
         state, tokens = placement.put_state(state), placement.put_batch(batch)
@@ -125,8 +129,10 @@ def test_a_diverging_loss_stops_with_the_step(split):
 def test_val_batches_shard_evenly():
     val = np.zeros((7, 4), np.uint8)
     batches = val_batches(val, 4, multiple=2)
-    assert [(rows.shape, weights.tolist()) for rows, weights in batches] == [((4, 4), [1, 1, 1, 1]),
-                                                                            ((4, 4), [1, 1, 1, 0])]
+    assert [(rows.shape, weights.tolist()) for rows, weights in batches] == [
+        ((4, 4), [1, 1, 1, 1]),
+        ((4, 4), [1, 1, 1, 0]),
+    ]
     # Every row once, whatever the sizes: the weights count each real row, the padding none.
     val = (np.arange(40).reshape(10, 4) + 1).astype(np.uint8)
     for size, multiple, count in [(4, 2, 3), (5, 2, 9), (8, 4, 1), (3, 1, 10)]:
@@ -142,8 +148,14 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
     runs = {}
     for precision in ("float32", "bfloat16"):
         graphdef, state = init_state(TINY.model, cfg)
-        runs[precision] = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]),
-                                cfg.model_copy(update={"precision": precision}))
+        runs[precision] = train(
+            graphdef,
+            state,
+            Batches(split.train, 8),
+            [],
+            Placement.single(jax.devices()[0]),
+            cfg.model_copy(update={"precision": precision}),
+        )
     half, full = runs["bfloat16"], runs["float32"]
     assert half.precision == "bfloat16" and full.precision == "float32"
     floats = {leaf.dtype for leaf in jax.tree.leaves(half.state) if jnp.issubdtype(leaf.dtype, jnp.floating)}
@@ -161,11 +173,16 @@ def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
     gpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "gpu")
     assert (cpu.attention, cpu.dense, cpu.precision, cpu.xla_options) == ("custom", "custom", "float32", XLA_CPU_TUNED)
     assert (gpu.attention, gpu.dense, gpu.precision, gpu.xla_options) == ("xla", "xla", "bfloat16", {})
-    fixed = resolve(TINY.model.model_copy(update={"attention": "xla"}),
-                    TINY.train.model_copy(update={"precision": "float32"}), TINY.data.seq_len, "gpu")
+    fixed = resolve(
+        TINY.model.model_copy(update={"attention": "xla"}),
+        TINY.train.model_copy(update={"precision": "float32"}),
+        TINY.data.seq_len,
+        "gpu",
+    )
     assert (fixed.attention, fixed.precision) == ("xla", "float32")
-    measured = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu", {"kernels": "xla", "rows_per_pass": 2,
-                                                                         "xla": "default"})
+    measured = resolve(
+        TINY.model, TINY.train, TINY.data.seq_len, "cpu", {"kernels": "xla", "rows_per_pass": 2, "xla": "default"}
+    )
     assert (measured.attention, measured.dense, measured.rows_per_pass, measured.xla_options) == ("xla", "xla", 2, {})
     assert cpu.model(TINY.model).attention == "custom"  # the model is built from concrete kernels
     assert jnp.dtype(gpu.precision) == jnp.bfloat16
@@ -176,8 +193,15 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
 
     from bardflow.model.optimizer import learning_rate, make_optimizer
 
-    cfg = build_config("tiny").train.model_copy(update={"steps": 100, "learning_rate": 1e-2, "schedule": "cosine",
-                                                        "warmup_steps": 10, "min_learning_rate_fraction": 0.1})
+    cfg = build_config("tiny").train.model_copy(
+        update={
+            "steps": 100,
+            "learning_rate": 1e-2,
+            "schedule": "cosine",
+            "warmup_steps": 10,
+            "min_learning_rate_fraction": 0.1,
+        }
+    )
     rate = learning_rate(cfg)
     assert float(rate(0)) == 0.0 and float(rate(10)) == pytest.approx(1e-2)
     assert float(rate(55)) == pytest.approx(0.55e-2, rel=1e-3)  # halfway down the cosine
@@ -229,13 +253,18 @@ def test_runs_that_differ_only_in_learning_rate_compile_one_step(optimizer, sche
         programs.append(make_train_step(graphdef).lower(state, tokens).as_text())
         states.append(state)
     assert programs[0] == programs[1]
+
     def peak(state) -> float:
-        (found,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state[1]["opt_state"])
-                    if all(part in jax.tree_util.keystr(path) for part in ("'hyperparams'", "'learning_rate'"))]
+        (found,) = [
+            leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state[1]["opt_state"])
+            if all(part in jax.tree_util.keystr(path) for part in ("'hyperparams'", "'learning_rate'"))
+        ]
         return float(found)
 
-    assert [peak(state) for state in states] == [np.float32(rate * (10 if optimizer == "muon" else 1))
-                                                 for rate in (3e-3, 2e-2)]
+    assert [peak(state) for state in states] == [
+        np.float32(rate * (10 if optimizer == "muon" else 1)) for rate in (3e-3, 2e-2)
+    ]
 
 
 def test_with_every_position_the_last_position_learns_too():
@@ -268,8 +297,9 @@ def test_with_every_position_the_last_position_learns_too():
 def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
     """train_single's short run: the first steps of the full run's schedule, step for step."""
     # tests/test_resume.py's scheduled configuration: one compiled step serves both.
-    cfg = TINY.train.model_copy(update={"steps": 30, "log_every": 1, "schedule": "cosine", "warmup_steps": 6,
-                                        "grad_clip": 0.5})
+    cfg = TINY.train.model_copy(
+        update={"steps": 30, "log_every": 1, "schedule": "cosine", "warmup_steps": 6, "grad_clip": 0.5}
+    )
     graphdef, state = init_state(TINY.model, cfg)
     place = Placement.single(jax.devices()[0])
     full = train(graphdef, state, Batches(split.train, 8), [], place, cfg)
@@ -288,14 +318,24 @@ def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_ad
 
     model = build_model(TINY.model, 0)
     chosen = muon_labels(nnx.state(model, nnx.Param))
-    muon = sorted(jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(chosen)[0]
-                  if leaf == "muon")
+    muon = sorted(
+        jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(chosen)[0] if leaf == "muon"
+    )
     assert len(muon) == 4 * TINY.model.num_layers and all(".kernel" in p or "['kernel']" in p for p in muon)
     assert not any(name in p for p in muon for name in ("embed", "lm_head"))
 
     # tests/test_resume.py's Muon configuration: one compiled step serves both.
-    cfg = TINY.train.model_copy(update={"steps": 30, "log_every": 29, "optimizer": "muon", "schedule": "cosine",
-                                        "warmup_steps": 6, "grad_clip": 0.5, "beta2": 0.99})
+    cfg = TINY.train.model_copy(
+        update={
+            "steps": 30,
+            "log_every": 29,
+            "optimizer": "muon",
+            "schedule": "cosine",
+            "warmup_steps": 6,
+            "grad_clip": 0.5,
+            "beta2": 0.99,
+        }
+    )
     graphdef, state = init_state(TINY.model, cfg)
     result = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg)
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
@@ -314,15 +354,23 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     leaves, tree = jax.tree.flatten(params)  # a gradient of its own for each, equal shapes too
     grads = tree.unflatten([jax.random.normal(jax.random.key(i), p.shape) for i, p in enumerate(leaves)])
     ours = muon(0.03, 2e-2, 5, 0.99, 1e-4)
-    theirs = optax_muon(0.03, weight_decay=1e-4, adam_learning_rate=2e-2, adam_b2=0.99, adam_weight_decay=1e-4,
-                        muon_weight_dimension_numbers=lambda p: jax.tree.map(
-                            lambda label: MuonDimensionNumbers(0, 1) if label == "muon" else None, muon_labels(p)))
+    theirs = optax_muon(
+        0.03,
+        weight_decay=1e-4,
+        adam_learning_rate=2e-2,
+        adam_b2=0.99,
+        adam_weight_decay=1e-4,
+        muon_weight_dimension_numbers=lambda p: jax.tree.map(
+            lambda label: MuonDimensionNumbers(0, 1) if label == "muon" else None, muon_labels(p)
+        ),
+    )
 
     def two_steps(tx, mesh=None):
         def run(grads, params):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else contextlib.nullcontext():
                 _, state = tx.update(grads, tx.init(params), params)
                 return tx.update(jax.tree.map(lambda g: 0.5 * g + 0.1, grads), state, params)
+
         return jax.jit(run)
 
     state = ours.init(params)
