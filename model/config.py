@@ -4,9 +4,10 @@ CLI overrides them with ``--set section.field=value``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import BardflowError
 
@@ -32,6 +33,20 @@ Seed = Annotated[int, Field(ge=0, lt=2**32)]  # what numpy's and JAX's generator
 # A step count a run can mean: 10 M steps of the smallest preset take weeks on a GPU, and
 # counts past 2**31 overflow the int32 step counter of the optimizer state.
 MAX_STEPS = 10_000_000
+
+
+@dataclass(frozen=True)
+class CorpusFigures:
+    """What a corpus's bytes come to: its checksums, its size and the byte values it holds."""
+
+    md5: str
+    sha256: str
+    size: int
+    seen: bytes  # the distinct byte values, sorted
+
+    @property
+    def distinct(self) -> int:
+        return len(self.seen)
 
 
 class DataConfig(_Section, frozen=True):
@@ -63,6 +78,21 @@ class DataConfig(_Section, frozen=True):
     )
     train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
     shuffle_seed: Seed = 0
+    # The figures a run took of a local corpus before its first stage (``tasks/fetch.pin``):
+    # they travel with these settings to the fetch stage, which checks its copy and any stored
+    # version against them. Never part of a key, a dump or a manifest.
+    _figures: CorpusFigures | None = PrivateAttr(default=None)
+
+    @property
+    def figures(self) -> CorpusFigures | None:
+        return self._figures
+
+    def pinned(self, figures: CorpusFigures) -> DataConfig:
+        """These settings for the corpus whose figures those are: its md5, and the figures."""
+        copy = self.model_copy(update={"md5": figures.md5})
+        # A frozen model's private attributes stay settable (pydantic freezes fields only).
+        copy._figures = figures  # pyright: ignore[reportAttributeAccessIssue]
+        return copy
 
 
 class ModelConfig(_Section, frozen=True):

@@ -22,13 +22,13 @@ import os
 import time
 import urllib.parse
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
 from ..artifacts import ui
 from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
-from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, DataConfig
+from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
 from ..model.data import ThreadedDigest, write_all
 from ..runtime import cache_dir
 from .download import download
@@ -68,8 +68,7 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
             figures = read_figures(path, data.glob, files)
         if data.md5 is not None and data.md5 != figures.md5:
             raise md5_mismatch(data.corpus, data.md5, figures)
-        _PINNED[(data.corpus, data.glob, figures.md5)] = figures
-        return data.model_copy(update={"md5": figures.md5})
+        return data.pinned(figures)
     if data.md5 is not None:
         return data
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
@@ -89,7 +88,7 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
     )
 
 
-def md5_mismatch(source: str, expected: str, found: Figures) -> FetchError:
+def md5_mismatch(source: str, expected: str, found: CorpusFigures) -> FetchError:
     """The one line for a corpus whose bytes are not the md5 asked for: both checksums, and
     which way out (another fetch, or the md5 of what is there)."""
     expected_size = KNOWN_SIZES.get(expected)
@@ -110,7 +109,7 @@ def accept(settings: DataConfig, version: Version) -> None:
     local corpus (read, or remembered): the same sha256 and size, or the version is not this
     corpus's. A record of this machine that named the wrong md5 is forgotten, so a rerun reads
     the corpus again."""
-    figures = _PINNED.get((settings.corpus, settings.glob, settings.md5 or ""))
+    figures = settings.figures
     stored = version.manifest.get("files", {}).get(CORPUS, {})
     if figures is None or (stored.get("sha256"), stored.get("bytes")) == (figures.sha256, figures.size):
         return
@@ -120,20 +119,6 @@ def accept(settings: DataConfig, version: Version) -> None:
         f"({stored.get('bytes', 0):,} bytes there, {figures.size:,} here, other sha256): this machine's "
         "record of its checksum was wrong and is forgotten; rerun to read the corpus again"
     )
-
-
-@dataclass(frozen=True)
-class Figures:
-    """What a corpus's bytes come to: its checksums, its size and the byte values it holds."""
-
-    md5: str
-    sha256: str
-    size: int
-    seen: bytes  # the distinct byte values, sorted
-
-    @property
-    def distinct(self) -> int:
-        return len(self.seen)
 
 
 class Digest:
@@ -151,10 +136,10 @@ class Digest:
         self.sha256 = ThreadedDigest(hashlib.sha256()) if self.sha256_only else hashlib.sha256()
         self.size, self.seen = 0, b""
 
-    def figures(self) -> Figures:
+    def figures(self) -> CorpusFigures:
         if self.md5 is None:
             raise RuntimeError("a sha256-only digest has no md5")
-        return Figures(self.md5.hexdigest(), self.sha256.hexdigest(), self.size, self.seen)
+        return CorpusFigures(self.md5.hexdigest(), self.sha256.hexdigest(), self.size, self.seen)
 
     def update(self, chunk: bytes) -> None:
         if self.md5 is not None:
@@ -169,11 +154,6 @@ class Digest:
         if new:
             self.seen = bytes(sorted(set(self.seen) | set(new)))
 
-
-# The figures of each local corpus this process pinned, by source, filter and md5: fetch
-# takes the md5 and the byte values from there, and checks the bytes it copies by their
-# sha256 alone (md5 runs on one core at about half sha256's speed).
-_PINNED: dict[tuple[str, str | None, str], Figures] = {}
 
 # This machine's record of local corpora's figures, one file per corpus state, keyed by its
 # files' paths and identities as the store knows a file it has hashed (device, inode, size,
@@ -215,7 +195,7 @@ def _seal(folder: Path, key: str, figures: dict, create: bool = False) -> str | 
     return hmac.new(material, (key + canonical_json(figures)).encode(), hashlib.sha256).hexdigest()
 
 
-def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures | None:
+def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> CorpusFigures | None:
     """The figures recorded for exactly these files unchanged, if any, and sealed by this
     cache folder's key."""
     record, _, key = _figures_file(path, pattern, files)
@@ -225,7 +205,7 @@ def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> Figu
         seal = _seal(record.parent, key, kept)
         if seal is None or not hmac.compare_digest(seal, str(found["seal"])):
             return None
-        figures = Figures(kept["md5"], kept["sha256"], int(kept["size"]), bytes.fromhex(kept["seen"]))
+        figures = CorpusFigures(kept["md5"], kept["sha256"], int(kept["size"]), bytes.fromhex(kept["seen"]))
     except (OSError, ValueError, KeyError, TypeError):  # none, or not one this code wrote
         return None
     if len(figures.md5) != 32 or len(figures.sha256) != 64:
@@ -235,7 +215,7 @@ def recalled_figures(path: Path, pattern: str | None, files: list[Path]) -> Figu
     return figures
 
 
-def read_figures(path: Path, pattern: str | None, files: list[Path]) -> Figures:
+def read_figures(path: Path, pattern: str | None, files: list[Path]) -> CorpusFigures:
     """The figures of the corpus's bytes, read whole; recorded when its files were settled
     before the read and did not move during it."""
     record, before, key = _figures_file(path, pattern, files)
@@ -287,7 +267,7 @@ class Fetched(NamedTuple):
     server redirected to another host, the URL the bytes came from."""
 
     files: list[Path] | None
-    figures: Figures
+    figures: CorpusFigures
     redirected_to: str | None = None
 
 
@@ -297,7 +277,7 @@ def fetch_to(
     pattern: str | None = None,
     progress=None,
     files: list[Path] | None = None,
-    known: Figures | None = None,
+    known: CorpusFigures | None = None,
 ) -> Fetched:
     """Writes the corpus to ``target``. ``progress(done, total)`` hears the source's bytes
     read so far; ``files``: a local source's files, where the caller has listed them
@@ -357,7 +337,7 @@ def build(settings: DataConfig, out: Builder) -> None:
     listed = corpus_files(path, settings.glob) if path is not None else None
     size_hint = sum(os.stat(f).st_size for f in listed) if listed is not None else KNOWN_SIZES.get(settings.md5, 1)
     with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
-        known = _PINNED.get((settings.corpus, settings.glob, settings.md5)) if path is not None else None
+        known = settings.figures if path is not None else None
         files, corpus, redirected_to = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
     actual = corpus.md5

@@ -234,7 +234,6 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     )
 
     def pinned(**options) -> DataConfig:
-        fetch_module._PINNED.clear()  # as a new run's process would start
         return pin(DataConfig(corpus=str(folder)), **options)
 
     first = pinned()
@@ -351,7 +350,6 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
 
     # X's record, edited to Y's figures with its file's times put back: not believed.
     def pinned() -> DataConfig:
-        fetch_module._PINNED.clear()
         return pin(DataConfig(corpus=x))
 
     assert pinned().md5 == md5_bytes(x_text)
