@@ -41,7 +41,7 @@ def train_once(steps: int, eval_every: int) -> dict:
     import jax
     import numpy as np
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.evaluation import val_batches
     from bardflow.model.loop import train
     from bardflow.model.placement import Placement

@@ -104,7 +104,7 @@ def child(job: dict) -> dict:
     import jax  # the imports a stage's process has loaded before its work
 
     from bardflow.artifacts.store import Store
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.tasks.fetch import pin
 
     unpinned = build_config("tiny").data.model_copy(update={"corpus": job["corpus"]})
@@ -169,7 +169,7 @@ def cpu_seconds() -> float:
 def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
     import jax
 
-    from bardflow.model.config import TrainingRequest, build_config
+    from bardflow.config.settings import TrainingRequest, build_config
     from bardflow.runtime.training_run import RunFiles, run_training
     from bardflow.tasks.registry import ENCODE, FETCH
     from bardflow.tasks.stage import produce

@@ -25,7 +25,7 @@ LAYOUTS = (("replicated", False), ("fsdp", False), ("fsdp", True))
 
 
 def _config(preset: str, settings: dict):
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
 
     return build_config(preset, settings)
 

@@ -240,7 +240,7 @@ def verify(out: Path) -> str:
         env.pop("PREFECT_API_URL", None)
         probe = (
             "import prefect, pydantic, s3fs, bardflow.cli.main, bardflow.flows.environment, "
-            "bardflow.model.config, bardflow.artifacts.store; print(prefect.__version__)"
+            "bardflow.config.settings, bardflow.artifacts.store; print(prefect.__version__)"
         )
         for command in (
             [python, "-c", probe],

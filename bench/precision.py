@@ -77,7 +77,7 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
     import jax
     import numpy as np
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.data import Batches, encode
     from bardflow.model.placement import Placement
 

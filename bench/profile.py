@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.step import init_state, make_train_step
     from bardflow.model.step_settings import resolve
 

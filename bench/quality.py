@@ -41,7 +41,7 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
 def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -> dict:
     import jax
 
-    from bardflow.model.config import TrainingRequest, build_config
+    from bardflow.config.settings import TrainingRequest, build_config
     from bardflow.model.data import encode, write_split
     from bardflow.runtime.training_run import RunFiles, run_training
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from bardflow.flows.environment import prepare_environment
 
     prepare_environment()  # the pipeline's device defaults: one emulated device per core on a CPU
-    from bardflow.flows.config_file import parse_assignment
+    from bardflow.config.config_file import parse_assignment
 
     overrides = dict(parse_assignment(item) for item in args.set)
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)

@@ -290,7 +290,7 @@ def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -
     """``ROMEO:`` + ``new_bytes`` with rotary positions, on the presets' ``shapes`` (``cpu`` and
     ``codelab``) at batch 1 and 8: past either context (128 and 256 bytes) the cache wraps instead of the
     window being recomputed; against the codelab loop on the same model, warm (``alternating``)."""
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.transformer import build_model
 
     results = {}
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             MODES["smoke" if args.smoke else "quick" if args.quick else "full"].pipeline, args.against, args.out
         )
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]

@@ -40,7 +40,7 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     import jax
     import numpy as np
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.loop import Hook, RunRecord, every, run_steps
     from bardflow.model.step import init_state, make_train_step
     from bardflow.model.step_settings import resolve
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds without and with (default 3)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    from bardflow.model.config import PRESETS, TrackingTarget, build_config
+    from bardflow.config.settings import PRESETS, TrackingTarget, build_config
     from bardflow.runtime.trackers import MlflowRun
 
     with tempfile.TemporaryDirectory() as tmp:

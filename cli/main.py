@@ -10,8 +10,8 @@ import sys
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
-from ..flows import config_file
-from ..flows.config_file import parse_assignment
+from ..config import config_file
+from ..config.config_file import parse_assignment
 from ..flows.environment import (
     AUTO_CHOICES,
     DEBUG,
@@ -89,8 +89,8 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
             f"--pool {args.pool} needs a Prefect server that its workers share: start one "
             "(`bardflow server start`) or set PREFECT_API_URL"
         )
+    from ..config.settings import ConfigError
     from ..flows.run_config import resolve_run_config
-    from ..model.config import ConfigError
 
     named, overrides = config_file.read(args.config) if args.config else (None, {})
     args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
@@ -286,7 +286,7 @@ def _cluster_follower():
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from ..model.config import PRESETS, build_config
+    from ..config.settings import PRESETS, build_config
 
     if args.yaml:
         if not args.name:

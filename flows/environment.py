@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import cast
 
-from ..model.config import PRESETS
+from ..config.settings import PRESETS
 from ..model.errors import BardflowError
 from ..runtime import cache_dir
 from ..runtime.distributed import CPU_DEVICE_FLAG
@@ -112,7 +112,7 @@ def store_credentials() -> str | None:
     named = os.environ.get(STORE_CREDENTIALS, "").strip()
     if not named:
         return None
-    from ..model.config import ConfigError
+    from ..config.settings import ConfigError
 
     kind, _, block = named.partition("/")
     if kind != "aws-credentials" or not block:

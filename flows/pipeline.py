@@ -27,13 +27,7 @@ from pydantic import ValidationError
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
-from ..model.config import (
-    ConfigError,
-    GenerateConfig,
-    PipelineConfig,
-    Prompt,
-    TrainingRequest,
-)
+from ..config.settings import ConfigError, GenerateConfig, PipelineConfig, Prompt, TrainingRequest
 from ..model.errors import BardflowError
 from ..runtime import stopping
 from ..runtime.distributed import hardware

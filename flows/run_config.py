@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..model.config import ConfigError, PipelineConfig, TrackConfig, build_config
-from . import config_file
+from ..config import config_file
+from ..config.settings import ConfigError, PipelineConfig, TrackConfig, build_config
 from .environment import empty_corpus, pick_preset
 from .tracking import track_settings
 

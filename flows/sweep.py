@@ -24,7 +24,7 @@ from prefect.logging import get_run_logger
 
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
-from ..model.config import ConfigError, PipelineConfig
+from ..config.settings import ConfigError, PipelineConfig
 from ..runtime import stopping
 from ..server import notify
 from ..tasks.compare import plot_validation_curves

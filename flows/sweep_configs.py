@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..model.config import ConfigError, PipelineConfig, build_config
-from .config_file import parse_assignment, parse_value
+from ..config.config_file import parse_assignment, parse_value
+from ..config.settings import ConfigError, PipelineConfig, build_config
 
 MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
 

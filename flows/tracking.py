@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from ..artifacts.store import Version
-from ..model.config import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
+from ..config.settings import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
 from ..runtime import trackers as tracking
 
 DEFAULT_EXPERIMENT = "bardflow"

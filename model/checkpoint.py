@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from .config import ModelConfig
+from ..config.settings import ModelConfig
 from .errors import BardflowError, require_space
 from .transformer import Transformer, build_model
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import ModelConfig
+from ..config.settings import ModelConfig
 from .transformer import Transformer
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both from any host (docs/architecture.md, "Export")

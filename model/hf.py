@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
+from ..config.settings import ModelConfig
 
 LAYER_NORM_EPS = 1e-6  # nnx.LayerNorm's default
 ROPE_BASE = 10000.0  # model/transformer.py, rotate

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import TrainConfig
+from ..config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import step_memory
 from .placement import Placement

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, ModelConfig, TrainConfig
+from ..config.settings import ConfigError, ModelConfig, TrainConfig
 
 GIB = 1 << 30
 # Arrays below this many elements (biases, norms, step counts, learning rates) stay whole on

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
-from .config import TrainConfig
+from ..config.settings import TrainConfig
 
 DATA_AXIS = "data"  # the data-parallel mesh axis (model/placement.py)
 

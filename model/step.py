@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .config import ModelConfig, TrainConfig
+from ..config.settings import ModelConfig, TrainConfig
 from .errors import BardflowError
 from .optimizer import DATA_AXIS, make_optimizer
 from .placement import StateLayout

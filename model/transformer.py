@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import Kernel, ModelConfig
+from ..config.settings import Kernel, ModelConfig
 from .kernels import attend, causal_attention, dense
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..model.config import TrainingRequest
+from ..config.settings import TrainingRequest
 from ..model.multihost import broadcast_json
 from .distributed import DistributedError, ProcessGroup, initialize
 from .launch import NOTE, PROGRESS, WARNING

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..model.config import TrackingTarget
+from ..config.settings import TrackingTarget
 
 if TYPE_CHECKING:
     from ..model.loop import Hook, StepInfo

@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 
+from ..config.settings import TrainingRequest
 from ..model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
-from ..model.config import TrainingRequest
 from ..model.data import Batches, read_split
 from ..model.evaluation import eval_choice, eval_limit, val_batches
 from ..model.loop import Hook, StepInfo, train

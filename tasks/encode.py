@@ -12,7 +12,7 @@ import numpy as np
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
-from ..model.config import BYTE_VALUES, DataConfig
+from ..config.settings import BYTE_VALUES, DataConfig
 from ..model.data import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
 from ..model.errors import require_space
 from .fetch import CORPUS

@@ -24,8 +24,8 @@ import numpy as np
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version, file_digest
+from ..config.settings import ModelConfig
 from ..model.checkpoint import load_config, load_model
-from ..model.config import ModelConfig
 from ..model.errors import BardflowError
 from ..model.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
 from ..model.hf import byte_alphabet, hf_config, hf_tensors, unmappable

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..artifacts import ui
 from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
-from ..model.config import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
+from ..config.settings import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
 from ..model.data import ThreadedDigest, write_all
 from ..runtime import cache_dir
 from .download import download

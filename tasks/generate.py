@@ -7,8 +7,8 @@ import time
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
+from ..config.settings import GenerateConfig
 from ..model.checkpoint import load_config, load_model
-from ..model.config import GenerateConfig
 from ..model.sampling import as_text, generate
 from .checkpoint import MODEL
 from .registry import GENERATE

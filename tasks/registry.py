@@ -8,7 +8,7 @@ Importing this module is cheap (no JAX, no Prefect): the command line reads it f
 
 from __future__ import annotations
 
-from ..model.config import TrainingRequest
+from ..config.settings import TrainingRequest
 from .stage import RunPlan, Stage
 
 FETCH = Stage(

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..model.config import TINYSHAKESPEARE_URL
+from ..config.settings import TINYSHAKESPEARE_URL
 from ..model.errors import BardflowError
 
 

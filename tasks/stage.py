@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..artifacts.store import Builder, Version, VersionStore, version_key
-from ..model.config import ConfigError, PipelineConfig, TrainingRequest
+from ..config.settings import ConfigError, PipelineConfig, TrainingRequest
 from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
 from ..model.memory import check_fits
 from ..runtime.distributed import ProcessGroup, free_bytes_per_device

@@ -18,8 +18,8 @@ from flax import nnx
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, ResumeFolder, Version, canonical_json
+from ..config.settings import TrainingRequest
 from ..model.checkpoint import TrainingCheckpoints, load_train_state
-from ..model.config import TrainingRequest
 from ..model.step import TrainingError, init_state, model_from_state
 from ..runtime import stopping
 from ..runtime import trackers as tracking

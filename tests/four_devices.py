@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bardflow.config.settings import build_config  # noqa: E402
 from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state, save_train_state  # noqa: E402
-from bardflow.model.config import build_config  # noqa: E402
 from bardflow.model.data import Batches, encode  # noqa: E402
 from bardflow.model.loop import train  # noqa: E402
 from bardflow.model.memory import estimate, step_memory  # noqa: E402

@@ -5,7 +5,7 @@ import optax
 import pytest
 from flax import nnx
 
-from bardflow.model.config import build_config
+from bardflow.config.settings import build_config
 from bardflow.model.sampling import generate
 from bardflow.model.step import init_state, make_train_step
 from bardflow.model.step_settings import XLA_CPU_TUNED, default_rows_per_pass

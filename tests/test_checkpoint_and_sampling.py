@@ -2,6 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bardflow.config.settings import build_config
 from bardflow.model.checkpoint import (
     CheckpointError,
     load_config,
@@ -10,7 +11,6 @@ from bardflow.model.checkpoint import (
     params_digest,
     save_model,
 )
-from bardflow.model.config import build_config
 from bardflow.model.sampling import PromptError, as_text, generate
 from bardflow.model.transformer import build_model
 from tests.helpers import jitted

@@ -1,7 +1,7 @@
 import pytest
 
-from bardflow.flows.config_file import parse_assignment
-from bardflow.model.config import ConfigError, build_config
+from bardflow.config.config_file import parse_assignment
+from bardflow.config.settings import ConfigError, build_config
 
 
 def test_presets_validate_and_codelab_is_the_codelab():
@@ -154,7 +154,7 @@ def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(t
     named with the file it is in."""
     import json
 
-    from bardflow.flows import config_file
+    from bardflow.config import config_file
 
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("preset: tiny\ntrain:\n  steps: 7\n  learning_rate: 1.0e-2\ngenerate:\n  seed: 3\n")
@@ -220,7 +220,7 @@ def test_a_hostile_config_file_is_refused_in_one_line_at_once(tmp_path, text, wo
     the last one winning."""
     import time
 
-    from bardflow.flows import config_file
+    from bardflow.config import config_file
 
     path = tmp_path / "run.yaml"
     if text is None:  # 450,000 prompts, as a file of 27 MB

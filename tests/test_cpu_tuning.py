@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from bardflow.model.config import build_config
+from bardflow.config.settings import build_config
 from bardflow.model.placement import Placement
 from bardflow.model.step_settings import resolve
 from bardflow.runtime.cpu_tuning import candidates, choose, compiled_step

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+from bardflow.config.settings import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state
-from bardflow.model.config import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.data import Batches, encode, write_split
 from bardflow.model.evaluation import val_batches
 from bardflow.model.loop import train
@@ -69,7 +69,7 @@ def test_a_run_takes_the_emulated_devices_its_flags_ask_for_even_where_jax_alrea
 
 
 def test_processes_must_share_the_devices_out_evenly():
-    from bardflow.model.config import ConfigError
+    from bardflow.config.settings import ConfigError
     from bardflow.tasks.stage import RunPlan
 
     request = RunPlan(TINY, devices=2, platform="cpu", processes=2).parallel_training()

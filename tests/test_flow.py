@@ -229,7 +229,7 @@ def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(fir
     import jax
     from flax import nnx
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.export import export_forward, portable_config
     from bardflow.model.transformer import Transformer
     from tests.helpers import REPO
@@ -285,7 +285,7 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
 
     store, common, _ = workspace
     root = store.parent

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from bardflow.model.config import ConfigError, build_config
+from bardflow.config.settings import ConfigError, build_config
 from bardflow.model.memory import FSDP_MIN_ELEMENTS, estimate, fsdp_dim, parameter_shapes
 from tests.helpers import REPO
 
@@ -126,7 +126,7 @@ def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training
     resume folder takes the newest checkpoint (Orbax reads it onto the new layout, as the
     four-device tests show); another global batch is another training and is left alone."""
     from bardflow.artifacts.store import ResumeFolder
-    from bardflow.model.config import TrainingRequest
+    from bardflow.config.settings import TrainingRequest
     from bardflow.tasks.train import adopt_checkpoints, same_training
 
     cfg = build_config("cpu", {"train.sharding": "fsdp"})

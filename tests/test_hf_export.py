@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from bardflow.model.config import build_config
+from bardflow.config.settings import build_config
 from bardflow.model.export import flat_params
 from bardflow.model.hf import unmappable
 from bardflow.model.transformer import build_model

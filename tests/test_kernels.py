@@ -58,7 +58,7 @@ def test_the_model_computes_the_same_with_either_kernel():
     XLA's own (``auto`` elsewhere) give the same logits, loss and gradients."""
     from flax import nnx
 
-    from bardflow.model.config import build_config
+    from bardflow.config.settings import build_config
     from bardflow.model.step import next_byte_loss
     from bardflow.model.transformer import build_model
 

@@ -1,5 +1,6 @@
-"""The house rules: imports point down (cli -> flows -> tasks -> runtime -> model; artifacts
-beside runtime, under tasks; server operations under flows, over runtime), model/ is pure ML,
+"""The house rules: imports point down (cli -> flows -> tasks -> runtime -> model -> config;
+artifacts beside runtime, under tasks; server operations under flows, over runtime; config at
+the bottom, taking only the error family from model), model/ is pure ML,
 a training process is started through a module the launcher's caller imports, and a training
 process never imports Prefect."""
 
@@ -17,11 +18,12 @@ from tests.helpers import REPO
 ALLOWED = {
     "cli": set(ROOMS),
     "flows": set(ROOMS) - {"cli"},
-    "server": {"server", "runtime", "model"},
-    "tasks": {"tasks", "runtime", "model", "artifacts"},
-    "runtime": {"runtime", "model"},
-    "model": {"model"},
-    "artifacts": {"artifacts", "model"},
+    "server": {"server", "runtime", "model", "config"},
+    "tasks": {"tasks", "runtime", "model", "artifacts", "config"},
+    "runtime": {"runtime", "model", "config"},
+    "model": {"model", "config"},
+    "artifacts": {"artifacts", "model", "config"},
+    "config": {"config", "model"},  # the error family alone: test_config_takes_only_the_error_family_from_model
 }
 # Beside the standard library, model/ imports the numerical stack and what its data and
 # configuration are made of (Arrow files, validated pydantic models): no Prefect, no store.
@@ -57,14 +59,27 @@ def test_model_is_pure_ml():
     for path in sorted((REPO / "model").glob("*.py")):
         for name in imports(path):
             top = name.split(".")[0]
-            assert top in standard | MODEL_THIRD_PARTY or name.startswith("bardflow.model"), (
+            assert top in standard | MODEL_THIRD_PARTY or name.startswith(("bardflow.model", "bardflow.config")), (
                 f"{path.relative_to(REPO)} imports {name}"
             )
 
 
-def test_artifacts_take_only_the_error_family_from_model():
-    for path in sorted((REPO / "artifacts").glob("*.py")):
+@pytest.mark.parametrize("room", ["artifacts", "config"])
+def test_artifacts_and_config_take_only_the_error_family_from_model(room):
+    for path in sorted((REPO / room).glob("*.py")):
         assert {n for n in own_imports(path) if n.startswith("bardflow.model")} <= {"bardflow.model.errors"}, path
+
+
+def test_the_presets_are_files_a_user_copies():
+    """Each preset is a YAML file of the configuration room, and the only source of its values."""
+    import yaml
+
+    from bardflow.config.settings import PRESET_FILES, PRESETS
+
+    assert sorted(p.stem for p in PRESET_FILES.glob("*.yaml")) == sorted(PRESETS)
+    for name, values in PRESETS.items():
+        text = (PRESET_FILES / f"{name}.yaml").read_text()
+        assert text.startswith(f"# {name}: ") and (yaml.safe_load(text) or {}) == values, name
 
 
 def test_no_module_is_named_in_a_string():
@@ -162,3 +177,15 @@ def test_the_pipeline_the_samples_flow_and_the_sweep_are_distinct_flows_in_the_u
 
     for deployment in deployments:
         assert load_flow_from_entrypoint(deployment["entrypoint"]).name in names, deployment["entrypoint"]
+
+
+def test_the_architecture_map_names_every_folder_and_only_folders_that_exist():
+    """docs/architecture.md's map, one entry a folder: every room of the package is on it, and
+    every folder on it is in the tree."""
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("```\n", 2)[1]
+    mapped = set(re.findall(r"^([a-z_]+)/ ", block, re.MULTILINE))
+    assert set(ROOMS) <= mapped, sorted(set(ROOMS) - mapped)
+    assert all((REPO / folder).is_dir() for folder in mapped), sorted(f for f in mapped if not (REPO / f).is_dir())

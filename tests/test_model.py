@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bardflow.model.config import ModelConfig, build_config
+from bardflow.config.settings import ModelConfig, build_config
 from bardflow.model.transformer import build_model, count_params
 from tests.helpers import jitted
 

@@ -25,7 +25,7 @@ def test_go_to_definition_crosses_folders_and_find_references_finds_every_use():
     use = REPO / "flows" / "run_config.py"
     line, column = _at(use, r"\b(build_config)\(")
     (definition,) = jedi.Script(path=use, project=project).goto(line, column, follow_imports=True)
-    assert definition.module_path == REPO / "model" / "config.py" and definition.type == "function"
+    assert definition.module_path == REPO / "config" / "settings.py" and definition.type == "function"
 
     line, column = _at(definition.module_path, r"^def (build_config)\(")
     found = jedi.Script(path=definition.module_path, project=project).get_references(line, column)
@@ -38,4 +38,4 @@ def test_go_to_definition_crosses_folders_and_find_references_finds_every_use():
         if re.search(r"\bbuild_config\b", path.read_text())
     }
     assert named <= files, sorted(str(p.relative_to(REPO)) for p in named - files)
-    assert {path.parent.name for path in named} >= {"model", "flows", "cli"}
+    assert {path.parent.name for path in named} >= {"config", "flows", "cli"}

@@ -258,8 +258,8 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     import jax
 
     from bardflow.artifacts.objects import open_store
+    from bardflow.config.settings import TrainingRequest
     from bardflow.model.checkpoint import params_digest
-    from bardflow.model.config import TrainingRequest
     from bardflow.runtime.training_run import RunFiles, run_training
     from bardflow.tasks.train import trained_model
     from tests.helpers import without_seconds

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bardflow.artifacts.store import Store
-from bardflow.model.config import DataConfig
+from bardflow.config.settings import DataConfig
 from bardflow.tasks.registry import FETCH
 from bardflow.tasks.stage import produce
 from tests.helpers import base_args, call, checkpoint_steps, finish, md5_bytes, play_text, start

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bardflow.config.settings import build_config
 from bardflow.model.checkpoint import TrainingCheckpoints
-from bardflow.model.config import build_config
 from bardflow.model.data import Batches, encode
 from bardflow.model.loop import train
 from bardflow.model.placement import Placement

@@ -183,7 +183,7 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
     import jax
 
     from bardflow.artifacts.store import Store
-    from bardflow.model.config import TrainingRequest
+    from bardflow.config.settings import TrainingRequest
     from bardflow.runtime.training_run import RunFiles, run_training
     from bardflow.tasks.encode import TRAIN, VAL
     from bardflow.tasks.train import training_fingerprint

@@ -18,7 +18,7 @@ import pytest
 
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Store
-from bardflow.model.config import DataConfig, build_config
+from bardflow.config.settings import DataConfig, build_config
 from bardflow.model.data import encode, read_split
 from bardflow.tasks.fetch import CORPUS, FetchError, pin
 from bardflow.tasks.registry import ENCODE, FETCH

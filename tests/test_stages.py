@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from bardflow.artifacts.store import Store
+from bardflow.config.settings import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.model.checkpoint import save_model
-from bardflow.model.config import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
 from bardflow.tasks.checkpoint import MODEL
 from bardflow.tasks.download import download
 from bardflow.tasks.fetch import FetchError, pin

@@ -187,7 +187,7 @@ def test_runs_tell_versions_apart_by_their_corpus(tmp_path):
     """`bardflow runs` compared two trainings on different text by a 64-digit encode hash;
     it names each corpus by its source, size and md5."""
     from bardflow.cli.runs import describe, listing, manifests_of
-    from bardflow.model.config import DataConfig
+    from bardflow.config.settings import DataConfig
     from bardflow.tasks.fetch import pin
     from bardflow.tasks.registry import ENCODE, FETCH
     from bardflow.tasks.stage import produce

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from bardflow.config.settings import ConfigError
 from bardflow.flows.sweep_configs import grid_configurations
-from bardflow.model.config import ConfigError
 from tests.helpers import OUTPUT, Webhook, bardflow, call
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bardflow.config.settings import ConfigError
 from bardflow.flows.tracking import track_settings
-from bardflow.model.config import ConfigError
 from bardflow.runtime.launch import free_port
 from bardflow.runtime.trackers import scalars
 from tests.helpers import base_args, finish, logged, play_text, require, start
@@ -36,8 +36,8 @@ def test_records_become_scalars_with_the_throughput_between_them():
 
 
 def test_a_run_says_where_its_trackers_wrote_and_how_to_see_it():
+    from bardflow.config.settings import TrackConfig
     from bardflow.flows.tracking import RunTracking
-    from bardflow.model.config import TrackConfig
 
     lines = RunTracking(TrackConfig(tensorboard="runs"), "bold-fox", print).where()
     assert lines == ["TensorBoard: event files in runs/bold-fox; see them with `tensorboard --logdir runs`"]

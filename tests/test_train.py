@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from bardflow.model.config import build_config
+from bardflow.config.settings import build_config
 from bardflow.model.data import Batches, encode
 from bardflow.model.evaluation import val_batches
 from bardflow.model.loop import train

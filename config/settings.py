@@ -5,11 +5,12 @@ CLI overrides them with ``--set section.field=value``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import BardflowError
+from ..model.errors import BardflowError
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
@@ -389,118 +390,19 @@ class TrainingRequest(_Section, frozen=True):
         return recipe
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # Exactly the codelab: 500 timed steps per training run.
-    "codelab": {},
-    # Tuned for time to quality on a 2-core CPU (docs/benchmarks.md, "Time to quality"): the whole
-    # pipeline in about two minutes, validation loss below 1.60. Every position of the
-    # 128-byte context is trained and positions are rotary, so sampling on past a full
-    # context stays good. Muon learns ~1.5x more per token here than AdamW; its larger
-    # batch pays for its per-step cost. Output projections start at zero (each block the
-    # identity), the one refinement of those measured that paid here.
-    # train_single measures throughput on 30 steps. The loss is recorded every 46 steps, the
-    # whole validation split (about a second each) evaluated every 230.
-    "cpu": {
-        "data": {"seq_len": 128, "every_position": True},
-        "model": {
-            "d_model": 128,
-            "num_heads": 4,
-            "ffn_dim": 512,
-            "num_layers": 2,
-            "max_seq_len": 128,
-            "positions": "rope",
-            "zero_init": True,
-        },
-        "train": {
-            "steps": 460,
-            "single_device_steps": 30,
-            "per_device_batch": 16,
-            "optimizer": "muon",
-            "muon_learning_rate": 0.03,
-            "learning_rate": 2e-2,
-            "beta2": 0.99,
-            "schedule": "cosine",
-            "warmup_steps": 20,
-            "grad_clip": 1.0,
-            "log_every": 46,
-            "eval_every": 230,
-            "checkpoint_every": 100,
-        },
-        "generate": {"max_new_bytes": 200},
-    },
-    # Time to quality on one GPU: nanoGPT's shakespeare_char shape (6 layers, width 384,
-    # context 256, batch 64) with rotary positions, every position trained, Muon for the
-    # blocks' matrices and output projections started at zero (as in the cpu preset, where
-    # both were measured), warmup and cosine decay, clipping; bfloat16 compute (auto).
-    # Target: validation loss <= 1.47 within 60 s of training (`python -m bench.quality
-    # --preset quality`). On a CPU it runs, slowly.
-    "quality": {
-        "data": {"seq_len": 256, "every_position": True},
-        "model": {
-            "d_model": 384,
-            "num_heads": 6,
-            "ffn_dim": 1536,
-            "num_layers": 6,
-            "max_seq_len": 256,
-            "positions": "rope",
-            "zero_init": True,
-        },
-        "train": {
-            "steps": 2000,
-            "single_device_steps": 200,
-            "per_device_batch": 64,
-            "optimizer": "muon",
-            "muon_learning_rate": 0.02,
-            "learning_rate": 3e-3,
-            "schedule": "cosine",
-            "warmup_steps": 100,
-            "grad_clip": 1.0,
-            "beta2": 0.99,
-            "log_every": 100,
-            "checkpoint_every": 500,
-        },
-        "generate": {"max_new_bytes": 500},
-    },
-    # GPT-2 small's shape (12 layers, width 768, 12 heads, context 1,024: about 85 M parameters
-    # on the byte vocabulary) with rotary positions, for one or more GPUs and corpora larger than
-    # TinyShakespeare (enwik8, your own): bfloat16 compute (auto), parameters and optimizer
-    # state split over the devices (fsdp). `bardflow presets gpt2` shows its memory per device.
-    "gpt2": {
-        "data": {"seq_len": 1024, "every_position": True},
-        "model": {
-            "d_model": 768,
-            "num_heads": 12,
-            "ffn_dim": 3072,
-            "num_layers": 12,
-            "max_seq_len": 1024,
-            "positions": "rope",
-        },
-        "train": {
-            "steps": 5000,
-            "single_device_steps": 50,
-            "per_device_batch": 16,
-            "learning_rate": 6e-4,
-            "schedule": "cosine",
-            "warmup_steps": 200,
-            "min_learning_rate_fraction": 0.1,
-            "grad_clip": 1.0,
-            "weight_decay": 0.1,
-            "beta2": 0.95,
-            "log_every": 100,
-            "eval_every": 1000,
-            "checkpoint_every": 500,
-            "sharding": "fsdp",
-        },
-        "generate": {"max_new_bytes": 500},
-    },
-    # Seconds, for tests.
-    "tiny": {
-        "data": {"seq_len": 32, "every_position": True},
-        "model": {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "max_seq_len": 32},
-        "train": {"steps": 20, "per_device_batch": 4, "learning_rate": 3e-3, "log_every": 5, "checkpoint_every": 10},
-        "generate": {"max_new_bytes": 40},
-    },
-}
+# The presets, each a file users copy (presets/NAME.yaml, its reasons in its comments), in
+# the order `bardflow presets` lists them.
+PRESET_FILES = Path(__file__).with_name("presets")
+PRESET_NAMES = ("codelab", "cpu", "quality", "gpt2", "tiny")
+
+
+def _preset(name: str) -> dict[str, dict[str, Any]]:
+    import yaml  # with the presets only: the settings' types load without it
+
+    return yaml.safe_load((PRESET_FILES / f"{name}.yaml").read_text()) or {}
+
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {name: _preset(name) for name in PRESET_NAMES}
 
 
 def _describe(error: ValidationError) -> str:

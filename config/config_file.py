@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from ..model.config import PRESETS, ConfigError, PipelineConfig, build_config
+from .settings import PRESETS, ConfigError, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)
 KEYS = ("preset", *SECTIONS)
@@ -185,7 +185,7 @@ def as_yaml(preset: str) -> str:
     BARDFLOW_CORPUS, and online as the preset does)."""
     import yaml
 
-    from ..model.config import TINYSHAKESPEARE_URL
+    from .settings import TINYSHAKESPEARE_URL
 
     body = build_config(preset).model_dump(mode="json")
     note = ""
