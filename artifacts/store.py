@@ -50,7 +50,7 @@ def _unfinished(cleanup: Callable[[], None]) -> Iterator[None]:
 
 def abandon_unfinished() -> None:
     """Removes the build folders and lock files this process holds, for an end that skips
-    every ``finally`` (a forced stop: runtime/stopping.py): a failed run leaves none behind."""
+    every ``finally`` (a forced stop: model/training/stopping.py): a failed run leaves none behind."""
     for cleanup in reversed(list(_cleanups)):
         try:
             cleanup()
@@ -479,7 +479,7 @@ class Store(VersionStore):
         path = stage_dir / f".lock-{key}"
         mine = [handle]
 
-        def let_go() -> None:  # a forced end (runtime/stopping.py) skips the finally below
+        def let_go() -> None:  # a forced end (model/training/stopping.py) skips the finally below
             if os.stat(path).st_ino == os.fstat(mine[0].fileno()).st_ino:
                 path.unlink(missing_ok=True)
 

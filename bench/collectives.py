@@ -42,11 +42,11 @@ def train_once(steps: int, eval_every: int) -> dict:
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.evaluation import val_batches
-    from bardflow.model.loop import train
-    from bardflow.model.placement import Placement
-    from bardflow.model.step import init_state
-    from bardflow.model.step_settings import CPU_TOKENS_PER_PASS, resolve
+    from bardflow.model.training.evaluation import val_batches
+    from bardflow.model.training.loop import train
+    from bardflow.model.training.placement import Placement
+    from bardflow.model.training.step import init_state
+    from bardflow.model.training.step_settings import CPU_TOKENS_PER_PASS, resolve
 
     cfg = build_config(
         "cpu",
@@ -70,7 +70,7 @@ def train_once(steps: int, eval_every: int) -> dict:
     train_cfg, step = cfg.train, resolve(cfg.model, cfg.train, seq, "cpu")  # the CPU's defaults
     graphdef, state = init_state(step.model(cfg.model), train_cfg)
     batch = train_cfg.per_device_batch * len(devices)
-    # The evaluation batches the training stage uses on a CPU (runtime/training_run.py).
+    # The evaluation batches the training stage uses on a CPU (model/training/training_run.py).
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
     result = train(

@@ -170,7 +170,7 @@ def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
     import jax
 
     from bardflow.config.settings import TrainingRequest, build_config
-    from bardflow.runtime.training_run import RunFiles, run_training
+    from bardflow.model.training.training_run import RunFiles, run_training
     from bardflow.tasks.registry import ENCODE, FETCH
     from bardflow.tasks.stage import produce
 

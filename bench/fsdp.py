@@ -3,7 +3,7 @@ with and without remat, on this host's devices (``--cpu-devices N`` emulates the
 
 For each layout: XLA's figures of the compiled step per device (``memory_analysis``: the
 state, arguments, temporaries) beside the estimate that ``bardflow run`` refuses runs with
-(``model/memory.py``), then tokens/s, ms/step and MFU over timed steps of random tokens.
+(``model/training/memory.py``), then tokens/s, ms/step and MFU over timed steps of random tokens.
 ``--equality`` instead trains the cpu and codelab shapes for 50 steps on TinyShakespeare in
 each layout, AdamW and Muon, and reports the largest relative loss difference against
 replicated at any record (what ``tests/test_fsdp.py`` checks in a few steps).
@@ -34,10 +34,10 @@ def measure(preset: str, settings: dict, sharding: str, remat: bool, steps: int)
     import jax
     import numpy as np
 
-    from bardflow.model.memory import estimate, step_memory
-    from bardflow.model.placement import Placement
-    from bardflow.model.step import init_state, make_train_step
-    from bardflow.model.step_settings import resolve
+    from bardflow.model.training.memory import estimate, step_memory
+    from bardflow.model.training.placement import Placement
+    from bardflow.model.training.step import init_state, make_train_step
+    from bardflow.model.training.step_settings import resolve
     from bench.run import utilisation
 
     cfg = _config(preset, {**settings, "train.sharding": sharding, "train.remat": remat})
@@ -113,8 +113,8 @@ def muon_share_out(preset: str, settings: dict, steps: int) -> dict:
     orthogonalisation over the split matrices as it sees fit)."""
     import functools
 
-    from bardflow.model import optimizer
-    from bardflow.model import step as step_module
+    from bardflow.model.training import optimizer
+    from bardflow.model.training import step as step_module
 
     original, found = optimizer.split_among_devices, {}
     try:
@@ -132,10 +132,10 @@ def equality(steps: int, codelab_batch: int) -> dict:
     import jax
     import numpy as np
 
-    from bardflow.model.data import Batches, encode
-    from bardflow.model.loop import train
-    from bardflow.model.placement import Placement
-    from bardflow.model.step import init_state
+    from bardflow.model.data.splits import Batches, encode
+    from bardflow.model.training.loop import train
+    from bardflow.model.training.placement import Placement
+    from bardflow.model.training.step import init_state
     from bench.run import SHARED_CORPUS
 
     text = SHARED_CORPUS.read_bytes()

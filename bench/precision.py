@@ -34,8 +34,8 @@ def compiled_step(cfg, precision: str, placement, seq_len: int) -> CompiledStep:
     import jax.numpy as jnp
     import numpy as np
 
-    from bardflow.model.step import init_state, make_train_step
-    from bardflow.model.step_settings import resolve
+    from bardflow.model.training.step import init_state, make_train_step
+    from bardflow.model.training.step_settings import resolve
 
     train_cfg = cfg.train.model_copy(update={"precision": precision})
     step = resolve(cfg.model, train_cfg, seq_len, placement.devices[0].platform)
@@ -78,8 +78,8 @@ def compare(preset: str, parallel: bool, steps: int, loss_steps: int, rounds: in
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.data import Batches, encode
-    from bardflow.model.placement import Placement
+    from bardflow.model.data.splits import Batches, encode
+    from bardflow.model.training.placement import Placement
 
     cfg = build_config(preset)
     devices = jax.devices()

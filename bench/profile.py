@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.step import init_state, make_train_step
-    from bardflow.model.step_settings import resolve
+    from bardflow.model.training.step import init_state, make_train_step
+    from bardflow.model.training.step_settings import resolve
 
     cfg = build_config("codelab")
     backend = jax.default_backend()

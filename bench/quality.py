@@ -42,8 +42,8 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
     import jax
 
     from bardflow.config.settings import TrainingRequest, build_config
-    from bardflow.model.data import encode, write_split
-    from bardflow.runtime.training_run import RunFiles, run_training
+    from bardflow.model.data.splits import encode, write_split
+    from bardflow.model.training.training_run import RunFiles, run_training
 
     cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
     split = encode(

@@ -51,7 +51,7 @@ def machine() -> dict:
     import jax
 
     from bardflow.artifacts.store import library_versions
-    from bardflow.runtime.cpu_tuning import cpu_signature
+    from bardflow.model.training.cpu_tuning import cpu_signature
 
     signature = cpu_signature()  # the CPU model and the vector instructions that decide its speed
     return {
@@ -95,9 +95,9 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     import optax
     from flax import nnx
 
-    from bardflow.model.step import init_state, make_train_step
-    from bardflow.model.step_settings import resolve
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.step import init_state, make_train_step
+    from bardflow.model.training.step_settings import resolve
     from bench.codelab import codelab_train_step
 
     batch, seq_len = cfg.train.per_device_batch, cfg.data.seq_len
@@ -220,8 +220,8 @@ def torch_runner(cfg, steps: int):
 
 
 def bench_generate(cfg, pairs: int, new_bytes: int, shapes: tuple[str, ...]) -> dict:
-    from bardflow.model.sampling import generate, generate_batch
-    from bardflow.model.transformer import build_model
+    from bardflow.model.inference.sampling import generate, generate_batch
+    from bardflow.model.network.transformer import build_model
     from bench.codelab import codelab_generate, codelab_generate_batch
 
     model = build_model(cfg.model, 1)
@@ -291,7 +291,7 @@ def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -
     ``codelab``) at batch 1 and 8: past either context (128 and 256 bytes) the cache wraps instead of the
     window being recomputed; against the codelab loop on the same model, warm (``alternating``)."""
     from bardflow.config.settings import build_config
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
 
     results = {}
     for preset in shapes:
@@ -312,7 +312,7 @@ def bench_rotary_generate(pairs: int, new_bytes: int, shapes: tuple[str, ...]) -
 
 def _sampler_runs(model, window: int, batch: int, new_bytes: int) -> list:
     """The codelab loop and bardflow's sampler, ``ROMEO:`` + ``new_bytes`` for ``batch`` seeds."""
-    from bardflow.model.sampling import generate, generate_batch
+    from bardflow.model.inference.sampling import generate, generate_batch
     from bench.codelab import codelab_generate, codelab_generate_batch
 
     seeds = list(range(batch))
@@ -395,7 +395,7 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
 
         runs = [run(store) for store in ("store", "store", "store-2")]
         embedded = [run("store")["wall_s"] for _ in range(CACHED_ROUNDS)]
-        from bardflow.runtime.launch import free_port
+        from bardflow.model.training.launch import free_port
 
         server = [sys.executable, "-m", "bardflow", "server"]
         subprocess.run(

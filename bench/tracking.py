@@ -1,6 +1,6 @@
 """``python -m bench.tracking [--records N] [--server URL]``: what tracking costs a training
 step. Training writes one record (loss, val_loss, val_bpb, tokens/s) every ``train.log_every``
-steps, through the same hook as a run (``runtime/trackers.py``): this times that write for
+steps, through the same hook as a run (``model/training/trackers.py``): this times that write for
 each destination (MLflow on a local SQLite database, MLflow over HTTP when ``--server`` names
 one, TensorBoard event files) and divides by each preset's ``log_every``; then it runs the
 ``cpu`` preset's training loop (the production step and ``run_steps``) with and without the
@@ -20,8 +20,8 @@ from bench.run import RESULTS, machine, write_report
 
 
 def record_ms(target, records: int) -> list[float]:
-    from bardflow.model.loop import RunRecord, StepInfo
-    from bardflow.runtime.trackers import history_hook
+    from bardflow.model.training.loop import RunRecord, StepInfo
+    from bardflow.model.training.trackers import history_hook
 
     hook, record, times = history_hook(target), RunRecord([]), []
     for n in range(records):
@@ -41,10 +41,10 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.loop import Hook, RunRecord, every, run_steps
-    from bardflow.model.step import init_state, make_train_step
-    from bardflow.model.step_settings import resolve
-    from bardflow.runtime.trackers import history_hook
+    from bardflow.model.training.loop import Hook, RunRecord, every, run_steps
+    from bardflow.model.training.step import init_state, make_train_step
+    from bardflow.model.training.step_settings import resolve
+    from bardflow.model.training.trackers import history_hook
     from bench.run import alternating
 
     cfg = build_config("cpu")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     from bardflow.config.settings import PRESETS, TrackingTarget, build_config
-    from bardflow.runtime.trackers import MlflowRun
+    from bardflow.model.training.trackers import MlflowRun
 
     with tempfile.TemporaryDirectory() as tmp:
         destinations = {"mlflow_sqlite": f"sqlite:///{tmp}/mlflow.db"}

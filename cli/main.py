@@ -25,8 +25,8 @@ from ..flows.environment import (
 )
 from ..flows.tracking import check_installed, track_settings
 from ..model.errors import BardflowError
-from ..runtime import stopping
-from ..runtime.distributed import probe_devices
+from ..model.training import stopping
+from ..model.training.distributed import probe_devices
 from ..server.process import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
 from ..tasks.registry import NAMES
 from . import printing
@@ -111,7 +111,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     if args.processes > 1:
         # Whether the devices share out evenly needs JAX's count of them: asked now, before
         # the run's server starts, so that the refusal comes first, like every other one.
-        from ..runtime.distributed import hardware
+        from ..model.training.distributed import hardware
         from ..tasks.stage import RunPlan
 
         RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
@@ -147,7 +147,7 @@ def _terminal_run(verbose: bool):
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
     watch = None
     if _embedded is not None:
-        from ..runtime.distributed import ProcessGroup, hardware
+        from ..model.training.distributed import ProcessGroup, hardware
         from ..tasks.registry import TRAIN_SINGLE
 
         # The seconds the server takes to start are idle here: JAX and the training stages'
@@ -263,7 +263,7 @@ def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    from ..runtime.launch import process_command
+    from ..model.training.launch import process_command
     from ..tasks import train_process
 
     code = subprocess.call(process_command(train_process, None, join_timeout))
@@ -279,7 +279,7 @@ class FollowerError(BardflowError, RuntimeError):
 
 def _cluster_follower():
     """This process's group when it is a cluster process other than process 0."""
-    from ..runtime.distributed import ProcessGroup
+    from ..model.training.distributed import ProcessGroup
 
     group = ProcessGroup.from_env()
     return group if group is not None and not group.leader else None
@@ -302,10 +302,10 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def memory_table(config) -> dict[str, dict]:
-    """The estimate of ``model/memory.py`` for a preset on a GPU and on a CPU, on one device
+    """The estimate of ``model/training/memory.py`` for a preset on a GPU and on a CPU, on one device
     and on eight, with and without remat."""
-    from ..model.memory import estimate
-    from ..model.step_settings import resolve
+    from ..model.training.memory import estimate
+    from ..model.training.step_settings import resolve
 
     table = {}
     for platform in ("gpu", "cpu"):
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
     if args.command in ("run", "sweep"):
-        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (runtime/stopping.py)
+        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/training/stopping.py)
     try:
         return COMMANDS[args.command](args)
     except stopping.Stopped as stop:

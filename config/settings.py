@@ -109,7 +109,7 @@ class ModelConfig(_Section, frozen=True):
     positions: Literal["learned", "rope"] = Field(default="learned", description="learned | rope")
     # Which implementation computes attention and the dense layers. Both compute the same
     # function (tested against each other); they differ in speed, so neither enters a
-    # version key. auto: the hand-written gradients of model/kernels.py on CPU, where they
+    # version key. auto: the hand-written gradients of model/network/kernels.py on CPU, where they
     # were measured faster, jax.nn.dot_product_attention and x @ w + b elsewhere.
     attention: Kernel = Field(default="auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
     dense: Kernel = Field(default="auto", description="auto | xla (x @ w + b) | custom")
@@ -339,7 +339,7 @@ class PipelineConfig(_Section, frozen=True):
 
 
 class TrackingTarget(_Section, frozen=True):
-    """Where one training stage writes its records as they happen (runtime/trackers.py)."""
+    """Where one training stage writes its records as they happen (model/training/trackers.py)."""
 
     stage: str
     mlflow: str | None = None  # tracking URI

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import cast
 
+from ..config.machine import cache_dir
 from ..config.settings import PRESETS
 from ..model.errors import BardflowError
-from ..runtime import cache_dir
-from ..runtime.distributed import CPU_DEVICE_FLAG
+from ..model.training.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)
@@ -32,7 +32,7 @@ def pick_preset(preset: str) -> str:
     """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
     if preset != "auto":
         return preset
-    from ..runtime.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
+    from ..model.training.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
 
     on_gpu, elsewhere = AUTO_CHOICES
     return on_gpu if hardware()[1] == "gpu" else elsewhere

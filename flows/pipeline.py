@@ -29,8 +29,8 @@ from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
 from ..config.settings import ConfigError, GenerateConfig, PipelineConfig, Prompt, TrainingRequest
 from ..model.errors import BardflowError
-from ..runtime import stopping
-from ..runtime.distributed import hardware
+from ..model.training import stopping
+from ..model.training.distributed import hardware
 from ..server import notify
 from ..server.slots import training_slot
 from ..tasks.compare import overfitting
@@ -174,7 +174,7 @@ def _stage_task(stage: Stage):
                 stage, settings, upstream, checked_store(store), force, notice=logger.warning, around=around
             )
         except BaseException:
-            # The run's server is gone (runtime/stopping.py, fail): the stage has saved what it
+            # The run's server is gone (model/training/stopping.py, fail): the stage has saved what it
             # could and cleaned up on its way here; Prefect can report nothing more. End now.
             stopping.end_if_failed()
             raise

@@ -25,7 +25,7 @@ from prefect.logging import get_run_logger
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..config.settings import ConfigError, PipelineConfig
-from ..runtime import stopping
+from ..model.training import stopping
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
 from .environment import pick_preset, store_location

@@ -1,7 +1,7 @@
 """A pipeline run as one MLflow run (and TensorBoard event files), made and finished by the
 flow: its parameters are the whole configuration, its tags the stage versions, the store
 and the Prefect flow run (with a link to it in the UI); the plots, samples and export are
-its artifacts. A training stage adds its records as it trains (``runtime/trackers.py``);
+its artifacts. A training stage adds its records as it trains (``model/training/trackers.py``);
 one that came from the store adds its recorded history once, so even a fully cached run
 shows whole curves.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..artifacts.store import Version
 from ..config.settings import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
-from ..runtime import trackers as tracking
+from ..model.training import trackers as tracking
 
 DEFAULT_EXPERIMENT = "bardflow"
 TRAINING = ("train_single", "train_parallel")

@@ -201,7 +201,7 @@ class EmbeddedServer:
     process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
 
     def __init__(self) -> None:
-        from ..runtime.launch import free_port
+        from ..model.training.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -223,7 +223,7 @@ class EmbeddedServer:
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        from ..runtime import stopping
+        from ..model.training import stopping
 
         while not healthy(self.url, timeout_s=1.0):
             stopping.check("before the run started")
@@ -308,7 +308,7 @@ def server_gone(why: str) -> None:
     so that the run's last line is the one that says what happened."""
     import logging
 
-    from ..runtime import stopping
+    from ..model.training import stopping
 
     known = [name for name in logging.root.manager.loggerDict if name.startswith("prefect")]
     for name in (*known, "prefect", "EventsWorker", "APILogWorker"):
@@ -334,7 +334,7 @@ def start_embedded() -> EmbeddedServer | None:
         return None
     import atexit
 
-    from ..runtime import stopping
+    from ..model.training import stopping
 
     server = EmbeddedServer()
     os.environ["PREFECT_API_URL"] = f"{server.url}/api"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
-from ..model.checkpoint import params_digest, save_model
-from ..model.transformer import count_params
+from ..model.network.transformer import count_params
+from ..model.training.checkpoint import params_digest, save_model
 from .registry import CHECKPOINT
 from .train import trained_model
 

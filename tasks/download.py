@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..model.data import write_all
+from ..model.data.splits import write_all
 from .sources import FetchError
 
 ATTEMPTS = 4

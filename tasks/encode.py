@@ -2,7 +2,7 @@
 training windows, stored as memory-mappable Arrow IPC shards (``train/``, ``val/``).
 
 The corpus is read through a memory map and the splits are written a record batch at a time
-(``model/data.py``): the stage's memory does not grow with the corpus. Each shard's sha256
+(``model/data/splits.py``): the stage's memory does not grow with the corpus. Each shard's sha256
 is computed as it is written, and the store takes it from there rather than reading the
 shards again."""
 
@@ -13,7 +13,7 @@ import numpy as np
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import BYTE_VALUES, DataConfig
-from ..model.data import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
+from ..model.data.splits import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
 from ..model.errors import require_space
 from .fetch import CORPUS
 from .registry import ENCODE

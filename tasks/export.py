@@ -1,7 +1,7 @@
-"""Stage: the checkpointed model in formats that leave bardflow (``model/export.py``): the
+"""Stage: the checkpointed model in formats that leave bardflow (``model/inference/export.py``): the
 weights as safetensors by path name, the config, and the forward pass serialized with
 ``jax.export``; and in ``hf/``, the model as Hugging Face ``transformers`` loads it
-(``model/hf.py``: GPT-2 or GPT-NeoX, a byte-level tokenizer). The stage checks itself: a
+(``model/inference/hf.py``: GPT-2 or GPT-NeoX, a byte-level tokenizer). The stage checks itself: a
 fresh interpreter that imports only jax, numpy and safetensors loads the folder and its
 logits must match the restored model's, for two batch sizes and lengths; another, with torch
 and transformers and no bardflow, loads ``hf/`` and its logits must match too and its greedy
@@ -25,12 +25,12 @@ import numpy as np
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version, file_digest
 from ..config.settings import ModelConfig
-from ..model.checkpoint import load_config, load_model
 from ..model.errors import BardflowError
-from ..model.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
-from ..model.hf import byte_alphabet, hf_config, hf_tensors, unmappable
-from ..model.sampling import generate
-from ..model.transformer import Transformer
+from ..model.inference.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
+from ..model.inference.hf import byte_alphabet, hf_config, hf_tensors, unmappable
+from ..model.inference.sampling import generate
+from ..model.network.transformer import Transformer
+from ..model.training.checkpoint import load_config, load_model
 from .checkpoint import MODEL
 from .registry import EXPORT
 

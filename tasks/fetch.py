@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 from ..artifacts import ui
 from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
+from ..config.machine import cache_dir
 from ..config.settings import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
-from ..model.data import ThreadedDigest, write_all
-from ..runtime import cache_dir
+from ..model.data.splits import ThreadedDigest, write_all
 from .download import download
 from .registry import FETCH
 from .sources import (

@@ -8,8 +8,8 @@ import time
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import GenerateConfig
-from ..model.checkpoint import load_config, load_model
-from ..model.sampling import as_text, generate
+from ..model.inference.sampling import as_text, generate
+from ..model.training.checkpoint import load_config, load_model
 from .checkpoint import MODEL
 from .registry import GENERATE
 

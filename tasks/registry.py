@@ -23,7 +23,7 @@ FETCH = Stage(
 )
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
 # as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a
-# permutation computed a slice at a time (model/data.py).
+# permutation computed a slice at a time (model/data/splits.py).
 ENCODE = Stage(
     "encode",
     "2",

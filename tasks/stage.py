@@ -21,8 +21,8 @@ from typing import Any
 from ..artifacts.store import Builder, Version, VersionStore, version_key
 from ..config.settings import ConfigError, PipelineConfig, TrainingRequest
 from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
-from ..model.memory import check_fits
-from ..runtime.distributed import ProcessGroup, free_bytes_per_device
+from ..model.training.distributed import ProcessGroup, free_bytes_per_device
+from ..model.training.memory import check_fits
 
 
 def jsonable(settings: Any) -> Any:
@@ -43,7 +43,7 @@ class RunPlan:
     processes: int = 1
 
     def training(self, devices: int, processes: int = 1, stop_after: int | None = None) -> TrainingRequest:
-        """The request, once its estimated memory per device is known to fit (``model/memory.py``)."""
+        """The request, once its estimated memory per device is known to fit (``model/training/memory.py``)."""
         check_fits(
             self.config.model,
             self.config.train,

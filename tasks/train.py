@@ -1,8 +1,8 @@
 """Stages 3 and 4: train on the first device, then data-parallel on every device.
 
-Both run the same compiled step and loop (``runtime/training_run.py``); only the placement
+Both run the same compiled step and loop (``model/training/training_run.py``); only the placement
 differs. The version holds the final training state (Orbax), the loss history and
-the throughput figures. ``train_parallel`` may run as several processes (``runtime/launch.py``).
+the throughput figures. ``train_parallel`` may run as several processes (``model/training/launch.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from flax import nnx
 from ..artifacts import ui
 from ..artifacts.store import Builder, ResumeFolder, Version, canonical_json
 from ..config.settings import TrainingRequest
-from ..model.checkpoint import TrainingCheckpoints, load_train_state
-from ..model.step import TrainingError, init_state, model_from_state
-from ..runtime import stopping
-from ..runtime import trackers as tracking
-from ..runtime.distributed import ProcessGroup, hardware
-from ..runtime.launch import ProcessFailure, launch_leader, launch_local
-from ..runtime.training_run import RunFiles, run_training
+from ..model.training import stopping
+from ..model.training import trackers as tracking
+from ..model.training.checkpoint import TrainingCheckpoints, load_train_state
+from ..model.training.distributed import ProcessGroup, hardware
+from ..model.training.launch import ProcessFailure, launch_leader, launch_local
+from ..model.training.step import TrainingError, init_state, model_from_state
+from ..model.training.training_run import RunFiles, run_training
 from . import train_process
 from .encode import TRAIN, VAL
 from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
@@ -271,7 +271,7 @@ def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
         ),
     )
     tuning = metrics.get("cpu_tuning")
-    if tuning:  # the CPU step's settings: the one used and what was measured (runtime/cpu_tuning.py)
+    if tuning:  # the CPU step's settings: the one used and what was measured (model/training/cpu_tuning.py)
         chosen = tuning["chosen"]
         rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]
         ui.table(

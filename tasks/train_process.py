@@ -28,14 +28,14 @@ from ..model.errors import BardflowError
 from .registry import ENCODE
 
 if TYPE_CHECKING:
-    from ..runtime.training_run import RunFiles
+    from ..model.training.training_run import RunFiles
 
 TRAIN, VAL = ENCODE.builds
 
 
 def files_of(spec: dict, leader: bool) -> RunFiles:
     """Where this process finds the run's files (see the module doc)."""
-    from ..runtime.training_run import RunFiles  # JAX only now: the group joins first
+    from ..model.training.training_run import RunFiles  # JAX only now: the group joins first
 
     local = {name: Path(spec[name]) for name in ("train", "val", "resume", "state")}
     saved = RemoteResumeFolder(local["resume"], spec["resume_url"]).push if spec.get("resume_url") else None
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for every process to join (default 300)",
     )
     args = parser.parse_args(argv)
-    from ..runtime import stopping
-    from ..runtime.launch import follow_launcher
-    from ..runtime.multiprocess import run_process
+    from ..model.training import stopping
+    from ..model.training.launch import follow_launcher
+    from ..model.training.multiprocess import run_process
 
     stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
     stopping.at("in a train_parallel process")

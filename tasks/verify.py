@@ -8,8 +8,8 @@ import json
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import VerifyConfig
-from ..model.checkpoint import load_model, max_logit_diff
 from ..model.errors import BardflowError
+from ..model.training.checkpoint import load_model, max_logit_diff
 from .checkpoint import MODEL
 from .encode import VAL, split_rows
 from .registry import VERIFY

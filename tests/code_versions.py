@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("code_versions.json")
-ROOMS = ("config", "model", "runtime", "tasks", "artifacts", "server", "flows", "cli")
+ROOMS = ("config", "model", "tasks", "artifacts", "server", "flows", "cli")
 # The list of stages and their code versions: bumping one stage must not flag the others.
 REGISTRY = "bardflow.tasks.registry"
 OWN_PACKAGES = {"bardflow"}  # what source_of looks up
@@ -41,15 +41,28 @@ def source_of(module: str) -> Path | None:
 
 
 def package_of(path: Path) -> str | None:
-    """The package a file of the repository belongs to (``tasks/train.py``: ``bardflow.tasks``)."""
-    room = path.resolve().parent
-    return f"bardflow.{room.name}" if room.parent == REPO and room.name in ROOMS else None
+    """The package a file of the repository belongs to (``tasks/train.py``: ``bardflow.tasks``;
+    ``model/training/step.py``: ``bardflow.model.training``)."""
+    parts = path.resolve().parent.relative_to(REPO.resolve()).parts
+    return "bardflow." + ".".join(parts) if parts and parts[0] in ROOMS else None
+
+
+def module_files(room: str) -> list[Path]:
+    """Every module of a room, its sub-packages' too (``__init__.py`` files included)."""
+    return sorted((REPO / room).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    """``model/training/step.py``: ``bardflow.model.training.step`` (a package's ``__init__.py``:
+    the package)."""
+    package = package_of(path)
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
 
 
 def imports(tree: ast.AST, package: str | None = None) -> set[str]:
     """Every module a module's code imports, anywhere in it, by its full name (a relative import
-    resolved against ``package``, as Python resolves it); ``from ..runtime import stopping``
-    names ``bardflow.runtime.stopping`` too."""
+    resolved against ``package``, as Python resolves it); ``from ..model.training import
+    stopping`` names ``bardflow.model.training.stopping`` too."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -57,9 +70,14 @@ def imports(tree: ast.AST, package: str | None = None) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and (node.level == 0 or package):
             module = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
             found.add(module)
-            if module in {"bardflow", *(f"bardflow.{room}" for room in ROOMS)}:
+            if module == "bardflow" or (module.startswith("bardflow.") and (REPO / _folder(module)).is_dir()):
                 found |= {f"{module}.{alias.name}" for alias in node.names}
     return found
+
+
+def _folder(package: str) -> Path:
+    """The folder of a package of bardflow's (``bardflow.model.training``: ``model/training``)."""
+    return Path(*package.split(".")[1:])
 
 
 def normalized(path: Path) -> tuple[str, set[str]]:

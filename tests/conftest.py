@@ -64,7 +64,7 @@ for name, value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
-    # The CPU step's settings are measured once per machine and shape (runtime/cpu_tuning.py):
+    # The CPU step's settings are measured once per machine and shape (model/training/cpu_tuning.py):
     # the suite's many shapes would each pay for it; tests/test_cpu_tuning.py turns it on.
     "BARDFLOW_CPU_TUNING": "off",
     # The export's transformers folder is written by every run but loaded with torch and
@@ -91,7 +91,7 @@ from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - af
 
 # JAX reads XLA_FLAGS once, at its first use: that is here, so that the session's two devices
 # are fixed before a run called in this process with --cpu-devices 1 (which then takes one of
-# them: runtime/distributed.hardware) appends its own flag.
+# them: model/training/distributed.hardware) appends its own flag.
 if importlib.util.find_spec("jax") is not None:
     import jax
 

@@ -23,12 +23,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bardflow.config.settings import build_config  # noqa: E402
-from bardflow.model.checkpoint import TrainingCheckpoints, load_train_state, save_train_state  # noqa: E402
-from bardflow.model.data import Batches, encode  # noqa: E402
-from bardflow.model.loop import train  # noqa: E402
-from bardflow.model.memory import estimate, step_memory  # noqa: E402
-from bardflow.model.placement import Placement  # noqa: E402
-from bardflow.model.step import init_state, make_train_step  # noqa: E402
+from bardflow.model.data.splits import Batches, encode  # noqa: E402
+from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_state, save_train_state  # noqa: E402
+from bardflow.model.training.loop import train  # noqa: E402
+from bardflow.model.training.memory import estimate, step_memory  # noqa: E402
+from bardflow.model.training.placement import Placement  # noqa: E402
+from bardflow.model.training.step import init_state, make_train_step  # noqa: E402
 from tests.helpers import play_text  # noqa: E402
 
 STEPS = 8
@@ -88,7 +88,7 @@ def losses(
 
 def memory(preset: str, sharding: str, remat: bool) -> dict:
     """The compiled step's figures at the preset's own batch, in one pass per step, and the
-    estimate's (``model/memory.py``)."""
+    estimate's (``model/training/memory.py``)."""
     cfg = build_config(preset, {"train.sharding": sharding, "train.remat": remat})
     placement = placed(4, sharding == "fsdp")
     graphdef, state = init_state(cfg.model, cfg.train)

@@ -98,7 +98,7 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from bardflow.cli.main import main, settle_reports
-    from bardflow.runtime import stopping
+    from bardflow.model.training import stopping
 
     env = dict(env or os.environ)
     if args[0] in ("run", "sweep"):

@@ -6,10 +6,10 @@ import pytest
 from flax import nnx
 
 from bardflow.config.settings import build_config
-from bardflow.model.sampling import generate
-from bardflow.model.step import init_state, make_train_step
-from bardflow.model.step_settings import XLA_CPU_TUNED, default_rows_per_pass
-from bardflow.model.transformer import build_model
+from bardflow.model.inference.sampling import generate
+from bardflow.model.network.transformer import build_model
+from bardflow.model.training.step import init_state, make_train_step
+from bardflow.model.training.step_settings import XLA_CPU_TUNED, default_rows_per_pass
 from bench.codelab import codelab_generate, codelab_train_step
 
 TINY = build_config("tiny")
@@ -26,7 +26,7 @@ def model_config(preset: str, positions: str):
 
 @pytest.mark.parametrize("passes", [8 // default_rows_per_pass(8, TINY.data.seq_len, "cpu"), 4])
 def test_fast_step_tracks_the_codelab_step_for_50_steps(passes):
-    from bardflow.model.data import encode
+    from bardflow.model.data.splits import encode
     from tests.helpers import play_text
 
     rows = encode(play_text(64_000), TINY.data.seq_len, 0.9, 0).train[: 50 * 8]
@@ -72,7 +72,7 @@ def test_generator_matches_the_codelab_loop_greedy_and_sampled(preset, positions
 def test_a_long_sample_drawn_in_several_calls_is_the_codelab_loop_s(monkeypatch):
     """Past ``SEGMENT`` bytes the sampler continues in a further call with the cache, the keys
     and the window where the last one stopped: the bytes are those of one loop."""
-    from bardflow.model import sampling
+    from bardflow.model.inference import sampling
 
     cfg = model_config("tiny", "rope")  # one layer: the wrapped cache is the window recomputed
     model = build_model(cfg, seed=5)
@@ -104,7 +104,7 @@ def spanned_generate(model, prompt: bytes, new: int, temperature: float, seed: i
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu"])
 def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(preset):
-    from bardflow.model.sampling import generate_batch
+    from bardflow.model.inference.sampling import generate_batch
     from bench.codelab import codelab_generate_batch
 
     # Learned positions: past the window the codelab batch recomputes it, as the sampler does.

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 
 from bardflow.config.settings import build_config
-from bardflow.model.checkpoint import (
+from bardflow.model.inference.sampling import PromptError, as_text, generate
+from bardflow.model.network.transformer import build_model
+from bardflow.model.training.checkpoint import (
     CheckpointError,
     load_config,
     load_model,
@@ -11,8 +13,6 @@ from bardflow.model.checkpoint import (
     params_digest,
     save_model,
 )
-from bardflow.model.sampling import PromptError, as_text, generate
-from bardflow.model.transformer import build_model
 from tests.helpers import jitted
 
 CFG = build_config("tiny").model

@@ -403,7 +403,7 @@ def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_proce
     started while Prefect loaded."""
     code = (
         "import sys; import bardflow.cli.main, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
-        "from bardflow.runtime.distributed import hardware, probe_devices; probe_devices(); "
+        "from bardflow.model.training.distributed import hardware, probe_devices; probe_devices(); "
         "print(loaded, hardware(), hardware(), 'jax' in sys.modules)"
     )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}

@@ -1,4 +1,4 @@
-"""The CPU step's settings chosen by measurement (``runtime/cpu_tuning.py``): the defaults and
+"""The CPU step's settings chosen by measurement (``model/training/cpu_tuning.py``): the defaults and
 each single change are timed once per CPU and shape, cached, skipped where the user fixed a
 setting, and the chosen step computes the one-pass XLA step's result within float tolerance."""
 
@@ -8,14 +8,14 @@ import jax
 import pytest
 
 from bardflow.config.settings import build_config
-from bardflow.model.placement import Placement
-from bardflow.model.step_settings import resolve
-from bardflow.runtime.cpu_tuning import candidates, choose, compiled_step
+from bardflow.model.training.cpu_tuning import candidates, choose, compiled_step
+from bardflow.model.training.placement import Placement
+from bardflow.model.training.step_settings import resolve
 
 
 @pytest.fixture
 def measuring(tmp_path, monkeypatch):
-    from bardflow.runtime import cpu_tuning
+    from bardflow.model.training import cpu_tuning
 
     monkeypatch.setenv("BARDFLOW_CPU_TUNING", "on")
     monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path))

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bardflow.model import data
-from bardflow.model.data import Batches, DataError, encode, read_split, train_order, windows, write_split
+from bardflow.model.data import splits as data
+from bardflow.model.data.splits import Batches, DataError, encode, read_split, train_order, windows, write_split
 
 
 def test_encoding_is_the_bytes_cut_into_windows(small_corpus):
@@ -112,7 +112,7 @@ def test_batches_cycle_by_step():
 
 
 def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monkeypatch):
-    from bardflow.model import data
+    from bardflow.model.data import splits as data
 
     for n in (1, 2, 3, 1_000, 12_345):
         order = data.FeistelOrder(n, seed=7)
@@ -140,7 +140,7 @@ def test_a_large_split_is_shuffled_in_constant_memory_by_a_seeded_bijection(monk
 def test_writing_a_split_allocates_a_batch_not_the_corpus(tmp_path, every_position, monkeypatch):
     import tracemalloc
 
-    from bardflow.model import data
+    from bardflow.model.data import splits as data
 
     monkeypatch.setattr(data, "BATCH_BYTES", 1 << 20)  # many batches, gathered ahead while written
     corpus = tmp_path / "corpus"

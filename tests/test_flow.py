@@ -230,8 +230,8 @@ def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(fir
     from flax import nnx
 
     from bardflow.config.settings import build_config
-    from bardflow.model.export import export_forward, portable_config
-    from bardflow.model.transformer import Transformer
+    from bardflow.model.inference.export import export_forward, portable_config
+    from bardflow.model.network.transformer import Transformer
     from tests.helpers import REPO
 
     version = Path(first_run["stages"]["export"]["path"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bardflow.config.settings import ConfigError, build_config
-from bardflow.model.memory import FSDP_MIN_ELEMENTS, estimate, fsdp_dim, parameter_shapes
+from bardflow.model.training.memory import FSDP_MIN_ELEMENTS, estimate, fsdp_dim, parameter_shapes
 from tests.helpers import REPO
 
 
@@ -83,7 +83,7 @@ def test_a_checkpoint_written_with_fsdp_on_four_devices_resumes_on_four_two_and_
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_figure_and_the_fix():
-    from bardflow.model.memory import GIB, check_fits
+    from bardflow.model.training.memory import GIB, check_fits
     from bardflow.tasks.stage import RunPlan
 
     huge = build_config("gpt2", {"train.per_device_batch": 64, "train.micro_batch": 64})

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from bardflow.config.settings import build_config
-from bardflow.model.export import flat_params
-from bardflow.model.hf import unmappable
-from bardflow.model.transformer import build_model
+from bardflow.model.inference.export import flat_params
+from bardflow.model.inference.hf import unmappable
+from bardflow.model.network.transformer import build_model
 from bardflow.tasks import export
 from tests.helpers import REPO, require
 
@@ -41,11 +41,11 @@ def _model(cfg, seed: int):
 
 def _trained_in_bfloat16(cfg):
     """A ``tiny`` model trained a few steps computing in bfloat16 (its state stays float32)."""
-    from bardflow.model.data import Batches, encode
-    from bardflow.model.evaluation import val_batches
-    from bardflow.model.loop import train
-    from bardflow.model.placement import Placement
-    from bardflow.model.step import init_state, model_from_state
+    from bardflow.model.data.splits import Batches, encode
+    from bardflow.model.training.evaluation import val_batches
+    from bardflow.model.training.loop import train
+    from bardflow.model.training.placement import Placement
+    from bardflow.model.training.step import init_state, model_from_state
     from tests.helpers import play_text
 
     split = encode(play_text(20_000), cfg.data.seq_len, 0.9, 0)

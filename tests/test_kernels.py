@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bardflow.model.kernels import causal_attention, dense
+from bardflow.model.network.kernels import causal_attention, dense
 
 
 def value_and_grads(fn, *args):
@@ -59,8 +59,8 @@ def test_the_model_computes_the_same_with_either_kernel():
     from flax import nnx
 
     from bardflow.config.settings import build_config
-    from bardflow.model.step import next_byte_loss
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.step import next_byte_loss
 
     base = build_config("tiny").model.model_copy(update={"num_layers": 2})
     tokens = jax.random.randint(jax.random.key(3), (4, base.max_seq_len), 0, 256)
@@ -76,7 +76,7 @@ def test_the_model_computes_the_same_with_either_kernel():
     # The model never asks JAX for the platform: left to auto it takes the plain operations,
     # and a training run builds it from the settings resolved for this CPU (the hand-written ones).
     assert not build_model(base, seed=0).blocks[0].attn.custom
-    from bardflow.model.step_settings import resolve
+    from bardflow.model.training.step_settings import resolve
 
     resolved = resolve(base, build_config("tiny").train, base.max_seq_len, "cpu").model(base)
     assert build_model(resolved, seed=0).blocks[0].attn.custom

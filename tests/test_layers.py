@@ -1,8 +1,9 @@
-"""The house rules: imports point down (cli -> flows -> tasks -> runtime -> model -> config;
-artifacts beside runtime, under tasks; server operations under flows, over runtime; config at
-the bottom, taking only the error family from model), model/ is pure ML,
-a training process is started through a module the launcher's caller imports, and a training
-process never imports Prefect."""
+"""The house rules: imports point down (cli -> flows -> tasks -> model -> config; artifacts
+under tasks beside model; server operations under flows, over model; config at the bottom,
+taking only the error family from model), and inside model/ by concern (training and
+inference build on the network and the data; the network and the data on nothing else of
+it); model/ knows neither Prefect nor the store, a training process is started through a
+module the launcher's caller imports, and a training process never imports Prefect."""
 
 import ast
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.code_versions import ROOMS, package_of
+from tests.code_versions import ROOMS, module_files, module_name, package_of
 from tests.code_versions import imports as imports_of
 from tests.helpers import REPO
 
@@ -18,16 +19,24 @@ from tests.helpers import REPO
 ALLOWED = {
     "cli": set(ROOMS),
     "flows": set(ROOMS) - {"cli"},
-    "server": {"server", "runtime", "model", "config"},
-    "tasks": {"tasks", "runtime", "model", "artifacts", "config"},
-    "runtime": {"runtime", "model", "config"},
+    "server": {"server", "model", "config"},
+    "tasks": {"tasks", "model", "artifacts", "config"},
     "model": {"model", "config"},
     "artifacts": {"artifacts", "model", "config"},
-    "config": {"config", "model"},  # the error family alone: test_config_takes_only_the_error_family_from_model
+    "config": {"config", "model"},  # the error family alone: test_artifacts_and_config_take_only_the_error_family
+}
+# Inside model/: what each concern may import of the others (errors.py is everyone's).
+MODEL_ALLOWED = {
+    "network": {"network"},
+    "data": {"data"},
+    "training": {"training", "network", "data"},
+    "inference": {"inference", "network", "training"},
 }
 # Beside the standard library, model/ imports the numerical stack and what its data and
-# configuration are made of (Arrow files, validated pydantic models): no Prefect, no store.
+# configuration are made of (Arrow files, validated pydantic models), and a training's
+# trackers their libraries (imported when asked for): no Prefect, no store.
 MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
+TRACKER_LIBRARIES = {"mlflow", "tensorboard"}
 
 
 def imports(path) -> set[str]:
@@ -39,34 +48,39 @@ def own_imports(path) -> set[str]:
 
 
 def modules() -> dict[str, object]:
-    return {
-        f"bardflow.{room}.{path.stem}": path
-        for room in ROOMS
-        for path in (REPO / room).glob("*.py")
-        if path.stem != "__init__"
-    }
+    return {module_name(path): path for room in ROOMS for path in module_files(room) if path.stem != "__init__"}
 
 
 @pytest.mark.parametrize("room", ROOMS)
 def test_imports_point_down(room):
-    for path in sorted((REPO / room).glob("*.py")):
+    for path in module_files(room):
         for name in own_imports(path):
             assert name.split(".")[1] in ALLOWED[room], f"{path.relative_to(REPO)} imports {name}"
 
 
-def test_model_is_pure_ml():
+@pytest.mark.parametrize("concern", MODEL_ALLOWED)
+def test_each_concern_of_the_model_builds_only_on_those_below_it(concern):
+    for path in module_files(f"model/{concern}"):
+        for name in own_imports(path):
+            parts = name.split(".")
+            if parts[1] == "model" and len(parts) > 2 and parts[2] != "errors":
+                assert parts[2] in MODEL_ALLOWED[concern], f"{path.relative_to(REPO)} imports {name}"
+
+
+def test_model_knows_neither_prefect_nor_the_store():
     standard = set(sys.stdlib_module_names)
-    for path in sorted((REPO / "model").glob("*.py")):
+    for path in module_files("model"):
+        allowed = standard | MODEL_THIRD_PARTY | (TRACKER_LIBRARIES if path.stem == "trackers" else set())
         for name in imports(path):
             top = name.split(".")[0]
-            assert top in standard | MODEL_THIRD_PARTY or name.startswith(("bardflow.model", "bardflow.config")), (
+            assert top in allowed or name.startswith(("bardflow.model", "bardflow.config")), (
                 f"{path.relative_to(REPO)} imports {name}"
             )
 
 
 @pytest.mark.parametrize("room", ["artifacts", "config"])
 def test_artifacts_and_config_take_only_the_error_family_from_model(room):
-    for path in sorted((REPO / room).glob("*.py")):
+    for path in module_files(room):
         assert {n for n in own_imports(path) if n.startswith("bardflow.model")} <= {"bardflow.model.errors"}, path
 
 
@@ -95,7 +109,7 @@ def test_no_module_is_named_in_a_string():
 
 
 def test_a_training_process_is_started_from_the_module_its_caller_imports():
-    from bardflow.runtime.launch import process_command
+    from bardflow.model.training.launch import process_command
     from bardflow.tasks import train, train_process
 
     assert train.train_process is train_process  # tasks.train imports what it launches
@@ -104,15 +118,16 @@ def test_a_training_process_is_started_from_the_module_its_caller_imports():
 
 
 def test_no_two_modules_share_a_file_name_but_a_stage_and_the_model_code_it_wraps():
-    """A name leads to one module; ``tasks/export.py`` beside ``model/export.py`` is a stage
-    and the model code it runs, on purpose."""
-    rooms_of: dict[str, set[str]] = {}
+    """A name leads to one module; ``tasks/export.py`` beside ``model/inference/export.py`` is
+    a stage and the model code it runs, on purpose."""
+    named: dict[str, list[str]] = {}
     for module in modules():
-        rooms_of.setdefault(module.rpartition(".")[2], set()).add(module.split(".")[1])
-    for name, rooms in rooms_of.items():
-        if len(rooms) > 1:
-            assert rooms == {"tasks", "model"}, f"{name}.py is in {sorted(rooms)}"
-            assert f"bardflow.model.{name}" in own_imports(REPO / "tasks" / f"{name}.py"), name
+        named.setdefault(module.rpartition(".")[2], []).append(module)
+    for name, found in named.items():
+        if len(found) > 1:
+            assert sorted(m.split(".")[1] for m in found) == ["model", "tasks"], f"{name}.py: {sorted(found)}"
+            (model_side,) = [m for m in found if m.startswith("bardflow.model.")]
+            assert model_side in own_imports(REPO / "tasks" / f"{name}.py"), name
 
 
 def test_no_import_cycle_among_modules():
@@ -136,7 +151,8 @@ def test_no_import_cycle_among_modules():
 
 def test_a_training_process_and_the_registry_never_import_prefect():
     code = (
-        "import sys, bardflow.tasks.train_process, bardflow.runtime.multiprocess, bardflow.runtime.launch, "
+        "import sys, bardflow.tasks.train_process, bardflow.model.training.multiprocess, "
+        "bardflow.model.training.launch, "
         "bardflow.tasks.registry, bardflow.tasks.stage; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'jax')))"
     )
@@ -185,7 +201,11 @@ def test_the_architecture_map_names_every_folder_and_only_folders_that_exist():
     import re
 
     text = (REPO / "docs" / "architecture.md").read_text()
-    block = text.split("```\n", 2)[1]
-    mapped = set(re.findall(r"^([a-z_]+)/ ", block, re.MULTILINE))
-    assert set(ROOMS) <= mapped, sorted(set(ROOMS) - mapped)
+    layout = text.split("## Layout\n\n", 1)[1]
+    assert layout.startswith("```\n"), "the map comes first"
+    mapped = set(re.findall(r"^([a-z_/]+)/ ", layout.split("```\n", 2)[1], re.MULTILINE))
+    packages = {
+        p.parent.relative_to(REPO).as_posix() for room in ROOMS for p in module_files(room) if p.name == "__init__.py"
+    }
+    assert packages <= mapped, sorted(packages - mapped)
     assert all((REPO / folder).is_dir() for folder in mapped), sorted(f for f in mapped if not (REPO / f).is_dir())

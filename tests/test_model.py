@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bardflow.config.settings import ModelConfig, build_config
-from bardflow.model.transformer import build_model, count_params
+from bardflow.model.network.transformer import build_model, count_params
 from tests.helpers import jitted
 
 

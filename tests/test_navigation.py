@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.code_versions import ROOMS
+from tests.code_versions import ROOMS, module_files
 from tests.helpers import REPO
 
 jedi = pytest.importorskip("jedi")
@@ -31,11 +31,6 @@ def test_go_to_definition_crosses_folders_and_find_references_finds_every_use():
     found = jedi.Script(path=definition.module_path, project=project).get_references(line, column)
     files = {reference.module_path for reference in found}
     # Every module of the package that names it: the same set a search of the text finds.
-    named = {
-        path
-        for room in ROOMS
-        for path in (REPO / room).glob("*.py")
-        if re.search(r"\bbuild_config\b", path.read_text())
-    }
+    named = {path for room in ROOMS for path in module_files(room) if re.search(r"\bbuild_config\b", path.read_text())}
     assert named <= files, sorted(str(p.relative_to(REPO)) for p in named - files)
     assert {path.parent.name for path in named} >= {"config", "flows", "cli"}

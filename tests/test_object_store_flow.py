@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bardflow.runtime.launch import free_port
+from bardflow.model.training.launch import free_port
 from bardflow.tasks.registry import NAMES
 from tests.helpers import call, finish, md5_bytes, play_text, start
 
@@ -70,7 +70,7 @@ def build_prefixes(object_server, store: str) -> set[str]:
 def params_digest_of(version_path: str, workdir: Path) -> str:
     """The digest of a training version's parameters, read from the bucket."""
     from bardflow.artifacts.objects import open_store
-    from bardflow.model.checkpoint import params_digest
+    from bardflow.model.training.checkpoint import params_digest
     from bardflow.tasks.train import trained_model
 
     store, stage, key = version_path.rsplit("/", 2)
@@ -259,8 +259,8 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
 
     from bardflow.artifacts.objects import open_store
     from bardflow.config.settings import TrainingRequest
-    from bardflow.model.checkpoint import params_digest
-    from bardflow.runtime.training_run import RunFiles, run_training
+    from bardflow.model.training.checkpoint import params_digest
+    from bardflow.model.training.training_run import RunFiles, run_training
     from bardflow.tasks.train import trained_model
     from tests.helpers import without_seconds
 

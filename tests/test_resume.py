@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from bardflow.config.settings import build_config
-from bardflow.model.checkpoint import TrainingCheckpoints
-from bardflow.model.data import Batches, encode
-from bardflow.model.loop import train
-from bardflow.model.placement import Placement
-from bardflow.model.step import TrainingError, init_state
+from bardflow.model.data.splits import Batches, encode
+from bardflow.model.training.checkpoint import TrainingCheckpoints
+from bardflow.model.training.loop import train
+from bardflow.model.training.placement import Placement
+from bardflow.model.training.step import TrainingError, init_state
 from tests.helpers import play_text, without_seconds
 
 TINY = build_config("tiny")
@@ -92,7 +92,7 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_an_int
     newest one's data: named as damaged, set aside, and the run resumes from the one before
     to the same end as an uninterrupted run. One that Orbax cannot read (and has no seal):
     set aside too, and the run starts over."""
-    from bardflow.model.checkpoint import SEAL
+    from bardflow.model.training.checkpoint import SEAL
 
     reference = run(batches)
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)

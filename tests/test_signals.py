@@ -184,7 +184,7 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
 
     from bardflow.artifacts.store import Store
     from bardflow.config.settings import TrainingRequest
-    from bardflow.runtime.training_run import RunFiles, run_training
+    from bardflow.model.training.training_run import RunFiles, run_training
     from bardflow.tasks.encode import TRAIN, VAL
     from bardflow.tasks.train import training_fingerprint
     from tests.helpers import call

@@ -19,7 +19,7 @@ import pytest
 from bardflow.artifacts import ui
 from bardflow.artifacts.store import Store
 from bardflow.config.settings import DataConfig, build_config
-from bardflow.model.data import encode, read_split
+from bardflow.model.data.splits import encode, read_split
 from bardflow.tasks.fetch import CORPUS, FetchError, pin
 from bardflow.tasks.registry import ENCODE, FETCH
 from tests.helpers import md5_bytes, play_text
@@ -276,7 +276,7 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
 
 
 def test_encode_streams_bounded_shards_with_the_rows_of_the_in_memory_encoding(tmp_path, monkeypatch):
-    from bardflow.model import data as data_module
+    from bardflow.model.data import splits as data_module
 
     text = play_text(200_000)
     (tmp_path / "corpus.txt").write_bytes(text)

@@ -13,7 +13,7 @@ import pytest
 
 from bardflow.artifacts.store import Store
 from bardflow.config.settings import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
-from bardflow.model.checkpoint import save_model
+from bardflow.model.training.checkpoint import save_model
 from bardflow.tasks.checkpoint import MODEL
 from bardflow.tasks.download import download
 from bardflow.tasks.fetch import FetchError, pin
@@ -154,7 +154,7 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     # fresh interpreter without bardflow ran (the stage checked it), for CPU and CUDA.
     from safetensors.numpy import load_file
 
-    from bardflow.model.export import flat_params
+    from bardflow.model.inference.export import flat_params
     from bardflow.tasks import export
 
     exported, _ = make(EXPORT, {}, store, checkpoint=saved)
@@ -213,7 +213,7 @@ def test_with_one_device_train_parallel_takes_over_train_single_instead_of_train
     parallel, built = make(TRAIN_PARALLEL, one, store, encode=data, train_single=single)
     assert built and parallel.metrics["reused_from"] == single.key and parallel.fingerprint == single.fingerprint
     assert parallel.file("history.json").read_text() == single.file("history.json").read_text()
-    from bardflow.model.checkpoint import params_digest
+    from bardflow.model.training.checkpoint import params_digest
 
     assert params_digest(trained_model(parallel)[0]) == params_digest(trained_model(single)[0])
 

@@ -8,11 +8,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from bardflow.config.settings import build_config
-from bardflow.model.data import Batches, encode
-from bardflow.model.evaluation import val_batches
-from bardflow.model.loop import train
-from bardflow.model.placement import Placement
-from bardflow.model.step import TrainingError, init_state, make_train_step, model_from_state, target_losses
+from bardflow.model.data.splits import Batches, encode
+from bardflow.model.training.evaluation import val_batches
+from bardflow.model.training.loop import train
+from bardflow.model.training.placement import Placement
+from bardflow.model.training.step import TrainingError, init_state, make_train_step, model_from_state, target_losses
 
 TINY = build_config("tiny")
 
@@ -73,7 +73,7 @@ def test_data_parallel_step_really_shards_and_matches_one_device(split):
 
 
 def passes(micro_batch: int, per_device_batch: int, seq_len: int, platform: str) -> int:
-    from bardflow.model.step_settings import resolve
+    from bardflow.model.training.step_settings import resolve
 
     train_cfg = TINY.train.model_copy(update={"micro_batch": micro_batch, "per_device_batch": per_device_batch})
     return resolve(TINY.model, train_cfg, seq_len, platform).passes(per_device_batch)
@@ -167,7 +167,7 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
 
 
 def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
-    from bardflow.model.step_settings import XLA_CPU_TUNED, resolve
+    from bardflow.model.training.step_settings import XLA_CPU_TUNED, resolve
 
     cpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu")
     gpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "gpu")
@@ -191,7 +191,7 @@ def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
 def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step():
     import optax
 
-    from bardflow.model.optimizer import learning_rate, make_optimizer
+    from bardflow.model.training.optimizer import learning_rate, make_optimizer
 
     cfg = build_config("tiny").train.model_copy(
         update={
@@ -224,7 +224,7 @@ def test_the_schedule_warms_up_decays_to_its_floor_and_clipping_bounds_the_step(
 def test_muon_orthogonalises_with_the_configured_number_of_newton_schulz_iterations():
     from functools import partial
 
-    from bardflow.model.optimizer import make_optimizer
+    from bardflow.model.training.optimizer import make_optimizer
 
     params = {"w": jnp.eye(4) + 0.1}
     grads = {"w": jax.random.normal(jax.random.key(0), (4, 4))}
@@ -272,8 +272,8 @@ def test_with_every_position_the_last_position_learns_too():
     so the last position's embedding gets a gradient; the codelab's rows leave it at zero."""
     from flax import nnx
 
-    from bardflow.model.step import next_byte_loss
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.step import next_byte_loss
     from tests.helpers import play_text
 
     cfg = build_config("tiny")
@@ -313,8 +313,8 @@ def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
 def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_adamw(split):
     from flax import nnx
 
-    from bardflow.model.optimizer import muon_labels
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.optimizer import muon_labels
 
     model = build_model(TINY.model, 0)
     chosen = muon_labels(nnx.state(model, nnx.Param))
@@ -347,8 +347,8 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     from optax.contrib import MuonDimensionNumbers
     from optax.contrib import muon as optax_muon
 
-    from bardflow.model.optimizer import muon, muon_labels, share_out
-    from bardflow.model.transformer import build_model
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.optimizer import muon, muon_labels, share_out
 
     params = nnx.state(build_model(TINY.model.model_copy(update={"num_layers": 2}), 0), nnx.Param)
     leaves, tree = jax.tree.flatten(params)  # a gradient of its own for each, equal shapes too
@@ -394,8 +394,8 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
 
 
 def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_fixed_choice(split, tmp_path):
-    from bardflow.model.data import read_split, write_split
-    from bardflow.model.evaluation import eval_choice, eval_limit, make_evaluate
+    from bardflow.model.data.splits import read_split, write_split
+    from bardflow.model.training.evaluation import eval_choice, eval_limit, make_evaluate
 
     cfg = TINY.train.model_copy(update={"steps": 12, "log_every": 4})
     placement = Placement.data_parallel(jax.devices())

@@ -17,9 +17,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ..config.settings import ModelConfig
-from .errors import BardflowError, require_space
-from .transformer import Transformer, build_model
+from ...config.settings import ModelConfig
+from ..errors import BardflowError, require_space
+from ..network.transformer import Transformer, build_model
 
 
 class CheckpointError(BardflowError, RuntimeError):

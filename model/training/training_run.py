@@ -11,15 +11,15 @@ from typing import Any
 
 import jax
 
-from ..config.settings import TrainingRequest
-from ..model.checkpoint import TrainingCheckpoints, params_digest, save_train_state
-from ..model.data import Batches, read_split
-from ..model.evaluation import eval_choice, eval_limit, val_batches
-from ..model.loop import Hook, StepInfo, train
-from ..model.placement import Placement
-from ..model.step import init_state, model_from_state
-from ..model.step_settings import CPU_TOKENS_PER_PASS, resolve
+from ...config.settings import TrainingRequest
+from ..data.splits import Batches, read_split
 from . import stopping, trackers
+from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
+from .evaluation import eval_choice, eval_limit, val_batches
+from .loop import Hook, StepInfo, train
+from .placement import Placement
+from .step import init_state, model_from_state
+from .step_settings import CPU_TOKENS_PER_PASS, resolve
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -115,7 +115,7 @@ def run_training(
             flush=True,
         )
     platform, seq_len, tuning = placement.devices[0].platform, train_rows.shape[1], None
-    if platform == "cpu":  # measured on this CPU, once (runtime/cpu_tuning.py)
+    if platform == "cpu":  # measured on this CPU, once (model/training/cpu_tuning.py)
         from .cpu_tuning import choose
 
         tuning = choose(request.model, request.train, placement, seq_len, say=note)

@@ -14,11 +14,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..config.settings import ModelConfig, TrainConfig
-from .errors import BardflowError
+from ...config.settings import ModelConfig, TrainConfig
+from ..errors import BardflowError
+from ..network.transformer import Transformer, build_model
 from .optimizer import DATA_AXIS, make_optimizer
 from .placement import StateLayout
-from .transformer import Transformer, build_model
 
 
 class TrainingError(BardflowError, RuntimeError):
@@ -124,7 +124,7 @@ def make_train_step(
 ):
     """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
     sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
-    ``model/placement.py``; XLA gathers a parameter where it is used and reduces its
+    ``model/training/placement.py``; XLA gathers a parameter where it is used and reduces its
     gradient to the parts each device keeps)."""
 
     def loss_fn(model, tokens):

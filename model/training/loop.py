@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config.settings import TrainConfig
+from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import step_memory
 from .placement import Placement
@@ -37,8 +37,8 @@ class TrainResult:
     resume_s: float = 0.0  # time to find and restore that checkpoint
     precision: str = "float32"  # the compute dtype; parameters are always float32
     rows_per_pass: int = 0  # rows of each device's batch per forward/backward pass
-    layout: str = "single"  # single, replicated or fsdp (model/placement.py)
-    memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/memory.py)
+    layout: str = "single"  # single, replicated or fsdp (model/training/placement.py)
+    memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/training/memory.py)
     resumed_layout: dict[str, Any] | None = None  # the devices and layout of the checkpoint resumed from
 
     @property
@@ -252,7 +252,7 @@ def train(
     the hooks run: the loss check, a history record every ``cfg.log_every`` steps (with the
     validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
     ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how
-    the step runs (``model/step_settings.py``; by default the platform's defaults for ``cfg``).
+    the step runs (``model/training/step_settings.py``; by default the platform's defaults for ``cfg``).
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead

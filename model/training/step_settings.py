@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..config.settings import ModelConfig, TrainConfig
+from ...config.settings import ModelConfig, TrainConfig
 
 # XLA:CPU's YNNPACK fusions made the step's matrix products slower than its default dot
 # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md): off by default there.
@@ -20,12 +20,12 @@ CPU_TOKENS_PER_PASS = 512
 
 @dataclass(frozen=True)
 class StepSettings:
-    attention: str  # "xla" (jax.nn.dot_product_attention) or "custom" (model/kernels.py)
+    attention: str  # "xla" (jax.nn.dot_product_attention) or "custom" (model/network/kernels.py)
     dense: str  # "xla" (x @ w + b) or "custom"
     precision: str  # the compute dtype: "float32" or "bfloat16"; parameters stay float32
     rows_per_pass: int  # rows of each device's batch per forward/backward pass
     xla_options: dict[str, Any] = field(default_factory=dict)  # compiler options of the step
-    sharding: str = "replicated"  # train.sharding: replicated or fsdp (model/placement.py)
+    sharding: str = "replicated"  # train.sharding: replicated or fsdp (model/training/placement.py)
     remat: bool = False  # train.remat: each block's activations recomputed in the backward pass
 
     def passes(self, per_device_batch: int) -> int:
@@ -58,7 +58,7 @@ def resolve(
     """The concrete settings for ``platform``: what the user set, and for each ``auto`` the
     platform's default — the hand-written kernels, float32, ~512 tokens per pass and YNNPACK
     fusions off on a CPU; XLA's kernels, bfloat16 and one pass elsewhere — or, where given,
-    the CPU step tuner's measured ``choice`` (``runtime/cpu_tuning.py``)."""
+    the CPU step tuner's measured ``choice`` (``model/training/cpu_tuning.py``)."""
     choice = choice or {}
     default_kernel = choice.get("kernels", "custom" if platform == "cpu" else "xla")
     kernels = {

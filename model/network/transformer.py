@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config.settings import Kernel, ModelConfig
+from ...config.settings import Kernel, ModelConfig
 from .kernels import attend, causal_attention, dense
 
 
 def use_custom(setting: Kernel) -> bool:
     """Whether the hand-written gradient serves. A training run builds its model from
-    resolved settings (``model/step_settings.py``: the hand-written kernels where they were
+    resolved settings (``model/training/step_settings.py``: the hand-written kernels where they were
     measured faster); left to ``auto`` here, the model takes the plain JAX operations."""
     return setting == "custom"
 

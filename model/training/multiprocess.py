@@ -1,8 +1,8 @@
 """What every process of a multi-process ``train_parallel`` does (its command is
 ``tasks/train_process.py``, which knows where the files come from).
 
-Who is who comes from the environment (``runtime/distributed.py``). Every process trains the
-same replicated model on its own rows of each global batch (``runtime/training_run.py``); process 0
+Who is who comes from the environment (``model/training/distributed.py``). Every process trains the
+same replicated model on its own rows of each global batch (``model/training/training_run.py``); process 0
 alone writes and reads checkpoints (``model.checkpoint``), and writes the run's summary,
 from which the stage writes the version.
 """
@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config.settings import TrainingRequest
-from ..model.multihost import broadcast_json
+from ...config.settings import TrainingRequest
 from .distributed import DistributedError, ProcessGroup, initialize
 from .launch import NOTE, PROGRESS, WARNING
+from .multihost import broadcast_json
 
 if TYPE_CHECKING:
     from .training_run import RunFiles
@@ -43,7 +43,7 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
 
     import jax
 
-    from ..model.step import TrainingError
+    from .step import TrainingError
     from .training_run import run_training
 
     request = TrainingRequest.model_validate(spec["request"])

@@ -19,9 +19,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
-from ..config.settings import TrainConfig
+from ...config.settings import TrainConfig
 
-DATA_AXIS = "data"  # the data-parallel mesh axis (model/placement.py)
+DATA_AXIS = "data"  # the data-parallel mesh axis (model/training/placement.py)
 
 # Muon orthogonalises the update of a weight matrix that maps features to features; the
 # embedding tables and the head map ids to features and back, and stay with AdamW.
@@ -161,7 +161,9 @@ def muon(learning_rate, adam_learning_rate, ns_steps: int, beta2: float, weight_
     )
 
 
-@lru_cache(maxsize=32)  # one per configuration: equal optimizers make equal graphdefs (model/step.py, _creator)
+@lru_cache(
+    maxsize=32
+)  # one per configuration: equal optimizers make equal graphdefs (model/training/step.py, _creator)
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW (or Muon for the blocks' matrices) on ``learning_rate(cfg)``, after clipping the
     gradient's global norm if asked. The peak learning rates are values in the optimizer's

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.settings import ConfigError, ModelConfig, TrainConfig
+from ...config.settings import ConfigError, ModelConfig, TrainConfig
 
 GIB = 1 << 30
 # Arrays below this many elements (biases, norms, step counts, learning rates) stay whole on
@@ -24,7 +24,7 @@ FSDP_MIN_ELEMENTS = 1 << 14
 # kernel: (per attention score, heads x context: scores, probabilities, their gradients;
 # per model feature, with the MLP's four-times-wider hidden layer folded in: its input and
 # output, the attention's queries, keys and values, norms, residuals). The hand-written CPU
-# kernel (model/kernels.py) keeps fewer scores.
+# kernel (model/network/kernels.py) keeps fewer scores.
 ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1)}
 # With remat, the block being recomputed holds its own activations again while its gradient
 # is taken (a little more than one block's worth), beside the blocks' parameters stacked
@@ -44,7 +44,7 @@ def fsdp_dim(shape: tuple[int, ...], devices: int) -> int | None:
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape by name, as ``model/transformer.py`` makes them."""
+    """Every parameter's shape by name, as ``model/network/transformer.py`` makes them."""
     d, f = cfg.d_model, cfg.ffn_dim
     shapes: dict[str, tuple[int, ...]] = {
         "token_embed": (cfg.vocab_size, d),

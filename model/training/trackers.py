@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config.settings import TrackingTarget
+from ...config.settings import TrackingTarget
 
 if TYPE_CHECKING:
-    from ..model.loop import Hook, StepInfo
+    from .loop import Hook, StepInfo
 
 Warn = Callable[[str], None]
 SCALARS = ("loss", "val_loss", "val_bpb", "tokens_per_s")
@@ -276,7 +276,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     """After each new history record (every ``train.log_every`` steps, and the last), that
     record, to each destination of ``target``. A resumed run's earlier records come from
     its checkpoint and are written first, so the curves are whole."""
-    from ..model.loop import Hook
+    from .loop import Hook
 
     written: list[dict[str, Any]] = []
 

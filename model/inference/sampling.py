@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .errors import BardflowError
-from .transformer import Transformer
+from ..errors import BardflowError
+from ..network.transformer import Transformer
 
 
 class PromptError(BardflowError, ValueError):

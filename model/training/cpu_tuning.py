@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ..model.step_settings import resolve
-from . import cache_dir
+from ...config.machine import cache_dir
+from .step_settings import resolve
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 TIMED_STEPS, ROUNDS, WARM_STEPS = 3, 3, 1
@@ -65,7 +65,7 @@ def cpu_signature() -> dict[str, Any]:
 
 
 def default_choice(model_cfg, train_cfg, seq_len: int) -> dict[str, Any]:
-    """A CPU's defaults (``model/step_settings.py``): the hand-written kernels for the settings left
+    """A CPU's defaults (``model/training/step_settings.py``): the hand-written kernels for the settings left
     to ``auto``, ~512 tokens per pass, YNNPACK fusions off."""
     default = resolve(None, train_cfg, seq_len, "cpu")
     return {"kernels": "custom", "rows_per_pass": default.rows_per_pass, "xla": "tuned"}
@@ -86,7 +86,7 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
 def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
     """``choice``'s training step compiled on this placement, with its placed start state and
     a placed batch of random tokens: (step, state, batch)."""
-    from ..model.step import init_state, make_train_step
+    from .step import init_state, make_train_step
 
     step = resolve(model_cfg, train_cfg, seq_len, "cpu", choice)
     graphdef, state = init_state(step.model(model_cfg), train_cfg)

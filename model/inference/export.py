@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config.settings import ModelConfig
-from .transformer import Transformer
+from ...config.settings import ModelConfig
+from ..network.transformer import Transformer
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both from any host (docs/architecture.md, "Export")
 

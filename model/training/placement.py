@@ -17,7 +17,7 @@ from .optimizer import DATA_AXIS
 
 def fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
     """An array's partition under FSDP: split over the data axis along ``fsdp_dim``'s
-    dimension (the one rule, ``model/memory.py``), or replicated."""
+    dimension (the one rule, ``model/training/memory.py``), or replicated."""
     dim = fsdp_dim(shape, devices)
     return P() if dim is None else P(*([None] * dim), DATA_AXIS)
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config.settings import ModelConfig
+from ...config.settings import ModelConfig
 
 LAYER_NORM_EPS = 1e-6  # nnx.LayerNorm's default
-ROPE_BASE = 10000.0  # model/transformer.py, rotate
+ROPE_BASE = 10000.0  # model/network/transformer.py, rotate
 
 
 def unmappable(cfg: ModelConfig) -> str | None:
@@ -98,7 +98,7 @@ def _by_head(cfg: ModelConfig) -> np.ndarray:
 
 
 def hf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Every parameter (``model/export.py``'s ``flat_params``) under the architecture's names,
+    """Every parameter (``model/inference/export.py``'s ``flat_params``) under the architecture's names,
     float32, contiguous."""
     p = {name: np.asarray(value, np.float32) for name, value in params.items()}
     out: dict[str, np.ndarray] = {}
