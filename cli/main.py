@@ -141,7 +141,7 @@ def _terminal_run(verbose: bool):
     keep Prefect's default."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from ..flows.pipeline import ExplainedErrorFilter, quiet_explained_errors
+    from ..flows.terminal import ExplainedErrorFilter, quiet_explained_errors
 
     ExplainedErrorFilter.quiet = not verbose
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone

@@ -29,9 +29,10 @@ from ..model.training import stopping
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
 from .environment import pick_preset, store_location
-from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline, quiet_explained_errors
+from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
 from .records import RunSummary, StageRow, Trial
 from .sweep_configs import run_configuration
+from .terminal import quiet_explained_errors
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun

@@ -474,7 +474,7 @@ def test_prefect_s_drain_notice_after_a_failed_run_stays_off_the_terminal(caplog
     run's own last line."""
     import logging
 
-    from bardflow.flows.pipeline import quiet_explained_errors
+    from bardflow.flows.terminal import quiet_explained_errors
 
     quiet_explained_errors()
     with caplog.at_level(logging.WARNING):
