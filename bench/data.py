@@ -197,7 +197,7 @@ def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
         on_step=lambda done, total: first.append(time.perf_counter()) if not first else None,
     )
     shutil.rmtree(scratch, ignore_errors=True)
-    metrics = summary["metrics"]
+    metrics = summary.metrics
     return {
         "first_step_s": round(first[0] - started, 2) if first else None,
         "tokens_per_s": metrics["tokens_per_s"],

@@ -63,7 +63,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
             parallel=True,
         )
         wall = time.perf_counter() - started
-    metrics, history = summary["metrics"], summary["history"]
+    metrics, history = summary.metrics, summary.history
     reached = first_reaching(history, target)
     curve = [
         {

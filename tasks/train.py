@@ -25,7 +25,7 @@ from ..model.training.checkpoint import TrainingCheckpoints, load_train_state
 from ..model.training.distributed import ProcessGroup, hardware
 from ..model.training.launch import ProcessFailure, launch_leader, launch_local
 from ..model.training.step import TrainingError, init_state, model_from_state
-from ..model.training.training_run import RunFiles, run_training
+from ..model.training.training_run import RunFiles, TrainingResult, run_training
 from . import train_process
 from .encode import TRAIN, VAL
 from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
@@ -212,7 +212,7 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
             resume += ", or pass --cpu-devices 1 to train without collectives between emulated devices"
         separator = "; " if "\n" not in str(failure) else "\n"  # a log's last lines stay below the message
         raise TrainingError(f"train_parallel failed: {failure}{separator}{resume}") from failure
-    _finish(TRAIN_PARALLEL.name, out, json.loads((launch / RESULT).read_text()))
+    _finish(TRAIN_PARALLEL.name, out, TrainingResult.from_json((launch / RESULT).read_text()))
 
 
 def _relay(settings: TrainingRequest):
@@ -226,19 +226,19 @@ def _relay(settings: TrainingRequest):
     return relay
 
 
-def training_fingerprint(summary: dict[str, Any]) -> str:
+def training_fingerprint(summary: TrainingResult) -> str:
     """What was trained, not how fast: the weights and the loss record without its clock. The
     same weights retrained (say --refresh train_parallel) leave every reader of them cached."""
-    outcome = [{k: v for k, v in h.items() if k != "seconds"} for h in summary["history"]]
-    return hashlib.sha256((summary["params_digest"] + canonical_json(outcome)).encode()).hexdigest()
+    outcome = [{k: v for k, v in h.items() if k != "seconds"} for h in summary.history]
+    return hashlib.sha256((summary.params_digest + canonical_json(outcome)).encode()).hexdigest()
 
 
-def _finish(stage: str, out: Builder, summary: dict[str, Any]) -> None:
+def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
     """Everything of a training version but its state: history, metrics, fingerprint, UI."""
-    metrics, history = summary["metrics"], summary["history"]
+    metrics, history = summary.metrics, summary.history
     out.path(HISTORY).write_text(json.dumps(history, indent=1))
     out.metrics.update(metrics)
-    out.record["devices"] = summary["devices"]
+    out.record["devices"] = summary.devices
     out.record["resumed_from_step"] = metrics["resumed_from_step"]
     out.fingerprint = training_fingerprint(summary)
     if metrics["resumed_from_step"] is not None:

@@ -282,11 +282,9 @@ def test_a_run_killed_on_one_machine_resumes_on_another(tmp_path, corpus, run_en
     reference = run_training(
         TrainingRequest.model_validate(version.manifest["params"]), files, [jax.devices()[0]], parallel=False
     )
-    assert reference["metrics"]["resumed_from_step"] is None
-    assert without_seconds(json.loads(version.file("history.json").read_text())) == without_seconds(
-        reference["history"]
-    )
-    assert params_digest(trained_model(version)[0]) == reference["params_digest"]
+    assert reference.metrics["resumed_from_step"] is None
+    assert without_seconds(json.loads(version.file("history.json").read_text())) == without_seconds(reference.history)
+    assert params_digest(trained_model(version)[0]) == reference.params_digest
     left = [
         p
         for p, info in fs.find(f"{store[5:]}/train_single", detail=True).items()

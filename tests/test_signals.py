@@ -207,5 +207,5 @@ def test_the_rerun_resumes_to_the_weights_of_an_uninterrupted_run(chain, tmp_pat
             state=tmp_path / stage / "state",
         )
         whole = run_training(request, files, jax.devices()[: request.devices], parallel)
-        assert whole["metrics"]["resumed_from_step"] is None
+        assert whole.metrics["resumed_from_step"] is None
         assert training_fingerprint(whole) == version.fingerprint, stage  # bit for bit

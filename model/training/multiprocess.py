@@ -68,4 +68,4 @@ def run_process(spec_path: Path | None, join_timeout_s: int, files_of: Callable[
     files = files_of(spec, leader)
     summary = run_training(request, files, devices, parallel=True, on_step=report, warn=warn, note=note)
     if leader:  # the stage makes the version's other files and its manifest from this
-        Path(spec["result"]).write_text(json.dumps(summary))
+        Path(spec["result"]).write_text(summary.to_json())

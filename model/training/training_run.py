@@ -3,9 +3,10 @@ own process, and what every process of a multi-process run does. No Prefect, no 
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,25 @@ class RunFiles:
     # shard is opened when first read, after ``bring`` has it fetched where it is not yet.
     shards: dict[str, list[dict]] | None = None
     bring: Callable[[Path], None] | None = None
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    """What one training run comes to: what the stage makes its version's manifest and history
+    of, and what process 0 of a multi-process run hands the stage (``to_json``, in its
+    ``result.json``)."""
+
+    metrics: dict[str, Any]  # the manifest's figures: throughput, losses, layout, memory, settings
+    history: list[dict[str, Any]]  # the loss record: one entry each logged step
+    params_digest: str  # the trained parameters' bytes, hashed (``params_digest``)
+    devices: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingResult:
+        return cls(**json.loads(text))
 
 
 def stop_agreed(step: int) -> bool:
@@ -77,7 +97,7 @@ def run_training(
     on_step: Callable[[int, int], None] | None = None,
     warn: trackers.Warn = trackers.warn_on_stderr,
     note: Callable[[str], None] = lambda message: None,
-) -> dict[str, Any]:
+) -> TrainingResult:
     """Trains ``request`` on ``devices`` (``parallel``: a ``data`` mesh over them, which may
     span processes), resuming from the newest checkpoint in ``files.resume``, and saves the
     final state at ``files.state`` (every process calls this; process 0 writes, and reports
@@ -154,9 +174,9 @@ def run_training(
         "eval_rows": eval_rows,
         "val_split_rows": val_split_rows,
     }
-    return {
-        "metrics": metrics,
-        "history": result.history,
-        "params_digest": params_digest(model_from_state(graphdef, result.state)),
-        "devices": [str(d) for d in devices],
-    }
+    return TrainingResult(
+        metrics=metrics,
+        history=result.history,
+        params_digest=params_digest(model_from_state(graphdef, result.state)),
+        devices=[str(d) for d in devices],
+    )
