@@ -252,6 +252,11 @@ class ResumeFolder:
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def siblings(self) -> list[Path]:
+        """The resume folders of the same stage's other versions in this store: a training of
+        the same recipe on another layout may have left checkpoints there."""
+        return sorted(p for p in self.path.parent.glob(".resume-*") if p != self.path and p.is_dir())
+
     def drop_if_empty(self) -> None:
         """Removes the folder if no file but its record was written in it (a run that failed
         before its first checkpoint); anything a rerun could resume from, or a log, stays."""

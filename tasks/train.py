@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,28 +58,29 @@ def same_training(request: TrainingRequest) -> dict[str, Any]:
     return recipe
 
 
-def adopt_checkpoints(resume: Path, request: TrainingRequest) -> tuple[int, int] | None:
+def adopt_checkpoints(resume: ResumeFolder, request: TrainingRequest) -> tuple[int, int] | None:
     """With no checkpoint of its own, a training run takes the newest checkpoint of the same
     training that another run of this stage left on another layout (say four devices, now
-    two: Orbax reads it onto this run's shardings). Returns its step and device count."""
-    resume.mkdir(parents=True, exist_ok=True)
+    two: Orbax reads it onto this run's shardings), in the store's other resume folders.
+    Returns its step and device count."""
+    resume.path.mkdir(parents=True, exist_ok=True)
     mine = same_training(request)
-    (resume / ResumeFolder.RECORD).write_text(json.dumps({"training": mine, "devices": request.devices}))
-    if TrainingCheckpoints.steps(resume):
+    (resume.path / ResumeFolder.RECORD).write_text(json.dumps({"training": mine, "devices": request.devices}))
+    if TrainingCheckpoints.steps(resume.path):
         return None
     found = None
-    for other in resume.parent.glob(".resume-*"):
+    for other in resume.siblings():
         try:
             record = json.loads((other / ResumeFolder.RECORD).read_text())
         except (OSError, ValueError):
             continue
         steps = TrainingCheckpoints.steps(other)
-        if other != resume and record.get("training") == mine and steps and (found is None or steps[-1] > found[1]):
+        if record.get("training") == mine and steps and (found is None or steps[-1] > found[1]):
             found = (other, steps[-1], record.get("devices"))
     if found is None:
         return None
     other, step, devices = found
-    shutil.copytree(other / str(step), resume / str(step))
+    shutil.copytree(other / str(step), resume.path / str(step))
     return step, devices
 
 
@@ -90,7 +90,7 @@ def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None
     has none of its own (``adopt_checkpoints``), and which one it resumes from said (the
     resume itself is reported when it ends)."""
     with out.resume.writing(say=lambda line: ui.say("%s: %s", stage, line)):
-        adopted = adopt_checkpoints(out.resume.path, request)
+        adopted = adopt_checkpoints(out.resume, request)
     if adopted is not None:
         ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage, *adopted)
         return

@@ -137,19 +137,20 @@ def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training
 
     stage = tmp_path / "train_parallel"
     on_four = stage / ".resume-four"
-    assert adopt_checkpoints(on_four, request(4, 4)) is None  # nothing to take: it trains, and is interrupted
+    assert adopt_checkpoints(ResumeFolder(on_four), request(4, 4)) is None  # nothing to take: it trains, and stops
     for step in (100, 200):
         (on_four / str(step)).mkdir()
         (on_four / str(step) / "state").write_text(f"step {step}")
     other = stage / ".resume-other-batch"
-    adopt_checkpoints(other, request(4, 8))
+    adopt_checkpoints(ResumeFolder(other), request(4, 8))
     (other / "300").mkdir()
     assert same_training(request(2, 8)) == same_training(request(4, 4)) != same_training(request(4, 8))
-    on_two = stage / ".resume-two"
+    on_two = ResumeFolder(stage / ".resume-two")
+    assert on_two.siblings() == sorted([on_four, other])  # the store's layout, known to the store alone
     assert adopt_checkpoints(on_two, request(2, 8)) == (200, 4)
-    assert (on_two / "200" / "state").read_text() == "step 200" and not (on_two / "300").exists()
+    assert (on_two.path / "200" / "state").read_text() == "step 200" and not (on_two.path / "300").exists()
     assert adopt_checkpoints(on_two, request(2, 8)) is None  # it has its own now
     empty = ResumeFolder(stage / ".resume-fresh")
-    adopt_checkpoints(empty.path, request(8, 1))
+    adopt_checkpoints(empty, request(8, 1))
     empty.drop_if_empty()  # a run that failed before its first checkpoint leaves nothing
     assert not empty.path.exists()
