@@ -280,6 +280,13 @@ def pool_workers(prefect_server):
             )
             for name in ("sweeper-a", "sweeper-b")
         }
+        # Both polling before any run is scheduled: a worker still starting (seconds of imports
+        # on a busy host) would leave both trials to the other.
+        deadline = time.monotonic() + 180
+        for name in workers:
+            while f"Worker '{name}' started!" not in (prefect_server.home / f"{name}.log").read_text():
+                assert workers[name].poll() is None and time.monotonic() < deadline, f"{name} did not start"
+                time.sleep(0.2)
         try:
             yield workers
         finally:
