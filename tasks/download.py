@@ -50,6 +50,9 @@ class Watch:
     stalled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
+    def stall(self) -> Stalled:
+        return Stalled(f"slower than {self.min_bytes_per_s:,.0f} bytes/s for {self.window_s:.0f} s")
+
     def start(self) -> None:
         threading.Thread(target=self._watch, name="bardflow-download-watch", daemon=True).start()
 
@@ -88,6 +91,10 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def __init__(self) -> None:
         self.hops: list[str] = []
 
+    def final(self, url: str) -> str:
+        """Where the bytes of ``url`` came from."""
+        return self.hops[-1] if self.hops else url
+
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         old, new = urllib.parse.urlparse(req.full_url), urllib.parse.urlparse(newurl)
         if (old.scheme, old.netloc) != (new.scheme, new.netloc) and (old.scheme, new.scheme) != ("https", "https"):
@@ -111,9 +118,31 @@ def _opener(watch: Watch, redirects: _Redirects) -> urllib.request.OpenerDirecto
     return urllib.request.build_opener(Http(), Https(), redirects)
 
 
-def one_line(text: object) -> str:
+def _one_line(text: object) -> str:
     """A server's or library's message as one line (urllib's redirect-loop error has three)."""
     return " ".join(str(text).split())
+
+
+def _receive(response, out, have: int, total: int | None, watch: Watch, hear, progress) -> int:
+    """The response's body appended to ``out``; returns the bytes ``out`` holds. ``read1``
+    returns what has arrived, so the watch sees the rate as it is; what it returns is passed
+    on a MiB at a time."""
+    pending = bytearray()
+    while True:
+        piece = response.read1(CHUNK)
+        watch.received += len(piece)
+        pending += piece
+        if pending and (not piece or len(pending) >= CHUNK):
+            chunk = bytes(pending)
+            pending.clear()
+            write_all(out, chunk)
+            if hear is not None:
+                hear(chunk)
+            have += len(chunk)
+            if progress is not None:
+                progress(have, total)
+        if not piece:
+            return have
 
 
 def download(
@@ -150,41 +179,20 @@ def download(
                             restart()
                     length = response.headers.get("Content-Length")
                     total = have + int(length) if length is not None else None
-                    # read1 returns what has arrived, so the watch sees the rate as it is; what
-                    # it returns is passed on a MiB at a time.
-                    pending = bytearray()
-                    while True:
-                        piece = response.read1(CHUNK)
-                        watch.received += len(piece)
-                        pending += piece
-                        if pending and (not piece or len(pending) >= CHUNK):
-                            chunk = bytes(pending)
-                            pending.clear()
-                            write_all(out, chunk)
-                            if hear is not None:
-                                hear(chunk)
-                            have += len(chunk)
-                            if progress is not None:
-                                progress(have, total)
-                        if not piece:
-                            break
+                    have = _receive(response, out, have, total, watch, hear, progress)
                     if watch.stalled:
-                        raise Stalled(f"slower than {min_bytes_per_s:,.0f} bytes/s for {stall_s:.0f} s")
+                        raise watch.stall()
                     if total is not None and have < total:
                         raise http.client.IncompleteRead(b"", total - have)
-                return redirects.hops[-1] if redirects.hops else url
+                return redirects.final(url)
             except urllib.error.HTTPError as error:
                 last = error
                 if error.code == 416 and have:  # nothing past what we have: it was all there
-                    return redirects.hops[-1] if redirects.hops else url
+                    return redirects.final(url)
                 if error.code < 500 and error.code != 429:
                     break  # the server said no; asking again will not change that
             except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
-                last = (
-                    Stalled(f"slower than {min_bytes_per_s:,.0f} bytes/s for {stall_s:.0f} s")
-                    if watch.stalled
-                    else error
-                )
+                last = watch.stall() if watch.stalled else error
                 cause = getattr(error, "reason", error)
                 if not watch.stalled and (
                     isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in NOT_RETRIED
@@ -192,7 +200,7 @@ def download(
                     break
             finally:
                 watch.done.set()
-    reason = one_line(getattr(last, "reason", last))
+    reason = _one_line(getattr(last, "reason", last))
     raise FetchError(
         f"could not download {url} ({reason}) after {attempt + 1} attempt(s); check the network, "
         "or pass a local copy with --corpus PATH or a mirror with --corpus file:///PATH"
