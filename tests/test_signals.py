@@ -25,7 +25,7 @@ import pytest
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.flow
-STEPS = 200
+STEPS = 600  # long enough that a loaded machine still signals train_single before it ends
 
 
 def descendants(pid: int) -> list[int]:
