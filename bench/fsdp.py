@@ -113,12 +113,12 @@ def muon_share_out(preset: str, settings: dict, steps: int) -> dict:
     orthogonalisation over the split matrices as it sees fit)."""
     import functools
 
-    from bardflow.model.training import optimizer
+    from bardflow.model.training import optimizer, sharding
     from bardflow.model.training import step as step_module
 
     original, found = optimizer.split_among_devices, {}
     try:
-        for name, axis in (("share-out", optimizer.DATA_AXIS), ("no share-out", "none")):
+        for name, axis in (("share-out", sharding.DATA_AXIS), ("no share-out", "none")):
             optimizer.split_among_devices = functools.partial(original, axis=axis)
             for cached in (optimizer.make_optimizer, step_module._creator, step_module.make_train_step):
                 cached.cache_clear()

@@ -3,8 +3,8 @@
 
 On the cpu shape (Muon) and the codelab shape (AdamW): losses of ``fsdp`` against
 ``replicated`` and of remat, at every step; XLA's memory figures of the compiled codelab
-step; a checkpoint written with fsdp on four devices resumed on two and on one; the final
-state restored on one device."""
+step, and of gpt2's widths under fsdp in one pass and in four; a checkpoint written with fsdp
+on four devices resumed on two and on one; the final state restored on one device."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ CPU = {
     "train.per_device_batch": 4,
     "model.num_layers": 1,
 }
+GPT2_SHORT = {"model.num_layers": 2, "model.max_seq_len": 128, "data.seq_len": 128, "train.per_device_batch": 8}
 CODELAB = {"train.steps": 4, "train.log_every": 1, "train.per_device_batch": 2, "model.num_layers": 2}
 
 
@@ -86,24 +87,25 @@ def losses(
     return result
 
 
-def memory(preset: str, sharding: str, remat: bool) -> dict:
-    """The compiled step's figures at the preset's own batch, in one pass per step, and the
-    estimate's (``model/training/memory.py``)."""
-    cfg = build_config(preset, {"train.sharding": sharding, "train.remat": remat})
+def memory(preset: str, sharding: str, remat: bool, passes: int = 1, settings: dict | None = None) -> dict:
+    """The compiled step's figures at the preset's own batch in ``passes`` passes a step, and
+    the estimate's (``model/training/memory.py``)."""
+    cfg = build_config(preset, {**(settings or {}), "train.sharding": sharding, "train.remat": remat})
     placement = placed(4, sharding == "fsdp")
     graphdef, state = init_state(cfg.model, cfg.train)
     state = placement.put_state(state)
     tokens = placement.put_batch(np.zeros((cfg.train.per_device_batch * 4, cfg.data.seq_len), np.int32))
     compiled = (
-        make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, remat=remat)
+        make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, passes=passes, remat=remat)
         .lower(state, tokens)
         .compile()
     )
-    found = estimate(cfg.model, cfg.train, 4, cfg.data.seq_len, cfg.train.per_device_batch, "float32")
+    found = estimate(cfg.model, cfg.train, 4, cfg.data.seq_len, cfg.train.per_device_batch // passes, "float32")
     return {
         **step_memory(compiled, state),
         "estimate_bytes": found.total_bytes,
         "estimate_state_bytes": found.state_bytes,
+        "estimate_gathered_bytes": found.gathered_bytes,
     }
 
 
@@ -143,6 +145,10 @@ def main(out: Path) -> None:
         found["restored_devices"] = sorted({str(d) for leaf in jax.tree.leaves(restored) for d in leaf.devices()})
         for remat in (False, True):  # activations: the codelab's batch, in one pass
             found["memory"][f"batch 32{' remat' if remat else ''}"] = memory("codelab", "replicated", remat)
+        # Under fsdp the parameters are gathered whole for the step, in one pass or several:
+        # gpt2's widths, where they outweigh the activations of a short batch.
+        for passes in (1, 4):
+            found["memory"][f"gpt2 fsdp passes {passes}"] = memory("gpt2", "fsdp", False, passes, GPT2_SHORT)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out.write_text(json.dumps(found, indent=1))

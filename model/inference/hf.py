@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...config.settings import ModelConfig
+from ..network.parameters import parameters
 
 LAYER_NORM_EPS = 1e-6  # nnx.LayerNorm's default
 ROPE_BASE = 10000.0  # model/network/transformer.py, rotate
@@ -98,49 +99,57 @@ def _by_head(cfg: ModelConfig) -> np.ndarray:
 
 
 def hf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Every parameter (``model/inference/export.py``'s ``flat_params``) under the architecture's names,
-    float32, contiguous."""
-    p = {name: np.asarray(value, np.float32) for name, value in params.items()}
+    """Every parameter (``model/inference/export.py``'s ``flat_params``, by the names
+    ``model/network/parameters.py`` declares) under the architecture's names, float32, contiguous."""
+    declared = parameters(cfg)
+    assert set(params) == set(declared), f"not declared or missing: {sorted(set(params) ^ set(declared))}"
+    taken: set[str] = set()
+
+    def p(name: str) -> np.ndarray:
+        taken.add(name)
+        return np.asarray(params[name], np.float32)
+
     out: dict[str, np.ndarray] = {}
     if cfg.positions == "learned":
-        out["transformer.wte.weight"] = p["token_embed.embedding"]
-        out["transformer.wpe.weight"] = p["pos_embed.embedding"]
+        out["transformer.wte.weight"] = p("token_embed.embedding")
+        out["transformer.wpe.weight"] = p("pos_embed.embedding")
         for i in range(cfg.num_layers):
             ours, theirs = f"blocks.{i}", f"transformer.h.{i}"
             for norm, name in (("ln1", "ln_1"), ("ln2", "ln_2")):
-                out[f"{theirs}.{name}.weight"] = p[f"{ours}.{norm}.scale"]
-                out[f"{theirs}.{name}.bias"] = p[f"{ours}.{norm}.bias"]
+                out[f"{theirs}.{name}.weight"] = p(f"{ours}.{norm}.scale")
+                out[f"{theirs}.{name}.bias"] = p(f"{ours}.{norm}.bias")
             for layer, name in (
                 ("attn.qkv", "attn.c_attn"),
                 ("attn.out", "attn.c_proj"),
                 ("mlp.up", "mlp.c_fc"),
                 ("mlp.down", "mlp.c_proj"),
             ):  # Conv1D: (in, out), Flax's own layout
-                out[f"{theirs}.{name}.weight"] = p[f"{ours}.{layer}.kernel"]
-                out[f"{theirs}.{name}.bias"] = p[f"{ours}.{layer}.bias"]
-        out["transformer.ln_f.weight"] = p["final_norm.scale"]
-        out["transformer.ln_f.bias"] = p["final_norm.bias"]
+                out[f"{theirs}.{name}.weight"] = p(f"{ours}.{layer}.kernel")
+                out[f"{theirs}.{name}.bias"] = p(f"{ours}.{layer}.bias")
+        out["transformer.ln_f.weight"] = p("final_norm.scale")
+        out["transformer.ln_f.bias"] = p("final_norm.bias")
     else:
-        out["gpt_neox.embed_in.weight"] = p["token_embed.embedding"]
+        out["gpt_neox.embed_in.weight"] = p("token_embed.embedding")
         order = _by_head(cfg)
         for i in range(cfg.num_layers):
             ours, theirs = f"blocks.{i}", f"gpt_neox.layers.{i}"
             for norm, name in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
-                out[f"{theirs}.{name}.weight"] = p[f"{ours}.{norm}.scale"]
-                out[f"{theirs}.{name}.bias"] = p[f"{ours}.{norm}.bias"]
-            out[f"{theirs}.attention.query_key_value.weight"] = p[f"{ours}.attn.qkv.kernel"][:, order].T
-            out[f"{theirs}.attention.query_key_value.bias"] = p[f"{ours}.attn.qkv.bias"][order]
+                out[f"{theirs}.{name}.weight"] = p(f"{ours}.{norm}.scale")
+                out[f"{theirs}.{name}.bias"] = p(f"{ours}.{norm}.bias")
+            out[f"{theirs}.attention.query_key_value.weight"] = p(f"{ours}.attn.qkv.kernel")[:, order].T
+            out[f"{theirs}.attention.query_key_value.bias"] = p(f"{ours}.attn.qkv.bias")[order]
             for layer, name in (
                 ("attn.out", "attention.dense"),
                 ("mlp.up", "mlp.dense_h_to_4h"),
                 ("mlp.down", "mlp.dense_4h_to_h"),
             ):  # nn.Linear: (out, in)
-                out[f"{theirs}.{name}.weight"] = p[f"{ours}.{layer}.kernel"].T
-                out[f"{theirs}.{name}.bias"] = p[f"{ours}.{layer}.bias"]
-        out["gpt_neox.final_layer_norm.weight"] = p["final_norm.scale"]
-        out["gpt_neox.final_layer_norm.bias"] = p["final_norm.bias"]
+                out[f"{theirs}.{name}.weight"] = p(f"{ours}.{layer}.kernel").T
+                out[f"{theirs}.{name}.bias"] = p(f"{ours}.{layer}.bias")
+        out["gpt_neox.final_layer_norm.weight"] = p("final_norm.scale")
+        out["gpt_neox.final_layer_norm.bias"] = p("final_norm.bias")
     head = "lm_head.weight" if cfg.positions == "learned" else "embed_out.weight"
-    out[head] = p["lm_head.kernel"].T
+    out[head] = p("lm_head.kernel").T
+    assert taken == set(declared), f"not mapped: {sorted(set(declared) - taken)}"  # parameters.py and this map in step
     return {name: np.ascontiguousarray(value) for name, value in out.items()}
 
 

@@ -1,4 +1,5 @@
-"""The decoder-only byte transformer of the codelab, in one screen.
+"""The decoder-only byte transformer of the codelab, in one screen; each parameter's shape
+and logical axes are declared in ``parameters.py``.
 
 One forward pass serves training and sampling: ``model(tokens, positions, cache)`` returns
 the logits and the updated key/value cache, so the sampler drives these modules and never
@@ -17,6 +18,7 @@ from flax import nnx
 
 from ...config.settings import Kernel, ModelConfig
 from .kernels import attend, causal_attention, dense
+from .parameters import shape_of
 
 
 def use_custom(setting: Kernel) -> bool:
@@ -76,8 +78,8 @@ class CausalSelfAttention(nnx.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.d_model // cfg.num_heads
         self.rotary = cfg.positions == "rope"
         custom = use_custom(cfg.dense)
-        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, custom=custom, rngs=rngs)  # query, key, value in one product
-        self.out = Linear(cfg.d_model, cfg.d_model, custom=custom, rngs=rngs, **output_init(cfg))
+        self.qkv = Linear(*shape_of(cfg, "attn.qkv.kernel"), custom=custom, rngs=rngs)  # query, key, value in one
+        self.out = Linear(*shape_of(cfg, "attn.out.kernel"), custom=custom, rngs=rngs, **output_init(cfg))
         self.custom = use_custom(cfg.attention)
         self.qk_norm = cfg.qk_norm
 
@@ -123,8 +125,8 @@ class CausalSelfAttention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         custom = use_custom(cfg.dense)
-        self.up = Linear(cfg.d_model, cfg.ffn_dim, custom=custom, rngs=rngs)
-        self.down = Linear(cfg.ffn_dim, cfg.d_model, custom=custom, rngs=rngs, **output_init(cfg))
+        self.up = Linear(*shape_of(cfg, "mlp.up.kernel"), custom=custom, rngs=rngs)
+        self.down = Linear(*shape_of(cfg, "mlp.down.kernel"), custom=custom, rngs=rngs, **output_init(cfg))
         self.relu2 = cfg.mlp == "relu2"
 
     def __call__(self, x):
@@ -134,9 +136,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(*shape_of(cfg, "ln1.scale"), rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs)
-        self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(*shape_of(cfg, "ln2.scale"), rngs=rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False, span: int | None = None):
@@ -148,13 +150,13 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.token_embed = nnx.Embed(*shape_of(cfg, "token_embed.embedding"), rngs=rngs)
         self.max_seq_len = cfg.max_seq_len
         self.rotary = cfg.positions == "rope"  # positions enter in attention, not here
-        self.pos_embed = None if self.rotary else nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
+        self.pos_embed = None if self.rotary else nnx.Embed(*shape_of(cfg, "pos_embed.embedding"), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+        self.final_norm = nnx.LayerNorm(*shape_of(cfg, "final_norm.scale"), rngs=rngs)
+        self.lm_head = nnx.Linear(*shape_of(cfg, "lm_head.kernel"), use_bias=False, rngs=rngs)
         self.logit_cap = cfg.logit_cap
 
     def __call__(

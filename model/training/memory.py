@@ -10,16 +10,14 @@ on a CPU, over the codelab, cpu and gpt2 shapes, with and without remat (docs/be
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from ...config.settings import ConfigError, ModelConfig, TrainConfig
+from ..network.parameters import Parameter, parameters
+from .sharding import DATA_AXIS, is_split
 
 GIB = 1 << 30
-# Arrays below this many elements (biases, norms, step counts, learning rates) stay whole on
-# every device under FSDP: splitting them saves little and adds a collective each.
-FSDP_MIN_ELEMENTS = 1 << 14
 # Values kept per token and block for the backward pass, in the compute dtype, by attention
 # kernel: (per attention score, heads x context: scores, probabilities, their gradients;
 # per model feature, with the MLP's four-times-wider hidden layer folded in: its input and
@@ -32,50 +30,9 @@ ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1)}
 RECOMPUTED_BLOCKS = 1.25
 
 
-def fsdp_dim(shape: tuple[int, ...], devices: int) -> int | None:
-    """The FSDP rule, by shape (ZeRO-3): the dimension an array is split along over the data
-    axis, its largest that the devices divide (the first of equal ones); None (replicated)
-    for a small array, or one no dimension of which divides. A parameter and its optimizer
-    moments have the same shape, so they are split alike."""
-    if devices < 2 or math.prod(shape) < FSDP_MIN_ELEMENTS:
-        return None
-    divisible = [dim for dim, size in enumerate(shape) if size % devices == 0]
-    return max(divisible, key=lambda d: (shape[d], -d)) if divisible else None
-
-
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape by name, as ``model/network/transformer.py`` makes them."""
-    d, f = cfg.d_model, cfg.ffn_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embed": (cfg.vocab_size, d),
-        "lm_head": (d, cfg.vocab_size),
-        "final_norm.scale": (d,),
-        "final_norm.bias": (d,),
-    }
-    if cfg.positions == "learned":
-        shapes["pos_embed"] = (cfg.max_seq_len, d)
-    for layer in range(cfg.num_layers):
-        for name, shape in {
-            "ln1.scale": (d,),
-            "ln1.bias": (d,),
-            "ln2.scale": (d,),
-            "ln2.bias": (d,),
-            "attn.qkv.kernel": (d, 3 * d),
-            "attn.qkv.bias": (3 * d,),
-            "attn.out.kernel": (d, d),
-            "attn.out.bias": (d,),
-            "mlp.up.kernel": (d, f),
-            "mlp.up.bias": (f,),
-            "mlp.down.kernel": (f, d),
-            "mlp.down.bias": (d,),
-        }.items():
-            shapes[f"blocks.{layer}.{name}"] = shape
-    return shapes
-
-
-def _moments(name: str, shape: tuple[int, ...], optimizer: str) -> int:
+def _moments(parameter: Parameter, optimizer: str) -> int:
     """Optimizer moments kept per parameter: AdamW's two, or Muon's one for a block's matrix."""
-    return 1 if optimizer == "muon" and len(shape) == 2 and name.startswith("blocks.") else 2
+    return 1 if optimizer == "muon" and len(parameter.shape) == 2 and parameter.in_block else 2
 
 
 @dataclass(frozen=True)
@@ -87,10 +44,16 @@ class Estimate:
     devices: int
     layout: str
     remat: bool
+    gathered_bytes: int = 0  # FSDP: the split parameters gathered whole for the step
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What no batch, micro-batch or remat shrinks."""
+        return self.state_bytes + self.gradient_bytes + self.gathered_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.gradient_bytes + self.activation_bytes
+        return self.fixed_bytes + self.activation_bytes
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -100,7 +63,7 @@ class Estimate:
             "remat": self.remat,
             **{
                 f"{name}_gib": round(getattr(self, f"{name}_bytes") / GIB, 2)
-                for name in ("state", "gradient", "activation", "total")
+                for name in ("state", "gradient", "gathered", "activation", "total")
             },
         }
 
@@ -117,40 +80,38 @@ def estimate(
     attention: str = "xla",
 ) -> Estimate:
     """What one device holds during a training step of ``model`` and ``train`` on
-    ``devices`` data-parallel devices: parameters and optimizer state (split by
-    ``fsdp_dim`` under FSDP), the float32 gradient, and the activations kept for the backward
+    ``devices`` data-parallel devices: parameters and optimizer state (split by the rule
+    table under FSDP, ``model/training/sharding.py``, and then gathered whole for the step),
+    the float32 gradient, and the activations kept for the backward
     pass of one ``rows_per_pass`` x ``seq_len`` pass in the compute dtype with the
     ``attention`` kernel (``remat``: only each block's input, and one block's activations at
     a time)."""
     remat = train.remat if remat is None else remat
-    fsdp = (train.sharding if sharding is None else sharding) == "fsdp" and devices > 1
-    shapes = parameter_shapes(model)
+    layout = "fsdp" if (train.sharding if sharding is None else sharding) == "fsdp" and devices > 1 else None
+    layout = layout or ("replicated" if devices > 1 else "single")
+    mesh = {DATA_AXIS: devices}
     state = 0
-    for name, shape in shapes.items():
-        split = fsdp and fsdp_dim(shape, devices) is not None
-        state += 4 * math.prod(shape) * (1 + _moments(name, shape, train.optimizer)) // (devices if split else 1)
-    parameters = sum(math.prod(shape) for shape in shapes.values())
+    every = parameters(model).values()
+    for parameter in every:
+        split = is_split(parameter.name, parameter.shape, layout, mesh)
+        state += 4 * parameter.size * (1 + _moments(parameter, train.optimizer)) // (devices if split else 1)
+    count = sum(parameter.size for parameter in every)
     width = 2 if precision == "bfloat16" else 4
     tokens = rows_per_pass * seq_len
     scores, features = ACTIVATION_TERMS["custom" if attention == "custom" else "xla"]
     per_block = tokens * width * (scores * model.num_heads * seq_len + features * model.d_model)
     if remat:
-        block_parameters = sum(math.prod(s) for name, s in shapes.items() if name.startswith("blocks."))
+        block_parameters = sum(parameter.size for parameter in every if parameter.in_block)
         activations = (
             model.num_layers * tokens * model.d_model * width + RECOMPUTED_BLOCKS * per_block + block_parameters * width
         )
     else:
         activations = model.num_layers * per_block
-    gradients = 4 * parameters + (2 * parameters if width == 2 else 0)  # and the compute-dtype copy
-    return Estimate(
-        parameters,
-        state,
-        gradients,
-        int(activations),
-        devices,
-        "fsdp" if fsdp else "replicated" if devices > 1 else "single",
-        remat,
-    )
+    gradients = 4 * count + (2 * count if width == 2 else 0)  # and the compute-dtype copy
+    # Split parameters are gathered whole for the step (XLA's partitioned step, and the
+    # micro-batch loop's per-device copies, ``model/training/step.py``): one float32 copy.
+    gathered = 4 * count if layout == "fsdp" else 0
+    return Estimate(count, state, gradients, int(activations), devices, layout, remat, gathered)
 
 
 def state_bytes_per_device(state) -> int:
@@ -194,7 +155,7 @@ def check_fits(
     found = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention)
     if free_bytes is None or found.total_bytes <= free_bytes:
         return found
-    if found.state_bytes + found.gradient_bytes > free_bytes:  # no batch, micro-batch or remat shrinks these
+    if found.fixed_bytes > free_bytes:  # no batch, micro-batch or remat shrinks these
         raise ConfigError(_too_large(model, train, found, devices, platform, seq_len, step, free_bytes))
     fixes = []
     if devices > 1 and found.layout != "fsdp":
@@ -223,7 +184,7 @@ def _too_large(
 ) -> str:
     """The refusal of a model whose state and gradients alone exceed a device: what shrinks
     them (FSDP splits the state over devices; a smaller model all of it)."""
-    fixed = found.state_bytes + found.gradient_bytes
+    fixed = found.fixed_bytes
     ways = []
     if found.gradient_bytes < free_bytes:  # the state is what FSDP splits; the gradient stays whole here
         sharded = estimate(
@@ -236,12 +197,14 @@ def _too_large(
             sharding="fsdp",
             attention=step.attention,
         )
-        fits = devices > 1 and found.layout != "fsdp" and sharded.state_bytes + sharded.gradient_bytes < free_bytes
+        fits = devices > 1 and found.layout != "fsdp" and sharded.fixed_bytes < free_bytes
         ways.append("train.sharding=fsdp" if fits else "train.sharding=fsdp over more devices")
     ways.append("a smaller model (lower model.d_model or model.num_layers)")
     return (
         f"training needs about {found.total_bytes / GIB:.1f} GiB per device ({devices} {platform} device"
         f"{'s' if devices > 1 else ''}, {found.layout}): the model's state ({found.state_bytes / GIB:.1f} GiB) "
-        f"and gradients ({found.gradient_bytes / GIB:.1f} GiB) alone take {fixed / GIB:.1f} GiB, more than the "
+        f"and gradients{' with the parameters gathered whole' if found.gathered_bytes else ''} "
+        f"({(found.gradient_bytes + found.gathered_bytes) / GIB:.1f} GiB) alone take {fixed / GIB:.1f} GiB, "
+        f"more than the "
         f"{free_bytes / GIB:.1f} GiB free whatever the batch; use {' or '.join(ways)}"
     )

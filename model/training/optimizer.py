@@ -20,8 +20,7 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
 from ...config.settings import TrainConfig
-
-DATA_AXIS = "data"  # the data-parallel mesh axis (model/training/placement.py)
+from .sharding import DATA_AXIS
 
 # Muon orthogonalises the update of a weight matrix that maps features to features; the
 # embedding tables and the head map ids to features and back, and stay with AdamW.

@@ -11,15 +11,33 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .memory import fsdp_dim
-from .optimizer import DATA_AXIS
+from ..network.parameters import parameter_of
+from .sharding import DATA_AXIS, parameter_mesh_axes
 
 
-def fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
-    """An array's partition under FSDP: split over the data axis along ``fsdp_dim``'s
-    dimension (the one rule, ``model/training/memory.py``), or replicated."""
-    dim = fsdp_dim(shape, devices)
-    return P() if dim is None else P(*([None] * dim), DATA_AXIS)
+def state_spec(path, shape: tuple[int, ...], layout: str, mesh: dict[str, int]) -> P:
+    """The partition of the state's array at key ``path``: a parameter's or its optimizer
+    moment's by the rule table (``model/training/sharding.py``); whole for everything else
+    (step counts, learning rates)."""
+    name = parameter_of(_names(path))
+    if name is None:
+        return P()
+    axes = list(parameter_mesh_axes(name, shape, layout, mesh))
+    while axes and axes[-1] is None:  # P("data") rather than P("data", None): the same, one spelling
+        axes.pop()
+    return P(*axes)
+
+
+def _names(path) -> tuple[str, ...]:
+    """A key path's dictionary keys and sequence indices as text; attributes (a variable's
+    ``.value``) left out: ``('blocks', '0', 'attn', 'qkv', 'kernel')``."""
+    keys = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
+            keys.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            keys.append(str(key.idx))
+    return tuple(keys)
 
 
 @dataclass(frozen=True)
@@ -36,7 +54,7 @@ class StateLayout:
 @dataclass(frozen=True)
 class Placement:
     """Where the state and the batches live: one device, or a ``data`` mesh over which the
-    batches are split and the state is replicated or, with ``fsdp``, split by ``fsdp_spec``."""
+    batches are split and the state is replicated or, with ``fsdp``, split by ``state_spec``."""
 
     devices: tuple
     state_sharding: Any = None  # replicated: one sharding for every array
@@ -66,9 +84,15 @@ class Placement:
         own; None on one device."""
         if not self.fsdp:
             return self.state_sharding
-        mesh, count = self.state_sharding.mesh, len(self.devices)
-        leaves, treedef = jax.tree.flatten(state)
-        return StateLayout(treedef, tuple(NamedSharding(mesh, fsdp_spec(tuple(leaf.shape), count)) for leaf in leaves))
+        mesh = self.state_sharding.mesh
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        return StateLayout(
+            treedef,
+            tuple(
+                NamedSharding(mesh, state_spec(path, tuple(leaf.shape), self.layout, dict(mesh.shape)))
+                for path, leaf in leaves
+            ),
+        )
 
     def state_target(self, state):
         """``state``'s shardings as a tree of the same structure (where to place or restore it)."""

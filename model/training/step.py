@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 from ...config.settings import ModelConfig, TrainConfig
 from ..errors import BardflowError
 from ..network.transformer import Transformer, build_model
-from .optimizer import DATA_AXIS, make_optimizer
+from .optimizer import make_optimizer
 from .placement import StateLayout
+from .sharding import DATA_AXIS
 
 
 class TrainingError(BardflowError, RuntimeError):
@@ -112,6 +113,8 @@ def _accumulated(loss_fn, passes: int, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         run = partial(local, graphdef)
         if mesh is not None:
+            # Parameters whole (under fsdp: gathered once for all passes, which the memory
+            # estimate counts), each device's own rows.
             run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)), out_specs=P())
         return run(params, rest, tokens)
 
