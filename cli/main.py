@@ -8,10 +8,12 @@ import json
 import os
 import sys
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..config import config_file
 from ..config.config_file import parse_assignment
+from ..config.settings import ConfigError, PipelineConfig
 from ..flows.environment import (
     AUTO_CHOICES,
     DEBUG,
@@ -63,7 +65,23 @@ def _ui(args: argparse.Namespace) -> int:
     os.execv(sys.executable, command)
 
 
-def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class Prepared:
+    """What ``_prepare`` checked: the store, the overrides, and the configuration of each preset
+    the run may become (``auto``'s candidates), resolved once, or why it is refused."""
+
+    root: str
+    overrides: dict[str, Any]
+    configs: dict[str, PipelineConfig | ConfigError]
+
+    def config_for(self, preset: str) -> PipelineConfig:
+        found = self.configs[preset]
+        if isinstance(found, ConfigError):
+            raise found
+        return found
+
+
+def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     """What `run` and `sweep` check and set before anything heavy: the store's location and
     the --set overrides; the environment (devices, a background server) for Prefect and JAX.
     Then the run's own server starts, unless the caller has more to check first (every
@@ -89,7 +107,6 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
             f"--pool {args.pool} needs a Prefect server that its workers share: start one "
             "(`bardflow server start`) or set PREFECT_API_URL"
         )
-    from ..config.settings import ConfigError
     from ..flows.run_config import resolve_run_config
 
     named, overrides = config_file.read(args.config) if args.config else (None, {})
@@ -98,15 +115,15 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     overrides.update(track_settings(args.track))
     # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
     # here when no preset `auto` may become accepts it, checked again once it is chosen.
-    candidates = AUTO_CHOICES if args.preset == "auto" else (args.preset,)
-    errors, accepted = [], []
-    for candidate in candidates:
+    configs: dict[str, PipelineConfig | ConfigError] = {}
+    for candidate in AUTO_CHOICES if args.preset == "auto" else (args.preset,):
         try:
-            accepted.append(resolve_run_config(candidate, overrides, corpus=args.corpus, pin_corpus=False)[1])
+            configs[candidate] = resolve_run_config(candidate, overrides, corpus=args.corpus, pin_corpus=False)[1]
         except ConfigError as error:
-            errors.append(error)
+            configs[candidate] = error
+    accepted = [found for found in configs.values() if not isinstance(found, ConfigError)]
     if not accepted:
-        raise errors[0]
+        raise next(found for found in configs.values() if isinstance(found, ConfigError))
     check_installed(accepted[0].track)  # --track mlflow without MLflow: refused now, not mid-run
     if args.processes > 1:
         # Whether the devices share out evenly needs JAX's count of them: asked now, before
@@ -122,7 +139,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> tuple[str, 
     check_local(accepted[0].data.corpus, accepted[0].data.glob)
     if start_server:
         _start_server()
-    return root, overrides
+    return Prepared(root, overrides, configs)
 
 
 def _start_server() -> None:
@@ -177,11 +194,11 @@ def _run(args: argparse.Namespace) -> RunSummary:
     unknown = [s for s in args.refresh if s not in NAMES]
     if unknown:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
-    root, overrides = _prepare(args)
+    prepared = _prepare(args)
+    root = prepared.root
     from ..artifacts.objects import checked_store
-    from ..flows.run_config import resolve_run_config
 
-    config = resolve_run_config(args.preset, overrides, pin_corpus=False)[1]  # refused here, before Prefect starts
+    config = prepared.config_for(pick_preset(args.preset))  # refused here, before Prefect starts
     if not os.environ.get(STORE_CREDENTIALS):  # keys from a block: checked by the flow, which has the server
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
     from ..flows.pipeline import pipeline
@@ -218,7 +235,8 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
             "--parallel K runs K trials at once on a work pool's workers: add --pool NAME "
             "(here, trials run one at a time)"
         )
-    root, base = _prepare(args, start_server=False)
+    prepared = _prepare(args, start_server=False)
+    root, base = prepared.root, prepared.overrides
     from ..artifacts.objects import checked_store
 
     preset = pick_preset(args.preset)

@@ -119,26 +119,19 @@ STAGE_TASKS = {stage.name: _stage_task(stage) for stage in STAGES}
 
 
 def run_stages(
-    preset: str,
-    config: PipelineConfig | None,
-    corpus: str | None,
-    store: str | None,
-    refresh: list[str],
-    processes: int = 1,
-    settings: dict[str, Any] | None = None,
-    track: list[str] | None = None,
+    chosen: str, auto: bool, config: PipelineConfig, store: str | None, refresh: list[str], processes: int = 1
 ) -> RunSummary:
-    """The pipeline's story, in the registry's order; both flows below tell it."""
-    quiet_explained_errors()
+    """The pipeline's story, in the registry's order; both flows below tell it, each with the
+    configuration it resolved once (``resolve_run_config``: ``chosen`` is the preset, ``auto``
+    whether it was picked for this machine)."""
     stopping.install()  # over the flow engine's own SIGTERM handler: training stops at a step, checkpointed
     stopping.on_force(abandon_unfinished)  # an end at once still leaves no build folder or lock file
     logger = get_run_logger()
-    chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
     devices, platform = hardware()
     logger.info(
         "preset %s%s on %d %s device(s)",
         chosen,
-        " (auto)" if preset == "auto" else "",
+        " (auto)" if auto else "",
         devices,
         platform,
         extra=ui.TERMINAL,
@@ -234,7 +227,9 @@ def pipeline(
     takes it (``mlflow=URI``, ``tensorboard=DIR``).
     """
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
-    return run_stages(preset, config, corpus, store, list(refresh), processes, settings, track)
+    quiet_explained_errors()
+    chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
+    return run_stages(chosen, preset == "auto", config, store, list(refresh), processes)
 
 
 @flow(name="bardflow-samples", log_prints=True, persist_result=False)
@@ -252,7 +247,8 @@ def samples(
     cache when it is there (training runs only if nothing is cached); a setting left empty
     keeps the preset's value."""
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
-    base = resolve_run_config(preset, pin_corpus=False)[1]
+    quiet_explained_errors()
+    chosen, base = resolve_run_config(preset, corpus=corpus)
     changes: dict[str, Any] = {}
     if prompts is not None:
         default_temperature = base.generate.prompts[0].temperature
@@ -269,4 +265,4 @@ def samples(
     except ValidationError as error:
         raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from error
     config = base.model_copy(update={"generate": generate_config})
-    return run_stages(preset, config, corpus, store, [], processes)
+    return run_stages(chosen, preset == "auto", config, store, [], processes)
