@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..config import config_file
 from ..config.config_file import parse_assignment
-from ..config.settings import ConfigError, PipelineConfig
+from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..flows.environment import (
     AUTO_CHOICES,
     DEBUG,
@@ -71,7 +71,7 @@ class Prepared:
     the run may become (``auto``'s candidates), resolved once, or why it is refused."""
 
     root: str
-    overrides: dict[str, Any]
+    overrides: Overrides
     configs: dict[str, PipelineConfig | ConfigError]
 
     def config_for(self, preset: str) -> PipelineConfig:

@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from .settings import PRESETS, ConfigError, PipelineConfig, build_config
+from .settings import PRESETS, ConfigError, Overrides, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)
 KEYS = ("preset", *SECTIONS)
@@ -28,7 +28,7 @@ _short.maxstring = _short.maxother = 60
 _short.maxlist = _short.maxdict = 4
 
 
-def read(path: str | Path) -> tuple[str | None, dict[str, Any]]:
+def read(path: str | Path) -> tuple[str | None, Overrides]:
     """The preset named in the file (or None) and its settings as ``section.field`` overrides."""
     path = Path(path).expanduser()
     try:
@@ -136,7 +136,7 @@ def _expanded_size(node, source: str) -> int:
     return size(node, 0)
 
 
-def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[str, Any]]:
+def settings(content: Any, source: str = "settings") -> tuple[str | None, Overrides]:
     """What a config file holds (already parsed), checked: its preset and its overrides."""
     if not isinstance(content, dict):
         raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(KEYS)}), got {type(content).__name__}")
@@ -148,7 +148,7 @@ def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[s
     preset = content.get("preset")
     if preset is not None and preset not in ("auto", *PRESETS):
         raise ConfigError(f"{source}: preset: {preset!r} is not a preset; choose one of auto, {', '.join(PRESETS)}")
-    overrides: dict[str, Any] = {}
+    overrides: Overrides = {}
     for section in SECTIONS:
         values = content.get(section)
         if values is None:
@@ -161,7 +161,7 @@ def settings(content: Any, source: str = "settings") -> tuple[str | None, dict[s
     return preset, overrides
 
 
-def check(preset: str | None, overrides: dict[str, Any], source: str) -> None:
+def check(preset: str | None, overrides: Overrides, source: str) -> None:
     """Validates the file's settings alone, so that a bad one is blamed on the file, with its
     value: against the preset it names, or, naming none (or auto), against every preset it
     might meet (refused only when none accepts it; --set and the preset are checked later)."""

@@ -8,9 +8,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ..model.errors import BardflowError
+
+# Settings by dotted name (``train.learning_rate``) and their values as JSON gives them: what
+# --set, a config file, a deployment's ``settings`` and a sweep's runs hand to ``build_config``.
+Overrides = dict[str, JsonValue]
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
@@ -419,7 +432,7 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def build_config(preset: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+def build_config(preset: str, overrides: Overrides | None = None) -> PipelineConfig:
     """The preset's config with dotted ``section.field`` overrides applied and validated."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

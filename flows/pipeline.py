@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
-from ..config.settings import ConfigError, GenerateConfig, PipelineConfig, Prompt, TrainingRequest
+from ..config.settings import ConfigError, GenerateConfig, Overrides, PipelineConfig, Prompt, TrainingRequest
 from ..model.errors import BardflowError
 from ..model.training import stopping
 from ..model.training.distributed import hardware
@@ -213,7 +213,7 @@ def pipeline(
     store: str | None = None,
     refresh: list[StageName] = [],  # noqa: B006 - Prefect needs a literal default for the form
     processes: int = 1,
-    settings: dict[str, Any] | None = None,
+    settings: Overrides | None = None,
     track: list[str] | None = None,
 ) -> RunSummary:
     """Fetch, encode, train on one device and on all, compare, checkpoint, export, verify, generate.

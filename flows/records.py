@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config.settings import Overrides
+
 
 @dataclass
 class StageRow:
@@ -49,7 +51,7 @@ class Trial:
     the rows of its stages. ``number`` is its place in the sweep; a search's finished trials
     are numbered 1, 2, 3… (``trial``) beside Optuna's own number (``optuna_trial``)."""
 
-    varying: dict[str, Any]
+    varying: Overrides
     status: str = "running"  # then completed or failed
     number: int | None = None
     flow_run: str | None = None

@@ -13,14 +13,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..config import config_file
-from ..config.settings import ConfigError, PipelineConfig, TrackConfig, build_config
+from ..config.settings import ConfigError, Overrides, PipelineConfig, TrackConfig, build_config
 from .environment import empty_corpus, pick_preset
 from .tracking import track_settings
 
 
 def resolve_run_config(
     preset: str,
-    overrides: dict[str, Any] | None = None,
+    overrides: Overrides | None = None,
     *,
     config: PipelineConfig | None = None,
     settings: Any = None,

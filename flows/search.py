@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts.objects import ObjectStore, checked_store
+from ..config.settings import Overrides
 from ..model.errors import BardflowError
 from .records import StageRow, Trial
+from .sweep_configs import Dimension, SearchSpec
 
 FOLDER = ".searches"
 
@@ -27,19 +29,20 @@ class SearchError(BardflowError, RuntimeError):
     """Optuna is missing, or the study cannot be read."""
 
 
-def _distribution(spec: dict[str, Any]):
+def _distribution(spec: Dimension):
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     if spec["type"] == "categorical":
         return CategoricalDistribution(spec["choices"])
-    kind = IntDistribution if spec["type"] == "int" else FloatDistribution
-    return kind(spec["low"], spec["high"], log=spec.get("log", False))
+    if spec["type"] == "int":
+        return IntDistribution(int(spec["low"]), int(spec["high"]), log=spec["log"])
+    return FloatDistribution(spec["low"], spec["high"], log=spec["log"])
 
 
 class Search:
     """One study: its journal on disk (and in the bucket), asked and told one trial at a time."""
 
-    def __init__(self, spec: dict[str, Any], root: str, listed: list[dict[str, Any]]):
+    def __init__(self, spec: SearchSpec, root: str, listed: list[Overrides]):
         try:
             import optuna
         except ImportError:
@@ -85,7 +88,7 @@ class Search:
             t.state in (TrialState.COMPLETE, TrialState.FAIL) and "run" in t.user_attrs for t in self.study.trials
         )
 
-    def ask(self) -> tuple[int, dict[str, Any]]:
+    def ask(self) -> tuple[int, Overrides]:
         with warnings.catch_warnings():  # a --list value outside a range is tried as given, on purpose
             warnings.filterwarnings("ignore", message="Fixed parameter .* is out of range")
             trial = self.study.ask(self.distributions)

@@ -24,14 +24,15 @@ from prefect.logging import get_run_logger
 
 from ..artifacts import ui
 from ..artifacts.objects import checked_store
-from ..config.settings import ConfigError, PipelineConfig
+from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..model.training import stopping
+from ..model.training.records import HistoryEntry
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
 from .environment import pick_preset, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
 from .records import RunSummary, StageRow, Trial
-from .sweep_configs import run_configuration
+from .sweep_configs import SearchSpec, run_configuration
 from .terminal import quiet_explained_errors
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def comparison_rows(runs: list[Trial]) -> list[dict[str, Any]]:
     return rows
 
 
-def set_line(varying: dict[str, Any]) -> str:
+def set_line(varying: Overrides) -> str:
     """A configuration as the ``--set`` options that give it, ready to paste."""
     import shlex
 
@@ -97,7 +98,7 @@ def best_run(rows: list[dict[str, Any]], runs: list[Trial]) -> dict[str, Any] | 
     }
 
 
-def _histories(runs: list[Trial], root: str) -> list[tuple[str, list[dict[str, Any]]]]:
+def _histories(runs: list[Trial], root: str) -> list[tuple[str, list[HistoryEntry]]]:
     """(label, train_parallel's history) of every run that finished."""
     store = checked_store(root)
     curves = []
@@ -114,14 +115,14 @@ def _histories(runs: list[Trial], root: str) -> list[tuple[str, list[dict[str, A
 
 @flow(name="bardflow-sweep", log_prints=True, persist_result=False)
 def sweep(
-    configurations: list[dict[str, Any]],
+    configurations: list[Overrides],
     preset: Preset = "auto",
-    settings: dict[str, Any] = {},  # noqa: B006 - Prefect needs a literal default for the form
+    settings: Overrides = {},  # noqa: B006 - Prefect needs a literal default for the form
     corpus: str | None = None,
     store: str | None = None,
     processes: int = 1,
     pool: str | None = None,
-    search: dict[str, Any] | None = None,
+    search: SearchSpec | None = None,
 ) -> dict[str, Any]:
     """One pipeline per configuration (its ``section.field`` settings over ``settings`` and the
     preset): in turn as child flow runs here, or, with ``pool``, all at once as runs of the
@@ -169,17 +170,17 @@ class Place:
     """Where and how a sweep's children run: their common settings, and here or on a pool."""
 
     def __init__(
-        self, preset: str, settings: dict[str, Any], corpus: str | None, root: str, processes: int, pool: str | None
+        self, preset: str, settings: Overrides, corpus: str | None, root: str, processes: int, pool: str | None
     ):
         self.preset, self.settings, self.corpus, self.root, self.processes = preset, settings, corpus, root, processes
         self.pool = pool
         if pool:
             check_pool(pool)
 
-    def config(self, varying: dict[str, Any]) -> PipelineConfig:
+    def config(self, varying: Overrides) -> PipelineConfig:
         return _in_one_experiment(run_configuration(self.preset, self.settings, varying))
 
-    def run_here(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> Trial:
+    def run_here(self, number: int, total: int, varying: Overrides, config: PipelineConfig) -> Trial:
         """A child flow run of this process, to its end."""
         child = pipeline.with_options(flow_run_name=_child_name(number, total))
         state = child(
@@ -199,7 +200,7 @@ class Place:
             _failed(number, total, run, str(state.message or state.name))
         return run
 
-    def submit(self, number: int, total: int, varying: dict[str, Any], config: PipelineConfig) -> Trial:
+    def submit(self, number: int, total: int, varying: Overrides, config: PipelineConfig) -> Trial:
         """A run of the ``sweep`` deployment on the pool, started; it runs when a worker takes it."""
         from prefect.deployments import run_deployment
 
@@ -326,7 +327,7 @@ def _on_pool(configurations, configs, place: Place, progress) -> list[Trial]:
     return runs
 
 
-def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, where: str) -> list[Trial]:
+def _search(spec: SearchSpec, listed: list[Overrides], place: Place, where: str) -> list[Trial]:
     """Optuna's trials, ``spec["parallel"]`` at a time (on the pool; one at a time here), until
     the study has ``spec["trials"]`` finished ones; every finished trial of the study is a row."""
     from prefect.client.orchestration import get_client
@@ -342,7 +343,7 @@ def _search(spec: dict[str, Any], listed: list[dict[str, Any]], place: Place, wh
     else:
         logger.info("search %s: a new study of %d trials in %s", study.name, total, place.root, extra=ui.TERMINAL)
 
-    def ask() -> tuple[int, dict[str, Any], PipelineConfig | None]:
+    def ask() -> tuple[int, Overrides, PipelineConfig | None]:
         number, params = study.ask()
         try:
             return number, params, place.config(params)
@@ -405,7 +406,7 @@ def _child_stages(client, run_id, root: str) -> dict[str, StageRow]:
 
 def publish(
     rows: list[dict[str, Any]],
-    curves: list[tuple[str, list[dict[str, Any]]]],
+    curves: list[tuple[str, list[HistoryEntry]]],
     preset: str,
     best: dict[str, Any] | None = None,
     study: str | None = None,

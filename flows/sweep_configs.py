@@ -9,22 +9,56 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, cast
+
+from pydantic import JsonValue
+from typing_extensions import TypedDict  # pydantic, which checks flow parameters, needs it before Python 3.12
 
 from ..config.config_file import parse_assignment, parse_value
-from ..config.settings import ConfigError, PipelineConfig, build_config
+from ..config.settings import ConfigError, Overrides, PipelineConfig, build_config
+
+
+class Range(TypedDict):
+    """A searched setting's range, on a log scale or not."""
+
+    type: Literal["int", "float"]
+    low: int | float
+    high: int | float
+    log: bool
+
+
+class Choice(TypedDict):
+    """A searched setting's choices."""
+
+    type: Literal["categorical"]
+    choices: list[str | int | float | bool | None]
+
+
+Dimension = Range | Choice
+
+
+class SearchSpec(TypedDict):
+    """A search as the sweep flow takes it: how many trials, how many at once, the space, the
+    sampler's seed and the study's name (what defines the search)."""
+
+    trials: int
+    parallel: int
+    space: dict[str, Dimension]
+    seed: int
+    study: str
+
 
 MAX_SWEEP_RUNS = 32  # a larger sweep is refused unless asked for (--max-runs)
 
 
 def grid_configurations(
-    preset: str, base: dict[str, Any], grid: list[str], listed: list[str], max_runs: int = MAX_SWEEP_RUNS
-) -> list[dict[str, Any]]:
+    preset: str, base: Overrides, grid: list[str], listed: list[str], max_runs: int = MAX_SWEEP_RUNS
+) -> list[Overrides]:
     """The settings that vary between a sweep's runs, one dict per run: every combination of
     the ``grid`` (``key=v1,v2,…``, each value JSON when it parses as JSON), then each ``listed``
     configuration (a JSON object of ``key: value``). Each is validated together with the
     preset and ``base`` (the sweep's ``--set``), so a bad one is refused before any work."""
-    axes: dict[str, list[Any]] = {}
+    axes: dict[str, list[JsonValue]] = {}
     for text in grid:
         key, values = parse_assignment(text)
         raw = text.partition("=")[2]
@@ -68,7 +102,7 @@ def grid_configurations(
     return runs
 
 
-def parse_range(key: str, raw: str) -> dict[str, Any] | None:
+def parse_range(key: str, raw: str) -> Range | None:
     """``LOW..HIGH`` or ``LOW..HIGH:log`` as a search dimension (int when both ends are
     integers), None when ``raw`` is no range."""
     text, _, scale = raw.partition(":")
@@ -88,14 +122,14 @@ def parse_range(key: str, raw: str) -> dict[str, Any] | None:
     if scale and low <= 0:
         raise ConfigError(f"--set {key}={raw}: a :log range needs LOW > 0")
     kind = "int" if isinstance(low, int) and isinstance(high, int) else "float"
-    return {"type": kind, "low": low, "high": high, "log": bool(scale)}
+    return Range(type=kind, low=low, high=high, log=bool(scale))
 
 
-def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid: list[str]) -> dict[str, dict]:
+def search_space(preset: str, base: Overrides, ranges: dict[str, str], grid: list[str]) -> dict[str, Dimension]:
     """A search's dimensions: each ``--set KEY=LOW..HIGH[:log]`` a range, each ``--grid
     KEY=V1,V2`` a choice. Both ends of every range and every choice are validated with the
     preset and ``base``, so a bad one is refused before any work."""
-    space: dict[str, dict[str, Any]] = {}
+    space: dict[str, Dimension] = {}
     for key, raw in ranges.items():
         dimension = parse_range(key, raw)
         if dimension is None:
@@ -107,7 +141,7 @@ def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid
         choices = values if isinstance(values, list) else [parse_value(part) for part in raw.split(",")]
         if key in space or len(choices) < 2:
             raise ConfigError(f"--grid {text}: a search choice names a setting once, with two values or more")
-        space[key] = {"type": "categorical", "choices": choices}
+        space[key] = Choice(type="categorical", choices=cast("list[str | int | float | bool | None]", choices))
     if not space:
         raise ConfigError("--search needs a range to search, e.g. --set train.learning_rate=1e-3..3e-2:log")
     for key, spec in space.items():
@@ -119,15 +153,13 @@ def search_space(preset: str, base: dict[str, Any], ranges: dict[str, str], grid
     return space
 
 
-def study_name(
-    preset: str, base: dict[str, Any], space: dict[str, dict[str, Any]], listed: list[dict[str, Any]], seed: int
-) -> str:
+def study_name(preset: str, base: Overrides, space: dict[str, Dimension], listed: list[Overrides], seed: int) -> str:
     """What defines a search, as a name: the same command, the same study."""
     digest = hashlib.sha256(json.dumps([preset, base, space, listed, seed], sort_keys=True).encode()).hexdigest()
     return f"search-{digest[:12]}"
 
 
-def run_configuration(preset: str, base: dict[str, Any], varying: dict[str, Any]) -> PipelineConfig:
+def run_configuration(preset: str, base: Overrides, varying: Overrides) -> PipelineConfig:
     """One run's whole configuration: the settings it varies over the sweep's own, on the preset."""
     return build_config(preset, {**base, **varying})
 
@@ -150,13 +182,13 @@ class SweepPlan:
     a search, the search's spec (trials, parallel, space, seed, study), with the configurations
     tried first."""
 
-    configurations: list[dict[str, Any]]
-    search: dict[str, Any] | None = None
+    configurations: list[Overrides]
+    search: SearchSpec | None = None
 
 
 def plan(
     preset: str,
-    base: dict[str, Any],
+    base: Overrides,
     grid: list[str],
     listed: list[str],
     ranges: dict[str, str],
@@ -174,11 +206,11 @@ def plan(
         grid_configurations(preset, base, [], listed, max_runs)  # each checked
     return SweepPlan(
         configurations,
-        {
-            "trials": trials,
-            "parallel": parallel,
-            "space": space,
-            "seed": seed,
-            "study": study_name(preset, base, space, configurations, seed),
-        },
+        SearchSpec(
+            trials=trials,
+            parallel=parallel,
+            space=space,
+            seed=seed,
+            study=study_name(preset, base, space, configurations, seed),
+        ),
     )

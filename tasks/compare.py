@@ -8,6 +8,7 @@ from typing import Any
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
+from ..model.training.records import HistoryEntry
 from .registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
@@ -16,25 +17,24 @@ TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
 OVERFIT_RISE = 0.05  # validation loss this far (relative) above its best, with training loss still falling
 
 
-def overfitting(history: list[dict[str, Any]]) -> str | None:
+def overfitting(history: list[HistoryEntry]) -> str | None:
     """One line when the validation loss rose from its best while the training loss fell: the
     model learns its corpus by heart rather than the language in it."""
-    evaluated = [h for h in history if h.get("val_loss") is not None]
+    evaluated = [(val_loss, h) for h in history if (val_loss := h["val_loss"]) is not None]
     if len(evaluated) < 2:
         return None
-    best = min(evaluated, key=lambda h: h["val_loss"])
-    last = evaluated[-1]
-    if last["val_loss"] <= best["val_loss"] * (1 + OVERFIT_RISE) or last["loss"] >= best["loss"]:
+    (best_val, best), (last_val, last) = min(evaluated, key=lambda pair: pair[0]), evaluated[-1]
+    if last_val <= best_val * (1 + OVERFIT_RISE) or last["loss"] >= best["loss"]:
         return None
     return (
-        f"overfitting: validation loss rose from {best['val_loss']:.3f} (step {best['step']}) to "
-        f"{last['val_loss']:.3f} while training loss fell to {last['loss']:.3f}; the model is learning this "
+        f"overfitting: validation loss rose from {best_val:.3f} (step {best['step']}) to "
+        f"{last_val:.3f} while training loss fell to {last['loss']:.3f}; the model is learning this "
         "corpus by heart: give it more text, a smaller model (model.num_layers, model.d_model) or fewer steps "
         "(train.steps)"
     )
 
 
-def timed_window(*histories: list[dict[str, Any]]) -> tuple[int, int] | None:
+def timed_window(*histories: list[HistoryEntry]) -> tuple[int, int] | None:
     """The steps every run is timed on, as (a, b): steps a+1 to b, between the first record
     they share (after step 0, which warms up: caches, threads, first transfers) and the last.
     A record's ``seconds`` is the training clock once its step is done (evaluation left out)."""
@@ -45,7 +45,7 @@ def timed_window(*histories: list[dict[str, Any]]) -> tuple[int, int] | None:
     return shared[0], shared[-1]
 
 
-def _speed(history: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, float]:
+def _speed(history: list[HistoryEntry], window: tuple[int, int]) -> dict[str, float]:
     at = {h["step"]: h for h in history}
     (first, last), seconds = window, at[window[1]]["seconds"] - at[window[0]]["seconds"]
     return {
@@ -57,8 +57,8 @@ def _speed(history: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, 
 def comparison(
     single: dict[str, Any],
     parallel: dict[str, Any],
-    single_history: list[dict[str, Any]] | None = None,
-    parallel_history: list[dict[str, Any]] | None = None,
+    single_history: list[HistoryEntry] | None = None,
+    parallel_history: list[HistoryEntry] | None = None,
 ) -> dict[str, Any]:
     """The two training stages' throughput on the same steps (``timed_window``), or, where
     their records share no window, over each whole run (said in the note)."""
@@ -120,7 +120,7 @@ def comparison(
     }
 
 
-def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Path, curves_png: Path) -> None:
+def plot(runs: list[tuple[str, list[HistoryEntry], float]], throughput_png: Path, curves_png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, works on a headless worker
@@ -158,7 +158,7 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], float]], throughput_png: Pa
     plt.close(fig)
 
 
-def _draw(panels, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
+def _draw(panels, runs: list[tuple[str, list[HistoryEntry]]]) -> None:
     for ax, x_of, y_of, xlabel, title in panels:
         for label, history in runs:
             points = [(x_of(h), y_of(h)) for h in history if x_of(h) is not None and y_of(h) is not None]
@@ -170,7 +170,7 @@ def _draw(panels, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
         ax.legend(fontsize="small")
 
 
-def _validation_panels(by_tokens, by_seconds, runs: list[tuple[str, list[dict[str, Any]]]]) -> None:
+def _validation_panels(by_tokens, by_seconds, runs: list[tuple[str, list[HistoryEntry]]]) -> None:
     _draw(
         [
             (
@@ -192,7 +192,7 @@ def _validation_panels(by_tokens, by_seconds, runs: list[tuple[str, list[dict[st
     )
 
 
-def plot_validation_curves(runs: list[tuple[str, list[dict[str, Any]]]], png: Path, title: str) -> None:
+def plot_validation_curves(runs: list[tuple[str, list[HistoryEntry]]], png: Path, title: str) -> None:
     """Validation loss of each (label, history) against tokens and against seconds, side by side."""
     import matplotlib
 
@@ -207,7 +207,7 @@ def plot_validation_curves(runs: list[tuple[str, list[dict[str, Any]]]], png: Pa
     plt.close(fig)
 
 
-def _history(version: Version) -> list[dict[str, Any]]:
+def _history(version: Version) -> list[HistoryEntry]:
     return json.loads(version.file(HISTORY).read_text())
 
 

@@ -253,9 +253,9 @@ def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
             "step": h["step"],
             "loss": round(h["loss"], 4),
             "perplexity": round(h["perplexity"], 2),
-            "val_loss": None if h.get("val_loss") is None else round(h["val_loss"], 4),
+            "val_loss": None if (val_loss := h["val_loss"]) is None else round(val_loss, 4),
             "tokens": h["tokens"],
-            "seconds": h.get("seconds"),
+            "seconds": h["seconds"],
         }
         for h in history
     ]

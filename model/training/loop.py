@@ -18,6 +18,7 @@ from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import step_memory
 from .placement import Placement
+from .records import HistoryEntry
 from .step import TrainingError, configured_rates, make_train_step
 from .step_settings import StepSettings, resolve
 
@@ -25,7 +26,7 @@ from .step_settings import StepSettings, resolve
 @dataclass
 class TrainResult:
     state: Any
-    history: list[dict[str, float]]
+    history: list[HistoryEntry]
     compile_s: float
     elapsed_s: float  # timed steps only, summed over every session of a resumed run
     steps: int
@@ -83,7 +84,7 @@ class RunRecord:
     """What the hooks keep of a run: its history, its newest checkpoint and its training
     clock (which leaves out the time the hooks spend evaluating)."""
 
-    history: list[dict[str, Any]]
+    history: list[HistoryEntry]
     checkpoints: Any = None  # TrainingCheckpoints, or None: nothing is saved
     last_saved: int | None = None
     prior_s: float = 0.0  # trained before this session (a resumed run)
@@ -307,7 +308,7 @@ def train(
         steps=last,
         global_batch=global_batch,
         seq_len=seq_len,
-        val_loss=math.nan if record.history[-1]["val_loss"] is None else record.history[-1]["val_loss"],
+        val_loss=_or_nan(record.history[-1]["val_loss"]),
         devices=len(placement.devices),
         resumed_from=resumed_from,
         resume_s=resume_s,
@@ -317,3 +318,7 @@ def train(
         memory=memory,
         resumed_layout=resumed_layout,
     )
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value

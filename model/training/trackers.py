@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...config.settings import TrackingTarget
+from .records import HistoryEntry
 
 if TYPE_CHECKING:
     from .loop import Hook, StepInfo
@@ -30,13 +31,13 @@ def warn_on_stderr(message: str) -> None:
     print(f"bardflow: warning: {message}", file=sys.stderr, flush=True)
 
 
-def scalars(history: list[dict[str, Any]], previous: dict[str, Any] | None = None) -> list[tuple[int, dict]]:
+def scalars(history: list[HistoryEntry], previous: HistoryEntry | None = None) -> list[tuple[int, dict]]:
     """(step, {name: value}) of each record: its loss, validation loss, bits per byte, and the
     tokens per second trained since the record before it (``previous`` for the first one)."""
     out = []
     for entry in history:
-        values = {"loss": entry["loss"], "val_loss": entry.get("val_loss"), "val_bpb": entry.get("val_bpb")}
-        if previous is not None and entry.get("seconds") is not None and previous.get("seconds") is not None:
+        values = {"loss": entry["loss"], "val_loss": entry["val_loss"], "val_bpb": entry["val_bpb"]}
+        if previous is not None:
             seconds = entry["seconds"] - previous["seconds"]
             if seconds > 0:
                 values["tokens_per_s"] = (entry["tokens"] - previous["tokens"]) / seconds
@@ -248,7 +249,7 @@ def backends(target: TrackingTarget | None, warn: Warn = warn_on_stderr) -> list
     return found
 
 
-def write_history(target: TrackingTarget | None, history: list[dict[str, Any]], warn: Warn = warn_on_stderr) -> None:
+def write_history(target: TrackingTarget | None, history: list[HistoryEntry], warn: Warn = warn_on_stderr) -> None:
     """A whole recorded history at once (a stage that came from the store)."""
     if target is None:
         return
@@ -278,7 +279,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     its checkpoint and are written first, so the curves are whole."""
     from .loop import Hook
 
-    written: list[dict[str, Any]] = []
+    written: list[HistoryEntry] = []
 
     def write(info: StepInfo) -> None:
         new = info.record.history[len(written) :]

@@ -19,6 +19,7 @@ from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
 from .loop import Hook, StepInfo, train
 from .placement import Placement
+from .records import HistoryEntry
 from .step import init_state, model_from_state
 from .step_settings import CPU_TOKENS_PER_PASS, resolve
 
@@ -45,7 +46,7 @@ class TrainingResult:
     ``result.json``)."""
 
     metrics: dict[str, Any]  # the manifest's figures: throughput, losses, layout, memory, settings
-    history: list[dict[str, Any]]  # the loss record: one entry each logged step
+    history: list[HistoryEntry]  # the loss record: one entry each logged step
     params_digest: str  # the trained parameters' bytes, hashed (``params_digest``)
     devices: list[str]
 
