@@ -31,11 +31,12 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ...config.machine import cache_dir
+from .records import MeasuredChoice, StepChoice, Tuning
 from .step_settings import resolve
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -64,14 +65,14 @@ def cpu_signature() -> dict[str, Any]:
     return {"cpu": model, "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(), "jax": jax.__version__}
 
 
-def default_choice(model_cfg, train_cfg, seq_len: int) -> dict[str, Any]:
+def default_choice(model_cfg, train_cfg, seq_len: int) -> StepChoice:
     """A CPU's defaults (``model/training/step_settings.py``): the hand-written kernels for the settings left
     to ``auto``, ~512 tokens per pass, YNNPACK fusions off."""
     default = resolve(None, train_cfg, seq_len, "cpu")
-    return {"kernels": "custom", "rows_per_pass": default.rows_per_pass, "xla": "tuned"}
+    return StepChoice(kernels="custom", rows_per_pass=default.rows_per_pass, xla="tuned")
 
 
-def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
+def candidates(model_cfg, train_cfg, seq_len: int) -> list[StepChoice]:
     """The defaults, then each single change of a setting the user left to ``auto``."""
     base = default_choice(model_cfg, train_cfg, seq_len)
     found = [base]
@@ -83,7 +84,7 @@ def candidates(model_cfg, train_cfg, seq_len: int) -> list[dict[str, Any]]:
     return found
 
 
-def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
+def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: StepChoice):
     """``choice``'s training step compiled on this placement, with its placed start state and
     a placed batch of random tokens: (step, state, batch)."""
     from .step import init_state, make_train_step
@@ -108,7 +109,7 @@ def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: dict[st
     return compiled, state, batch
 
 
-def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: dict[str, Any]):
+def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: StepChoice):
     """``choice``'s step compiled on this placement and warm: a function that runs
     ``TIMED_STEPS`` more steps and returns their milliseconds per step."""
     import jax
@@ -133,7 +134,7 @@ def choose(
     placement,
     seq_len: int,
     say: Callable[[str], None] = lambda line: None,
-) -> dict[str, Any]:
+) -> Tuning:
     """The step's settings for this CPU and shape: from the cache, or measured now (``say``
     tells the user first: it takes seconds to a minute)."""
     import jax
@@ -141,7 +142,7 @@ def choose(
     base = default_choice(model_cfg, train_cfg, seq_len)
     if os.environ.get("BARDFLOW_CPU_TUNING", "").lower() in ("off", "0", "false") or jax.process_count() > 1:
         why = "BARDFLOW_CPU_TUNING=off" if jax.process_count() == 1 else "several processes keep the defaults"
-        return {"chosen": base, "measured": [], "source": why}
+        return Tuning(chosen=base, measured=[], source=why)
     shape = {
         "model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
         "per_device_batch": train_cfg.per_device_batch,
@@ -160,7 +161,7 @@ def choose(
     except (OSError, ValueError):
         known = {}
     if key in known:
-        return {**known[key], "source": f"measured before on this CPU ({path})"}
+        return cast(Tuning, {**known[key], "source": f"measured before on this CPU ({path})"})
     tried, runs, note = candidates(model_cfg, train_cfg, seq_len), [], ""
     alone = known.get(json.dumps({**signature, "devices": 1}, sort_keys=True))
     if len(placement.devices) > 1 and alone:
@@ -184,16 +185,17 @@ def choose(
             break
     rounds = [[run() for run in runs] for _ in range(ROUNDS)]  # in turns: drift slows every candidate alike
     measured = [
-        {**choice, "ms_per_step": round(float(np.median(times)), 2)}
+        MeasuredChoice(**choice, ms_per_step=round(float(np.median(times)), 2))
         for choice, times in zip(tried, zip(*rounds, strict=True), strict=False)
     ]  # tried: maybe more than ran
     default, best = measured[0], min(measured, key=lambda m: m["ms_per_step"])
     if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
         best = default
-    result = {"chosen": {k: v for k, v in best.items() if k != "ms_per_step"}, "measured": measured, "note": note}
+    chosen = StepChoice(kernels=best["kernels"], rows_per_pass=best["rows_per_pass"], xla=best["xla"])
+    result = {"chosen": chosen, "measured": measured, "note": note}
     known[key] = result
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache
     temporary.write_text(json.dumps(known, indent=1))
     temporary.replace(path)
-    return {**result, "source": "measured now"}
+    return Tuning(chosen=chosen, measured=measured, note=note, source="measured now")

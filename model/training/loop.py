@@ -18,7 +18,7 @@ from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import step_memory
 from .placement import Placement
-from .records import HistoryEntry
+from .records import HistoryEntry, Layout, StepMetrics
 from .step import TrainingError, configured_rates, make_train_step
 from .step_settings import StepSettings, resolve
 
@@ -40,7 +40,7 @@ class TrainResult:
     rows_per_pass: int = 0  # rows of each device's batch per forward/backward pass
     layout: str = "single"  # single, replicated or fsdp (model/training/placement.py)
     memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/training/memory.py)
-    resumed_layout: dict[str, Any] | None = None  # the devices and layout of the checkpoint resumed from
+    resumed_layout: Layout | None = None  # the devices and layout of the checkpoint resumed from
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,9 +50,9 @@ class TrainResult:
     def ms_per_step(self) -> float:
         return 1e3 * self.elapsed_s / self.steps
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> StepMetrics:
         last = self.history[-1]
-        return {
+        found: StepMetrics = {
             "tokens_per_s": round(self.tokens_per_s, 1),
             "ms_per_step": round(self.ms_per_step, 3),
             "final_loss": round(last["loss"], 4),
@@ -68,9 +68,12 @@ class TrainResult:
             "precision": self.precision,
             "rows_per_pass": self.rows_per_pass,
             "layout": self.layout,
-            **({"step_memory": self.memory} if self.memory is not None else {}),
-            **({"resumed_layout": self.resumed_layout} if self.resumed_from is not None else {}),
         }
+        if self.memory is not None:
+            found["step_memory"] = self.memory
+        if self.resumed_from is not None:
+            found["resumed_layout"] = self.resumed_layout
+        return found
 
 
 @jax.jit
@@ -90,7 +93,7 @@ class RunRecord:
     prior_s: float = 0.0  # trained before this session (a resumed run)
     started: float = 0.0
     paused_s: float = 0.0
-    layout: dict[str, Any] | None = None  # the devices and layout it trains on: kept in each checkpoint
+    layout: Layout | None = None  # the devices and layout it trains on: kept in each checkpoint
 
     def trained_s(self) -> float:
         return self.prior_s + time.perf_counter() - self.started - self.paused_s

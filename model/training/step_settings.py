@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...config.settings import ModelConfig, TrainConfig
+from .records import StepChoice
 
 # XLA:CPU's YNNPACK fusions made the step's matrix products slower than its default dot
 # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md): off by default there.
@@ -53,14 +54,13 @@ def resolve(
     train_cfg: TrainConfig,
     seq_len: int,
     platform: str,
-    choice: dict[str, Any] | None = None,
+    choice: StepChoice | None = None,
 ) -> StepSettings:
     """The concrete settings for ``platform``: what the user set, and for each ``auto`` the
     platform's default — the hand-written kernels, float32, ~512 tokens per pass and YNNPACK
     fusions off on a CPU; XLA's kernels, bfloat16 and one pass elsewhere — or, where given,
     the CPU step tuner's measured ``choice`` (``model/training/cpu_tuning.py``)."""
-    choice = choice or {}
-    default_kernel = choice.get("kernels", "custom" if platform == "cpu" else "xla")
+    default_kernel = choice["kernels"] if choice else "custom" if platform == "cpu" else "xla"
     kernels = {
         name: (default_kernel if model_cfg is None or getattr(model_cfg, name) == "auto" else getattr(model_cfg, name))
         for name in ("attention", "dense")
@@ -70,10 +70,10 @@ def resolve(
     )
     rows = (
         train_cfg.micro_batch
-        or choice.get("rows_per_pass")
+        or (choice["rows_per_pass"] if choice else None)
         or default_rows_per_pass(train_cfg.per_device_batch, seq_len, platform)
     )
-    tuned = platform == "cpu" and choice.get("xla", "tuned") == "tuned"
+    tuned = platform == "cpu" and (choice["xla"] if choice else "tuned") == "tuned"
     return StepSettings(
         kernels["attention"],
         kernels["dense"],

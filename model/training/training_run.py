@@ -8,7 +8,6 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 
@@ -19,7 +18,7 @@ from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
 from .loop import Hook, StepInfo, train
 from .placement import Placement
-from .records import HistoryEntry
+from .records import HistoryEntry, TrainingMetrics
 from .step import init_state, model_from_state
 from .step_settings import CPU_TOKENS_PER_PASS, resolve
 
@@ -45,7 +44,7 @@ class TrainingResult:
     of, and what process 0 of a multi-process run hands the stage (``to_json``, in its
     ``result.json``)."""
 
-    metrics: dict[str, Any]  # the manifest's figures: throughput, losses, layout, memory, settings
+    metrics: TrainingMetrics  # the manifest's figures: throughput, losses, layout, memory, settings
     history: list[HistoryEntry]  # the loss record: one entry each logged step
     params_digest: str  # the trained parameters' bytes, hashed (``params_digest``)
     devices: list[str]
@@ -164,7 +163,7 @@ def run_training(
         checkpoints.close()
         trackers.close(request.report)
     save_train_state(files.state, result.state)
-    metrics = {
+    metrics: TrainingMetrics = {
         **result.metrics(),
         "step_settings": step.as_json(),
         "cpu_tuning": tuning,
