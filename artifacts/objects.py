@@ -36,11 +36,15 @@ import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from typing_extensions import TypedDict
 
 from .store import (
     MANIFEST,
     Builder,
+    FileEntry,
+    Manifest,
     ResumeFolder,
     Store,
     StoreError,
@@ -254,14 +258,18 @@ class Bucket:
             return [p[len(base) :] for p in self.fs.glob(self.path(pattern))]
 
 
-def _fetch_verified(bucket: Bucket, prefix: str, files: Mapping[str, Mapping[str, Any]], into: Path) -> bool:
+def _fetch_verified(bucket: Bucket, prefix: str, files: Mapping[str, FileEntry], into: Path) -> bool:
     """Downloads ``files`` (name -> bytes, sha256) from ``prefix`` into ``into``; False if any is
     missing or differs from what ``files`` says."""
     try:
         bucket.download({f"{prefix}/{name}" if prefix else name: into / name for name in files})
     except FileNotFoundError:
         return False
-    return not Store.damage(into, {"files": files})
+    return not Store.damage(into, files)
+
+
+class CommittedStep(TypedDict):
+    files: dict[str, FileEntry]
 
 
 class RemoteResumeFolder(ResumeFolder):
@@ -273,7 +281,8 @@ class RemoteResumeFolder(ResumeFolder):
         super().__init__(path)
         self.url = url
 
-    def committed(self, bucket: Bucket) -> dict[int, dict[str, Any]]:
+    def committed(self, bucket: Bucket) -> dict[int, CommittedStep]:
+        """Each committed checkpoint's record (its files) by step."""
         records = {}
         for name in bucket.listing(""):
             stem = name.removesuffix(".json")
@@ -287,7 +296,7 @@ class RemoteResumeFolder(ResumeFolder):
         while committed:
             step = max(committed)
             local = self.path / str(step)
-            if local.is_dir() and not Store.damage(local, committed[step]):
+            if local.is_dir() and not Store.damage(local, committed[step]["files"]):
                 return step
             incoming = self.path / f".pull-{step}-{uuid.uuid4().hex[:6]}"
             try:
@@ -347,15 +356,16 @@ class ObjectStore(VersionStore):
         local = self.mirror.resume(stage, key).path
         return RemoteResumeFolder(local, self.bucket.uri(valid_stage(stage), f".resume-{valid_key(key)}"))
 
-    def _manifest(self, stage: str, key: str) -> dict[str, Any] | None:
+    def _manifest(self, stage: str, key: str) -> Manifest | None:
         data = self.bucket.read(f"{valid_stage(stage)}/{valid_key(key)}/{MANIFEST}")
         if data is None:
             return None
         try:
             manifest = json.loads(data)
         except ValueError:
-            return {}
-        return manifest if isinstance(manifest, dict) else {}
+            manifest = None
+        # Present but unreadable: an empty one, which no check accepts.
+        return cast(Manifest, manifest if isinstance(manifest, dict) else {})
 
     def lookup(self, stage: str, key: str) -> Version | None:
         """The version, mirrored here and verified, if the bucket holds it intact; else None."""
@@ -380,7 +390,7 @@ class ObjectStore(VersionStore):
         return self._remote(local) if local is not None else None
 
     @staticmethod
-    def _etags(version: Version) -> dict[str, Any] | None:
+    def _etags(version: Version) -> dict[str, str] | None:
         try:
             return json.loads(version.file(REMOTE).read_text())["etags"]
         except (OSError, ValueError, KeyError):
@@ -393,7 +403,7 @@ class ObjectStore(VersionStore):
                 self._fetch_on_demand,
                 version.path,
                 version.manifest,
-                f"{version.stage}/{version.key}/{version.manifest['objects']}",
+                f"{version.stage}/{version.key}/{version.manifest.get('objects')}",
             )
         return Version(
             version.stage,
@@ -405,7 +415,7 @@ class ObjectStore(VersionStore):
             fetch=fetch,
         )
 
-    def _fetch_on_demand(self, folder: Path, manifest: dict[str, Any], prefix: str, names: list[str]) -> None:
+    def _fetch_on_demand(self, folder: Path, manifest: Manifest, prefix: str, names: list[str]) -> None:
         """Brings ``names`` (``on_demand`` files of the mirrored version in ``folder``) down,
         each verified before it takes its place: a reader never opens a partial file."""
         files = manifest["files"]
@@ -425,7 +435,7 @@ class ObjectStore(VersionStore):
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
 
-    def _mirror(self, stage: str, key: str, manifest: dict[str, Any], prefix: str, etags: dict[str, Any]) -> bool:
+    def _mirror(self, stage: str, key: str, manifest: Manifest, prefix: str, etags: dict[str, str]) -> bool:
         """Downloads a committed version into the mirror (its ``on_demand`` files only as they
         are read); False if an object differs from the manifest."""
         final = self.mirror.path(stage, key)
@@ -512,7 +522,7 @@ class ObjectStore(VersionStore):
                 manifest = json.loads(self.bucket.read(name) or b"")
             except (StoreError, ValueError):
                 continue
-            if not isinstance(manifest, dict) or not manifest_intact(manifest):
+            if not isinstance(manifest, dict) or not manifest_intact(manifest := cast(Manifest, manifest)):
                 continue
             found.append(
                 Version(

@@ -26,7 +26,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, cast
+
+from pydantic import JsonValue
+from typing_extensions import TypedDict
 
 from ..model.errors import BardflowError
 
@@ -83,13 +86,67 @@ def canonical_json(value: Any) -> str:
 _UNDIGESTED = ("digest", "objects", "etags")
 
 
-def manifest_digest(manifest: dict[str, Any]) -> str:
+# A version's figures by name, open: each stage types its own where it makes them (the
+# training stages' are model/training/records.py's TrainingMetrics).
+Metrics = dict[str, Any]
+
+
+class FileEntry(TypedDict):
+    bytes: int
+    sha256: str
+
+
+class InputEntry(TypedDict):
+    """A version a build read: which, and the fingerprint of its files then."""
+
+    stage: str
+    key: str
+    fingerprint: str
+
+
+class ProjectVersion(TypedDict):
+    version: str | None  # bardflow's, as installed
+    commit: str | None  # in a git checkout ("+changes" when files differ from it)
+
+
+class Manifest(TypedDict):
+    """A version's ``manifest.json``: what it is, what it was built from, its files and figures,
+    and where and with what it was built; sealed by ``digest``."""
+
+    stage: str
+    key: str
+    fingerprint: str  # the files' content, hashed: equal files, equal fingerprint
+    inputs: dict[str, InputEntry]
+    params: JsonValue  # the stage's settings, as its key took them
+    files: dict[str, FileEntry]
+    metrics: Metrics
+    libraries: dict[str, str]
+    bardflow: ProjectVersion
+    host: str
+    created: str
+    digest: NotRequired[str]
+    on_demand: NotRequired[list[str]]  # folders an object store brings when first read
+    objects: NotRequired[str]  # an object store's folder of this version's files
+    etags: NotRequired[dict[str, str]]  # and their ETags as committed
+    # What a stage records of itself (``Builder.record``).
+    code_version: NotRequired[str]
+    source: NotRequired[str]
+    source_files: NotRequired[int]
+    corpus_files: NotRequired[list[JsonValue]]
+    shards: NotRequired[dict[str, list[Any]]]  # the encode stage's Arrow shards by split
+    hf: NotRequired[JsonValue]
+    devices: NotRequired[list[str] | None]  # the devices a training ran on
+    resumed_from_step: NotRequired[int | None]
+    reused_from: NotRequired[str]
+
+
+def manifest_digest(manifest: Manifest) -> str:
     """sha256 of a manifest's content as it reads back from JSON."""
     body = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in _UNDIGESTED}, default=str))
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
-def manifest_intact(manifest: dict[str, Any]) -> bool:
+def manifest_intact(manifest: Manifest) -> bool:
     """False when a manifest was edited after it was sealed (older manifests carry no digest)."""
     return "digest" not in manifest or manifest["digest"] == manifest_digest(manifest)
 
@@ -101,7 +158,7 @@ def version_key(stage: str, code_version: str, params: Any, inputs: dict[str, st
     return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()[:20]
 
 
-def on_demand(manifest: dict[str, Any], name: str) -> bool:
+def on_demand(manifest: Manifest, name: str) -> bool:
     """Whether the file ``name`` lies in one of the manifest's ``on_demand`` folders."""
     return any(name.startswith(folder.rstrip("/") + "/") for folder in manifest.get("on_demand", ()))
 
@@ -140,7 +197,7 @@ def stored_digest(path: Path) -> str:
     return digest
 
 
-def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def describe_files(folder: Path, known: dict[str, FileEntry] | None = None) -> dict[str, FileEntry]:
     """Size and sha256 of every file under ``folder``, by relative name: a manifest's ``files``.
     ``known``: digests a builder took as it wrote (a file of that size is not read again, and
     this process remembers it as hashed)."""
@@ -153,16 +210,16 @@ def describe_files(folder: Path, known: dict[str, dict[str, Any]] | None = None)
                 identity, times = file_identity(stat)
                 _HASHED[identity] = (times, entry["sha256"])
             else:
-                entry = {"bytes": stat.st_size, "sha256": file_digest(p)}
+                entry = FileEntry(bytes=stat.st_size, sha256=file_digest(p))
             described[name] = entry
     return described
 
 
 @functools.lru_cache(maxsize=1)
-def project_version() -> dict[str, Any]:
+def project_version() -> ProjectVersion:
     """bardflow's own version and, in a git checkout, its commit ("+changes" when files differ
     from it): what code built a version, next to the libraries it ran on."""
-    found: dict[str, Any] = {"version": None, "commit": None}
+    found = ProjectVersion(version=None, commit=None)
     with contextlib.suppress(metadata.PackageNotFoundError):
         found["version"] = metadata.version("bardflow")
     checkout = Path(__file__).resolve().parents[1]
@@ -197,7 +254,7 @@ class Version:
     stage: str
     key: str
     path: Path  # on this machine (for an object store: its verified local mirror)
-    manifest: dict[str, Any]
+    manifest: Manifest
     uri: str = ""  # where the store keeps it, when that is not ``path`` (s3://…)
     store: str = ""  # the location of the store that holds it
     same_as_stored: bool = False  # built again (a refresh) with the stored version's output: that one was kept
@@ -214,7 +271,7 @@ class Version:
         return self.manifest["fingerprint"]
 
     @property
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> Metrics:
         return self.manifest.get("metrics", {})
 
     def file(self, name: str) -> Path:
@@ -305,9 +362,9 @@ class Builder:
     def __init__(self, stage: str, key: str, directory: Path, resume: ResumeFolder):
         self.stage, self.key, self.dir = stage, key, directory
         self.resume = resume
-        self.metrics: dict[str, Any] = {}
-        self.record: dict[str, Any] = {}
-        self.digests: dict[str, dict[str, Any]] = {}  # {name: {"bytes", "sha256"}} taken while writing
+        self.metrics: Metrics = {}
+        self.record: Metrics = {}  # what the stage records of itself in the manifest (open, as its figures)
+        self.digests: dict[str, FileEntry] = {}  # taken while writing
         # Folders whose files a reader may need only some of (a split's shards): an object
         # store's mirror fetches each when it is first read, not with the version.
         self.on_demand: list[str] = []
@@ -449,18 +506,26 @@ class Store(VersionStore):
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if manifest.get("key") != key or not manifest_intact(manifest) or self.damage(path, manifest, partial):
+        if (
+            manifest.get("key") != key
+            or not manifest_intact(manifest)
+            or self.damage(
+                path, manifest.get("files", {}), (lambda name: on_demand(manifest, name)) if partial else None
+            )
+        ):
             return None
         return Version(stage, key, path, manifest, store=self.location)
 
     @staticmethod
-    def damage(path: Path, manifest: dict[str, Any], partial: bool = False) -> list[str]:
-        """Names of files that are missing, resized or changed since the manifest was written
-        (``partial``: an absent ``on_demand`` file is not missing)."""
+    def damage(
+        path: Path, files: Mapping[str, FileEntry], may_be_absent: Callable[[str], bool] | None = None
+    ) -> list[str]:
+        """Names of ``files`` (a manifest's) that are missing, resized or changed since they were
+        described; a file ``may_be_absent`` says of (an ``on_demand`` one) may be missing."""
         bad = []
-        for name, entry in manifest.get("files", {}).items():
+        for name, entry in files.items():
             file = path / name
-            if partial and on_demand(manifest, name) and not file.exists():
+            if may_be_absent is not None and may_be_absent(name) and not file.exists():
                 continue
             try:
                 if file.stat().st_size != entry["bytes"] or stored_digest(file) != entry["sha256"]:
@@ -571,23 +636,28 @@ class Store(VersionStore):
             builder.fingerprint
             or hashlib.sha256(canonical_json({n: f["sha256"] for n, f in files.items()}).encode()).hexdigest()
         )
-        manifest = {
-            "stage": builder.stage,
-            "key": builder.key,
-            "fingerprint": fingerprint,
-            "inputs": {
-                name: {"stage": up.stage, "key": up.key, "fingerprint": up.fingerprint} for name, up in inputs.items()
+        # The stage's own record (open, as its figures) among the fixed fields.
+        manifest = cast(
+            Manifest,
+            {
+                "stage": builder.stage,
+                "key": builder.key,
+                "fingerprint": fingerprint,
+                "inputs": {
+                    name: {"stage": up.stage, "key": up.key, "fingerprint": up.fingerprint}
+                    for name, up in inputs.items()
+                },
+                "params": params,
+                "files": files,
+                "metrics": builder.metrics,
+                **({"on_demand": sorted(builder.on_demand)} if builder.on_demand else {}),
+                **builder.record,
+                "libraries": library_versions(),
+                "bardflow": project_version(),
+                "host": socket.gethostname(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
-            "params": params,
-            "files": files,
-            "metrics": builder.metrics,
-            **({"on_demand": sorted(builder.on_demand)} if builder.on_demand else {}),
-            **builder.record,
-            "libraries": library_versions(),
-            "bardflow": project_version(),
-            "host": socket.gethostname(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        )
         manifest["digest"] = manifest_digest(manifest)  # a hand edit of any figure is noticed
         manifest_path = builder.dir / MANIFEST
         with open(manifest_path, "w") as handle:

@@ -7,13 +7,14 @@ import json
 import sys
 from typing import Any
 
+from ..artifacts.store import Metrics
 from ..tasks.registry import BY_NAME
 from .tables import Column, fitted, short_time
 
 SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
 
 
-def headline(stage: str, metrics: dict[str, Any]) -> str:
+def headline(stage: str, metrics: Metrics) -> str:
     """The figures worth a glance in a summary row, one to a line; the manifest has them all
     (a checksum is shown by its first 12 digits, like a key)."""
     known = BY_NAME.get(stage)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts.objects import is_remote, open_store
-from ..artifacts.store import Version
+from ..artifacts.store import Manifest, Version
 from ..model.errors import BardflowError
 from ..tasks.sources import corpus_name
 
@@ -30,7 +30,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def corpus_of(version: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> str | None:
+def corpus_of(version: Version, manifests: dict[tuple[str, str], Manifest]) -> str | None:
     """The corpus a version was made from, as a person tells corpora apart: its source's name,
     size and md5 (followed through the versions it read to the fetch version)."""
     seen, todo = set(), [(version.stage, version.key, version.manifest)]
@@ -48,12 +48,12 @@ def corpus_of(version: Version, manifests: dict[tuple[str, str], dict[str, Any]]
     return None
 
 
-def manifests_of(store) -> dict[tuple[str, str], dict[str, Any]]:
+def manifests_of(store) -> dict[tuple[str, str], Manifest]:
     """Every version's manifest in the store by (stage, key), read once."""
     return {(v.stage, v.key): v.manifest for v in store.versions()}
 
 
-def describe(version: Version, manifests: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any]:
+def describe(version: Version, manifests: dict[tuple[str, str], Manifest] | None = None) -> dict[str, Any]:
     """Everything a comparison looks at, flat: settings, code, data, libraries, hardware."""
     manifest = version.manifest
     encode = manifest.get("inputs", {}).get("encode", {})
@@ -87,7 +87,7 @@ def readable_store(root: str):
     return store
 
 
-def trained_versions(root: str) -> tuple[list[Version], dict[tuple[str, str], dict[str, Any]]]:
+def trained_versions(root: str) -> tuple[list[Version], dict[tuple[str, str], Manifest]]:
     """The trained versions, and every manifest of the store (to follow their inputs)."""
     store = readable_store(root)
     manifests = manifests_of(store)
@@ -103,7 +103,7 @@ def find(versions: list[Version], prefix: str) -> Version:
     return matches[0]
 
 
-def listing(versions: list[Version], manifests: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+def listing(versions: list[Version], manifests: dict[tuple[str, str], Manifest]) -> list[dict[str, Any]]:
     described = [describe(v, manifests) for v in versions]
     varying = [key for key in differing(described) if key.startswith(("settings.", "data.corpus"))]
     return [
@@ -118,7 +118,7 @@ def listing(versions: list[Version], manifests: dict[tuple[str, str], dict[str, 
     ]
 
 
-def diff(a: Version, b: Version, manifests: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+def diff(a: Version, b: Version, manifests: dict[tuple[str, str], Manifest]) -> dict[str, Any]:
     da, db = describe(a, manifests), describe(b, manifests)
     figures = {}
     for name in FIGURES:

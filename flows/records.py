@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..artifacts.store import Metrics
 from ..config.settings import Overrides
 
 
@@ -17,7 +18,7 @@ class StageRow:
     state: str
     key: str
     path: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=dict)
     seconds: float | None = None
 
     @classmethod

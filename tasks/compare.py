@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import cast
+
+from typing_extensions import TypedDict
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
-from ..model.training.records import HistoryEntry
+from ..model.training.records import HistoryEntry, TrainingMetrics
 from .registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
@@ -45,25 +47,43 @@ def timed_window(*histories: list[HistoryEntry]) -> tuple[int, int] | None:
     return shared[0], shared[-1]
 
 
-def _speed(history: list[HistoryEntry], window: tuple[int, int]) -> dict[str, float]:
+class Speed(TypedDict):
+    tokens_per_s: float
+    ms_per_step: float
+
+
+class Comparison(TypedDict):
+    """The compare stage's table (``comparison.json``) and the figures it shows."""
+
+    header: list[str]
+    rows: list[list[str | int]]
+    window: tuple[int, int] | None  # the steps both runs were timed on, or None: each whole run
+    tokens_per_s: list[float]  # single device, data-parallel
+    speedup: float
+    devices: int
+    note: str
+
+
+def _speed(history: list[HistoryEntry], window: tuple[int, int]) -> Speed:
     at = {h["step"]: h for h in history}
     (first, last), seconds = window, at[window[1]]["seconds"] - at[window[0]]["seconds"]
-    return {
-        "tokens_per_s": (at[last]["tokens"] - at[first]["tokens"]) / seconds,
-        "ms_per_step": 1e3 * seconds / (last - first),
-    }
+    return Speed(
+        tokens_per_s=(at[last]["tokens"] - at[first]["tokens"]) / seconds, ms_per_step=1e3 * seconds / (last - first)
+    )
 
 
 def comparison(
-    single: dict[str, Any],
-    parallel: dict[str, Any],
+    single: TrainingMetrics,
+    parallel: TrainingMetrics,
     single_history: list[HistoryEntry] | None = None,
     parallel_history: list[HistoryEntry] | None = None,
-) -> dict[str, Any]:
+) -> Comparison:
     """The two training stages' throughput on the same steps (``timed_window``), or, where
     their records share no window, over each whole run (said in the note)."""
     devices = parallel["devices"]
     window = timed_window(single_history, parallel_history) if single_history and parallel_history else None
+    one: Speed | TrainingMetrics
+    many: Speed | TrainingMetrics
     if window is not None and single_history and parallel_history:
         one, many = _speed(single_history, window), _speed(parallel_history, window)
         timed = [f"{window[0] + 1} to {window[1]}"] * 2 + ["same"]
@@ -109,15 +129,15 @@ def comparison(
         )
     elif devices == 1:
         note = f"{how} Only one device was visible, so the data-parallel run used the same single device."
-    return {
-        "header": ["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
-        "rows": rows,
-        "window": window,
-        "tokens_per_s": [round(one["tokens_per_s"], 1), round(many["tokens_per_s"], 1)],
-        "speedup": round(speedup, 3),
-        "devices": devices,
-        "note": note,
-    }
+    return Comparison(
+        header=["", "single device", f"data-parallel ({devices} device{'s' if devices > 1 else ''})", "Ratio"],
+        rows=rows,
+        window=window,
+        tokens_per_s=[round(one["tokens_per_s"], 1), round(many["tokens_per_s"], 1)],
+        speedup=round(speedup, 3),
+        devices=devices,
+        note=note,
+    )
 
 
 def plot(runs: list[tuple[str, list[HistoryEntry], float]], throughput_png: Path, curves_png: Path) -> None:
@@ -214,7 +234,8 @@ def _history(version: Version) -> list[HistoryEntry]:
 def build(settings: dict, out: Builder, train_single: Version, train_parallel: Version) -> None:
     single, parallel = train_single, train_parallel
     histories = _history(single), _history(parallel)
-    result = comparison(single.metrics, parallel.metrics, *histories)
+    # A training version's figures are the training run's (TrainingMetrics), as it wrote them.
+    result = comparison(cast(TrainingMetrics, single.metrics), cast(TrainingMetrics, parallel.metrics), *histories)
     out.path(TABLE).write_text(json.dumps(result, indent=1))
     devices = result["devices"]
     plot(
