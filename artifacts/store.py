@@ -134,7 +134,7 @@ class Manifest(TypedDict):
     source_files: NotRequired[int]
     corpus_files: NotRequired[list[JsonValue]]
     shards: NotRequired[dict[str, list[Any]]]  # the encode stage's Arrow shards by split
-    hf: NotRequired[JsonValue]
+    hf: NotRequired[dict[str, JsonValue]]  # the transformers folder: what became of it
     devices: NotRequired[list[str] | None]  # the devices a training ran on
     resumed_from_step: NotRequired[int | None]
     reused_from: NotRequired[str]

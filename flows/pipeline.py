@@ -43,6 +43,7 @@ from .environment import (
 )
 from .records import RunSummary, StageRow
 from .run_config import resolve_run_config
+from .stage_pages import publish
 from .terminal import one_line, quiet_explained_errors
 from .tracking import RunTracking
 
@@ -100,6 +101,8 @@ def _stage_task(stage: Stage):
             # could and cleaned up on its way here; Prefect can report nothing more. End now.
             stopping.end_if_failed()
             raise
+        if built:  # what the UI shows of it, from its figures and files
+            publish(stage.name, version, upstream)
         if built and version.same_as_stored:
             return Completed(
                 data=version,

@@ -3,7 +3,6 @@ with its model config, so that restoring needs nothing but the checkpoint."""
 
 from __future__ import annotations
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.network.transformer import count_params
 from ..model.training.checkpoint import params_digest, save_model
@@ -21,13 +20,3 @@ def build(settings: dict, out: Builder, train_parallel: Version) -> None:
     # re-save of the same parameters must not make verify and generate run again.
     out.fingerprint = params_digest(model)
     out.metrics.update({"parameters": count_params(model), "bytes": size})
-    ui.table(
-        CHECKPOINT.name,
-        [
-            {"": "Checkpoint", "value": str(out.dir.parent / out.key / MODEL)},
-            {"": "Parameters saved", "value": f"{count_params(model):,}"},
-            {"": "Size on disk", "value": f"{size / 1e6:.2f} MB"},
-            {"": "Model config", "value": request.model.model_dump_json()},
-        ],
-        description="Orbax checkpoint of the data-parallel model (parameters + model config)",
-    )

@@ -8,7 +8,6 @@ from typing import cast
 
 from typing_extensions import TypedDict
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.training.records import HistoryEntry, TrainingMetrics
 from .registry import COMPARE, HISTORY
@@ -247,20 +246,3 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
         out.path(CURVES_PNG),
     )
     out.metrics.update({"speedup": result["speedup"], "devices": devices})
-    ui.table(
-        COMPARE.name,
-        [dict(zip(result["header"], row, strict=True)) for row in result["rows"]],
-        description=f"Throughput comparison: {result['speedup']:.2f}x tokens/s on {devices} device(s)"
-        + (f". {result['note']}" if result["note"] else ""),
-    )
-    ui.markdown(
-        COMPARE.name,
-        ui.markdown_table(result["header"], result["rows"])
-        + (f"\n> {result['note']}\n" if result["note"] else "")
-        + "\n"
-        + ui.png_markdown("Training throughput", out.path(THROUGHPUT_PNG))
-        + "\n"
-        + ui.png_markdown("Training curves", out.path(CURVES_PNG)),
-        description="Throughput and training curves",
-        what="plots",
-    )

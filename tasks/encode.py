@@ -17,7 +17,6 @@ from ..model.data.splits import SHARD_BYTES, Rows, read_split, split_point, trai
 from ..model.errors import require_space
 from .fetch import CORPUS
 from .registry import ENCODE
-from .sources import corpus_name
 
 TRAIN, VAL = ENCODE.builds
 
@@ -73,25 +72,6 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
             "shards": len(train) + len(val),
         }
     )
-    distinct = fetch.metrics.get("distinct_bytes")
-    ui.table(
-        ENCODE.name,
-        [
-            {"": "Total bytes", "value": f"{size:,}"},
-            {
-                "": "Vocabulary",
-                "value": f"{BYTE_VALUES} (raw bytes)"
-                + (f", {distinct} of them in the corpus" if distinct is not None else ""),
-            },
-            {"": "Sequence length", "value": settings.seq_len},
-            {"": "Training sequences", "value": f"{counts['train_sequences']:,}"},
-            {"": "Validation sequences", "value": f"{counts['val_sequences']:,}"},
-            {"": "Shards", "value": f"{len(train)} train, {len(val)} val (at most {SHARD_BYTES >> 20} MiB each)"},
-        ],
-        description=f"{corpus_name(fetch.manifest.get('source', ''))}, byte-level tokenization",
-    )
-    sample = bytes(tokens[:200]).decode("utf-8", errors="replace")
-    ui.markdown(ENCODE.name, f"First 200 bytes:\n\n```\n{sample}\n```\n", "Corpus sample", what="sample")
 
 
 def split_rows(encode: Version, name: str) -> Rows:

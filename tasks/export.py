@@ -169,24 +169,11 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
             "platforms": ",".join(PLATFORMS),
             "export_s": round(export_s, 3),
             "check_s": round(check_s, 3),
+            "checked_on": result["platform"],
             **{f"hf_{name}": value for name, value in hf.items() if name in HF_METRICS},
         }
     )
     out.record["hf"] = hf
-    rows = [{"file": name, "bytes": size} for name, size in files.items()]
-    rows += (
-        [{"file": f"{HF}/{p.name}", "bytes": p.stat().st_size} for p in sorted((folder / HF).iterdir())]
-        if (folder / HF).is_dir()
-        else []
-    )
-    rows.append({"file": f"{HF}/ (transformers)", "bytes": hf["status"]})
-    ui.table(
-        EXPORT.name,
-        rows,
-        description=f"Export: safetensors + jax.export forward ({', '.join(PLATFORMS)}), checked without "
-        f"bardflow on {result['platform']}: max |diff| {result['max_abs_diff']:.1e}; "
-        f"transformers folder: {hf['status']}",
-    )
 
 
 HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")

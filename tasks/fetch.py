@@ -383,17 +383,3 @@ def build(settings: DataConfig, out: Builder) -> None:
         text,
         size / 1e6 / max(seconds, 1e-9),
     )
-    ui.table(
-        FETCH.name,
-        [
-            {
-                "source": settings.corpus,
-                "bytes": size,
-                "md5": actual,
-                "distinct byte values": distinct,
-                **({"files": len(files)} if files is not None else {}),
-            }
-        ],
-        description=f"Corpus fetched: {size:,} bytes{read}, {distinct} distinct byte values, md5 "
-        + ("verified against the known checksum" if files is None else "computed from its files"),
-    )

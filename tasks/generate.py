@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import GenerateConfig
 from ..model.inference.sampling import as_text, generate
@@ -43,11 +42,4 @@ def build(settings: GenerateConfig, out: Builder, checkpoint: Version) -> None:
             "samples": len(samples),
             "new_bytes": settings.max_new_bytes * len(samples),
         }
-    )
-    ui.markdown(
-        GENERATE.name,
-        "\n".join(
-            f"### Prompt `{s['prompt']}`, temperature {s['temperature']}\n\n```\n{s['text']}\n```\n" for s in samples
-        ),
-        description=f"{len(samples)} sample{'s' if len(samples) > 1 else ''} of {settings.max_new_bytes} new bytes",
     )

@@ -248,39 +248,6 @@ def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
             metrics["resumed_from_step"],
             metrics["resume_s"],
         )
-    rows = [
-        {
-            "step": h["step"],
-            "loss": round(h["loss"], 4),
-            "perplexity": round(h["perplexity"], 2),
-            "val_loss": None if (val_loss := h["val_loss"]) is None else round(val_loss, 4),
-            "tokens": h["tokens"],
-            "seconds": h["seconds"],
-        }
-        for h in history
-    ]
-    ui.table(
-        stage,
-        rows,
-        description=(
-            f"{stage}: {metrics['tokens_per_s']:,.0f} tokens/s, {metrics['ms_per_step']:.1f} ms/step, "
-            f"{metrics['devices']} device(s), global batch {metrics['global_batch']}, "
-            f"val loss {metrics['val_loss']:.4f} ({metrics.get('val_bpb', float('nan')):.3f} bits/byte, whole split), "
-            f"compile {metrics['compile_s']:.1f} s"
-            + (f", resumed from step {metrics['resumed_from_step']}" if metrics["resumed_from_step"] else "")
-        ),
-    )
-    tuning = metrics.get("cpu_tuning")
-    if tuning:  # the CPU step's settings: the one used and what was measured (model/training/cpu_tuning.py)
-        chosen = tuning["chosen"]
-        rows = tuning["measured"] or [{**chosen, "ms_per_step": None}]
-        ui.table(
-            stage,
-            [{**row, "used": all(row[k] == v for k, v in chosen.items())} for row in rows],
-            description=f"{stage}: CPU step settings ({tuning['source']}): kernels {chosen['kernels']}, "
-            f"{chosen['rows_per_pass']} rows per pass, XLA options {chosen['xla']}",
-            what="cpu-step",
-        )
 
 
 def trained_model(version: Version):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import VerifyConfig
 from ..model.errors import BardflowError
@@ -35,14 +34,6 @@ def build(settings: VerifyConfig, out: Builder, checkpoint: Version, train_paral
         "passed": passed,
         "probe_shape": list(probe.shape),
     }
-    ui.markdown(
-        VERIFY.name,
-        f"## {'PASS' if passed else 'FAIL'}: restored logits {'match' if passed else 'differ'}\n\n"
-        f"max |trained - restored| = **{diff:.3e}** (tolerance {settings.tolerance:.0e}) on a "
-        f"probe batch of {probe.shape[0]} x {probe.shape[1]} validation bytes; the fresh "
-        f"model was initialised with seed {settings.init_seed} before restoring.\n",
-        description=f"Verify: {'pass' if passed else 'FAIL'}, max diff {diff:.2e}",
-    )
     if not passed:
         raise VerificationError(
             f"restored logits differ from the trained model's by {diff:.3e} (tolerance "
