@@ -87,7 +87,7 @@ _UNDIGESTED = ("digest", "objects", "etags")
 
 
 # A version's figures by name, open: each stage types its own where it makes them (the
-# training stages' are model/training/records.py's TrainingMetrics).
+# training stages' are model/training/run_records.py's TrainingMetrics).
 Metrics = dict[str, Any]
 
 

@@ -26,7 +26,7 @@ from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..model.training import stopping
-from ..model.training.records import HistoryEntry
+from ..model.training.run_records import HistoryEntry
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
 from .environment import pick_preset, store_location

@@ -9,7 +9,7 @@ from typing import cast
 from typing_extensions import TypedDict
 
 from ..artifacts.store import Builder, Version
-from ..model.training.records import HistoryEntry, TrainingMetrics
+from ..model.training.run_records import HistoryEntry, TrainingMetrics
 from .registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds

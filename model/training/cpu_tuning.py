@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 
 from ...config.machine import cache_dir
-from .records import MeasuredChoice, StepChoice, Tuning
+from .run_records import MeasuredChoice, StepChoice, Tuning
 from .step_settings import resolve
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")

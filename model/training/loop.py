@@ -18,7 +18,7 @@ from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import step_memory
 from .placement import Placement
-from .records import HistoryEntry, Layout, StepMetrics
+from .run_records import HistoryEntry, Layout, StepMetrics
 from .step import TrainingError, configured_rates, make_train_step
 from .step_settings import StepSettings, resolve
 

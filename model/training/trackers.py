@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...config.settings import TrackingTarget
-from .records import HistoryEntry
+from .run_records import HistoryEntry
 
 if TYPE_CHECKING:
     from .loop import Hook, StepInfo

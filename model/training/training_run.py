@@ -18,7 +18,7 @@ from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
 from .loop import Hook, StepInfo, train
 from .placement import Placement
-from .records import HistoryEntry, TrainingMetrics
+from .run_records import HistoryEntry, TrainingMetrics
 from .step import init_state, model_from_state
 from .step_settings import CPU_TOKENS_PER_PASS, resolve
 

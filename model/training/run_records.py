@@ -4,10 +4,9 @@ command line read them without loading the ML stack."""
 
 from __future__ import annotations
 
-from typing import NotRequired
+from typing import NotRequired, TypedDict
 
 from pydantic import JsonValue
-from typing_extensions import TypedDict  # pydantic reads these in Prefect's results before Python 3.12
 
 
 class HistoryEntry(TypedDict):
