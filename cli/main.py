@@ -29,7 +29,7 @@ from ..flows.tracking import check_installed, track_settings
 from ..model.errors import BardflowError
 from ..model.training import stopping
 from ..model.training.distributed import probe_devices
-from ..server.process import EmbeddedServer, check_chosen_server, start_embedded, use_running_server
+from ..server.process import PrefectServer, check_chosen_server, chosen_server, start_embedded
 from ..tasks.registry import NAMES
 from . import printing
 from .arguments import UsageError, parser
@@ -37,8 +37,6 @@ from .arguments import UsageError, parser
 if TYPE_CHECKING:
     from ..flows.pipeline import Preset
     from ..flows.records import RunSummary
-
-_embedded: EmbeddedServer | None = None  # this command's own Prefect server, when it needs one
 
 
 def _ui(args: argparse.Namespace) -> int:
@@ -73,6 +71,7 @@ class Prepared:
     root: str
     overrides: Overrides
     configs: dict[str, PipelineConfig | ConfigError]
+    server: PrefectServer | None  # None: not started yet (``start_server=False``)
 
     def config_for(self, preset: str) -> PipelineConfig:
         found = self.configs[preset]
@@ -95,14 +94,14 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     root = store_location(args.store)
     check_resource_limits()
     prepare_environment(args.cpu_devices)
-    use_running_server()
-    if os.environ.get("PREFECT_API_URL"):
+    server = chosen_server()
+    if server is not None:
         # A chosen server answers at once: JAX's device count comes from a process of its own
         # while Prefect loads here. (The run's own server takes seconds to start; JAX loads
         # here while this process waits for it: _terminal_run.)
         probe_devices()
-    check_chosen_server()
-    if getattr(args, "pool", None) and not os.environ.get("PREFECT_API_URL"):
+    check_chosen_server(server)
+    if getattr(args, "pool", None) and server is None:
         raise UsageError(
             f"--pool {args.pool} needs a Prefect server that its workers share: start one "
             "(`bardflow server start`) or set PREFECT_API_URL"
@@ -138,17 +137,12 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     # folder) is refused now; reading /dev/zero or a FIFO would never end.
     check_local(accepted[0].data.corpus, accepted[0].data.glob)
     if start_server:
-        _start_server()
-    return Prepared(root, overrides, configs)
-
-
-def _start_server() -> None:
-    global _embedded
-    _embedded = start_embedded()  # comes up while Prefect and JAX load
+        server = server or start_embedded()  # comes up while Prefect and JAX load
+    return Prepared(root, overrides, configs, server)
 
 
 @contextmanager
-def _terminal_run(verbose: bool):
+def _terminal_run(verbose: bool, server: PrefectServer):
     """Prefect settings for a flow run in this terminal, its log lines there (each stage's end,
     progress, warnings; every line with ``verbose``), and a watch over its server for as
     long as it runs. No run heartbeats unless the user asks (PREFECT_FLOWS_HEARTBEAT_FREQUENCY):
@@ -163,7 +157,7 @@ def _terminal_run(verbose: bool):
     ExplainedErrorFilter.quiet = not verbose
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
     watch = None
-    if _embedded is not None:
+    if server.embedded is not None:
         from ..model.training.distributed import ProcessGroup, hardware
         from ..tasks.registry import TRAIN_SINGLE
 
@@ -173,12 +167,12 @@ def _terminal_run(verbose: bool):
         if ProcessGroup.from_env() is None:  # a group's process joins it before JAX starts
             hardware()
             TRAIN_SINGLE.build()
-        _embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-        _embedded.watch()
-    elif os.environ.get("PREFECT_API_URL", "").startswith(("http://", "https://")):
+        server.embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+        server.embedded.watch()
+    elif server.api_url.startswith(("http://", "https://")):
         from ..server.process import watch_chosen
 
-        watch = watch_chosen(os.environ["PREFECT_API_URL"].rstrip("/"))
+        watch = watch_chosen(server.api_url)
     asked = any(
         name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
     )
@@ -190,7 +184,7 @@ def _terminal_run(verbose: bool):
             watch.set()
 
 
-def _run(args: argparse.Namespace) -> RunSummary:
+def _run(args: argparse.Namespace) -> tuple[PrefectServer, RunSummary]:
     unknown = [s for s in args.refresh if s not in NAMES]
     if unknown:
         raise UsageError(f"unknown stage {unknown[0]!r} in --refresh; stages are {', '.join(NAMES)}")
@@ -203,8 +197,9 @@ def _run(args: argparse.Namespace) -> RunSummary:
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
     from ..flows.pipeline import pipeline
 
-    with _terminal_run(args.verbose):
-        return pipeline(
+    server = prepared.server or start_embedded()
+    with _terminal_run(args.verbose, server):
+        return server, pipeline(
             preset=args.preset,
             config=config,
             corpus=args.corpus,
@@ -253,10 +248,10 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     )
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
-    _start_server()
+    server = prepared.server or start_embedded()
     from ..flows.sweep import sweep
 
-    with _terminal_run(args.verbose):
+    with _terminal_run(args.verbose, server):
         return sweep(
             configurations=planned.configurations,
             preset=cast("Preset", preset),
@@ -396,20 +391,20 @@ def _notify(args: argparse.Namespace) -> int:
         raise UsageError("notify add takes a webhook URL or --block TYPE/NAME (one of them)")
     if args.action == "remove" and args.url:
         args.name = args.url  # `notify remove NAME` reads naturally too
-    use_running_server()
-    if not os.environ.get("PREFECT_API_URL"):
+    server = chosen_server()
+    if server is None:
         raise UsageError(
             "notifications live on the Prefect server that runs report to: start one "
             "(`bardflow server start`) or set PREFECT_API_URL"
         )
-    check_chosen_server()
+    check_chosen_server(server)
     from ..server import notify
 
     if args.action == "add":
         created = notify.add(args.url, args.name, args.block)
         print(
             f"bardflow: {args.name}: a message for every failed or crashed run and finished sweep reported to "
-            f"{os.environ['PREFECT_API_URL']} (automations {', '.join(created)})"
+            f"{server.api_url} (automations {', '.join(created)})"
         )
     elif args.action == "remove":
         notify.remove(args.name)
@@ -428,11 +423,11 @@ def _run_command(args: argparse.Namespace) -> int:
     if follower is not None:
         _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
     else:
-        result = _run(args).to_json()
-        ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
-        if ui and result.get("flow_run"):
-            result["ui"] = f"{ui.rstrip('/')}/runs/flow-run/{result['flow_run']}"
-            result["ui_served"] = _embedded is None  # else: once `bardflow ui` serves this Prefect home
+        server, summary = _run(args)
+        result = summary.to_json()
+        if result.get("flow_run"):
+            result["ui"] = f"{server.ui_url}/runs/flow-run/{result['flow_run']}"
+            result["ui_served"] = server.embedded is None  # else: once `bardflow ui` serves this Prefect home
         printing.show(result, args.json, printing.print_summary)
     return 0
 

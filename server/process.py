@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..model.errors import BardflowError
@@ -48,11 +49,47 @@ def running() -> dict | None:
     return record if healthy(record["url"]) else None
 
 
-def check_chosen_server() -> None:
-    """A server named by PREFECT_API_URL must answer before a run starts: otherwise Prefect
+@dataclass(frozen=True)
+class PrefectServer:
+    """The Prefect server a command's runs report to, as the command hands it along: the one
+    the user chose (``chosen``: PREFECT_API_URL), bardflow's background one (``background``), or
+    the run's own (``embedded``, with its process)."""
+
+    api_url: str
+    kind: str
+    embedded: EmbeddedServer | None = None
+
+    @property
+    def url(self) -> str:
+        return self.api_url.rstrip("/").removesuffix("/api")
+
+    @property
+    def ui_url(self) -> str:
+        """Where a person sees the runs: the user's PREFECT_UI_URL, else the server's own UI,
+        or for a run's own server, where `bardflow ui` will serve them once it is gone."""
+        return (os.environ.get("PREFECT_UI_URL") or (LATER_UI if self.embedded else self.url)).rstrip("/")
+
+
+def chosen_server() -> PrefectServer | None:
+    """The server that is already there for this command's runs: the user's, else the
+    background one; None when a run must start its own (``start_embedded``)."""
+    api = os.environ.get("PREFECT_API_URL")
+    return PrefectServer(api.rstrip("/"), "chosen") if api else use_running_server()
+
+
+def _point_prefect_at(server: PrefectServer) -> PrefectServer:
+    """Prefect's client, here and in every process a run starts, takes its server from
+    Prefect's settings, which read the environment: this is the one place bardflow writes it.
+    bardflow's own code is handed the ``PrefectServer`` instead."""
+    os.environ["PREFECT_API_URL"] = server.api_url
+    return server
+
+
+def check_chosen_server(server: PrefectServer | None) -> None:
+    """A server that is already there must answer before a run starts: otherwise Prefect
     fails deep in its client with a long traceback."""
-    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
-    if not api or not api.startswith(("http://", "https://")):
+    api = "" if server is None else server.api_url
+    if not api.startswith(("http://", "https://")):
         return
     try:
         _health(api, 5.0)
@@ -64,16 +101,15 @@ def check_chosen_server() -> None:
         ) from error
 
 
-def use_running_server() -> str | None:
-    """Points this process's runs at the background server when one is up and the user has
-    not chosen a server already (PREFECT_API_URL); returns its API URL."""
+def use_running_server() -> PrefectServer | None:
+    """The background server, with this process's runs pointed at it, when one is up and the
+    user has not chosen a server already (PREFECT_API_URL)."""
     if os.environ.get("PREFECT_API_URL"):
         return None
     record = running()
     if record is None:
         return None
-    os.environ["PREFECT_API_URL"] = f"{record['url']}/api"
-    return os.environ["PREFECT_API_URL"]
+    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "background"))
 
 
 DATABASE = "PREFECT_API_DATABASE_CONNECTION_URL"
@@ -327,17 +363,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_embedded() -> EmbeddedServer | None:
-    """Starts the run's own server when none is chosen (PREFECT_API_URL), and points this
-    process at it; ``None`` when a server is chosen. Stopped at exit, or by a forced stop."""
-    if os.environ.get("PREFECT_API_URL"):
-        return None
+def start_embedded() -> PrefectServer:
+    """Starts the run's own server (when ``chosen_server`` found none) and points this process
+    at it. Stopped at exit, or by a forced stop."""
     import atexit
 
     from ..model.training import stopping
 
     server = EmbeddedServer()
-    os.environ["PREFECT_API_URL"] = f"{server.url}/api"
+    chosen = _point_prefect_at(PrefectServer(f"{server.url}/api", "embedded", server))
     # The run's links (Prefect's "View at", MLflow's tag) point where the run can be seen
     # afterwards: `bardflow ui` serves this Prefect home's runs there; this server is gone.
     os.environ.setdefault("PREFECT_UI_URL", LATER_UI)
@@ -349,4 +383,4 @@ def start_embedded() -> EmbeddedServer | None:
     )
     atexit.register(server.stop)
     stopping.on_force(server.stop)
-    return server
+    return chosen

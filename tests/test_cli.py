@@ -191,10 +191,17 @@ def test_processes_that_do_not_share_the_devices_are_refused_before_the_run_s_se
     code = (
         "import sys; from bardflow.cli.main import main; "
         "rc = main(['run', '--store', sys.argv[1], '--preset', 'tiny', '--processes', '3']); "
-        " import bardflow.cli.main as cli; print('server:', cli._embedded); sys.exit(rc)"
+        " import os; print('server:', os.environ.get('PREFECT_API_URL')); sys.exit(rc)"
     )
+    alone = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}  # no server yet
+    alone["BARDFLOW_SERVER_FILE"] = str(tmp_path / "server.json")  # and no background one
     done = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code, str(tmp_path / "store")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=alone,
     )
     assert done.returncode == 1 and "server: None" in done.stdout, done.stdout + done.stderr
     line = done.stderr.strip()
