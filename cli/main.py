@@ -131,7 +131,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
         from ..tasks.stage import RunPlan
 
         RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
-    from ..tasks.sources import check_local
+    from ..model.data.sources import check_local
 
     # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
     # folder) is refused now; reading /dev/zero or a FIFO would never end.

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from ..artifacts import ui
 from ..artifacts.store import Version
 from ..config.settings import BYTE_VALUES
+from ..model.data.sources import corpus_name
 from ..model.data.splits import SHARD_BYTES
 from ..tasks.registry import (
     CHECKPOINT,
@@ -23,7 +24,6 @@ from ..tasks.registry import (
     TRAIN_SINGLE,
     VERIFY,
 )
-from ..tasks.sources import corpus_name
 
 HF = "hf"  # the transformers folder inside the export (tasks/export.py)
 SAMPLE_BYTES = 200

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..artifacts import ui
+from ..artifacts.objects import Bucket
 from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
 from ..config.machine import cache_dir
 from ..config.settings import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
-from ..model.data.splits import ThreadedDigest, write_all
-from .download import download
-from .registry import FETCH
-from .sources import (
+from ..model.data.download import download
+from ..model.data.sources import (
     COMPRESSED,
     BucketCorpus,
+    Digest,
     FetchError,
     corpus_files,
     decoded_chunks,
@@ -45,6 +45,8 @@ from .sources import (
     md5_of,
     source_mode,
 )
+from ..model.data.splits import write_all
+from .registry import FETCH
 
 (CORPUS,) = FETCH.builds
 KNOWN_SIZES = {TINYSHAKESPEARE_MD5: 1_115_394}
@@ -72,7 +74,7 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
     if data.md5 is not None:
         return data
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
-        corpus = BucketCorpus(data.corpus, data.glob)
+        corpus = BucketCorpus(Bucket(data.corpus), data.corpus, data.glob)
         ui.say(
             "fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
             data.corpus,
@@ -119,40 +121,6 @@ def accept(settings: DataConfig, version: Version) -> None:
         f"({stored.get('bytes', 0):,} bytes there, {figures.size:,} here, other sha256): this machine's "
         "record of its checksum was wrong and is forgotten; rerun to read the corpus again"
     )
-
-
-class Digest:
-    """Figures of a corpus's bytes as they stream: md5 (on a thread: ``ThreadedDigest``),
-    sha256, size and which byte values occur; or, ``sha256_only`` (a copy of bytes whose
-    figures are known), its sha256 (on a thread) and size. A download that starts over
-    restarts it."""
-
-    def __init__(self, sha256_only: bool = False):
-        self.sha256_only = sha256_only
-        self.restart()
-
-    def restart(self) -> None:
-        self.md5 = None if self.sha256_only else ThreadedDigest(hashlib.md5())
-        self.sha256 = ThreadedDigest(hashlib.sha256()) if self.sha256_only else hashlib.sha256()
-        self.size, self.seen = 0, b""
-
-    def figures(self) -> CorpusFigures:
-        if self.md5 is None:
-            raise RuntimeError("a sha256-only digest has no md5")
-        return CorpusFigures(self.md5.hexdigest(), self.sha256.hexdigest(), self.size, self.seen)
-
-    def update(self, chunk: bytes) -> None:
-        if self.md5 is not None:
-            self.md5.update(chunk)
-        self.sha256.update(chunk)
-        self.size += len(chunk)
-        if self.sha256_only:
-            return
-        # Which values occur: what is left of the chunk without those seen so far (C speed;
-        # soon nothing, as a text's alphabet is complete within its first pages).
-        new = chunk.translate(None, self.seen)
-        if new:
-            self.seen = bytes(sorted(set(self.seen) | set(new)))
 
 
 # This machine's record of local corpora's figures, one file per corpus state, keyed by its
@@ -297,7 +265,7 @@ def fetch_to(
             )
         return Fetched(files, known)
     if is_bucket(source):
-        objects = BucketCorpus(source, pattern)
+        objects = BucketCorpus(Bucket(source), source, pattern)
         if progress is not None:
             progress(0, objects.size)
         return Fetched(None, _written(objects.chunks(progress), target).figures())

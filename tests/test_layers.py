@@ -33,10 +33,13 @@ MODEL_ALLOWED = {
     "inference": {"inference", "network", "training"},
 }
 # Beside the standard library, model/ imports the numerical stack and what its data and
-# configuration are made of (Arrow files, validated pydantic models), and a training's
-# trackers their libraries (imported when asked for): no Prefect, no store.
+# configuration are made of (Arrow files, validated pydantic models), a training's
+# trackers their libraries and a corpus's sources their decompressors (imported when asked
+# for): no Prefect, no store (a corpus in a bucket is read through the store's Bucket, handed in).
 MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
 TRACKER_LIBRARIES = {"mlflow", "tensorboard"}
+# A corpus's sources may be compressed with Zstandard (imported when one is read).
+SOURCE_LIBRARIES = {"zstandard"}
 
 
 def imports(path) -> set[str]:
@@ -71,6 +74,7 @@ def test_model_knows_neither_prefect_nor_the_store():
     standard = set(sys.stdlib_module_names)
     for path in module_files("model"):
         allowed = standard | MODEL_THIRD_PARTY | (TRACKER_LIBRARIES if path.stem == "trackers" else set())
+        allowed |= SOURCE_LIBRARIES if path.stem == "sources" else set()
         for name in imports(path):
             top = name.split(".")[0]
             assert top in allowed or name.startswith(("bardflow.model", "bardflow.config")), (

@@ -454,7 +454,7 @@ class Trickle:
 def test_a_server_that_trickles_bytes_is_given_up_on_and_retried_in_one_line(tmp_path, slow_headers):
     """A byte every 0.2 s: the 30 s per-read timeout never fires, so the transfer's rate is
     judged over a window (here 1 s, at least 100 bytes/s), headers or body."""
-    from bardflow.tasks.download import download
+    from bardflow.model.data.download import download
 
     server = Trickle(0.2, slow_headers)
     try:
@@ -476,7 +476,7 @@ def test_redirects_stay_within_the_scheme_and_host_and_a_loop_is_one_line(tmp_pa
     """A redirect to another port of the host (another server) is refused, naming it, and
     that server is never asked; one within the same server is followed; a redirect loop
     ends in one line."""
-    from bardflow.tasks.download import download
+    from bardflow.model.data.download import download
 
     other = Trickle(0)
     servers = [

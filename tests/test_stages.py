@@ -13,9 +13,9 @@ import pytest
 
 from bardflow.artifacts.store import Store
 from bardflow.config.settings import ConfigError, DataConfig, TrainingRequest, VerifyConfig, build_config
+from bardflow.model.data.download import download
 from bardflow.model.training.checkpoint import save_model
 from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.download import download
 from bardflow.tasks.fetch import FetchError, pin
 from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
@@ -387,7 +387,7 @@ def test_a_corpus_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     with pytest.raises(FetchError, match=words.replace("(", r"\(").replace(")", r"\)")):
         pin(DataConfig(corpus=source))
     with pytest.raises(FetchError, match="not a regular file"):  # as the command line checks it, reading nothing
-        from bardflow.tasks.sources import check_local
+        from bardflow.model.data.sources import check_local
 
         check_local(source)
     assert time.monotonic() - started < 5  # refused, not read for ever: a loaded host takes ~1 s

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..model.data.splits import write_all
 from .sources import FetchError
+from .splits import write_all
 
 ATTEMPTS = 4
 # No network, no such host, or nothing listening: asking again seconds later changes nothing, so

@@ -13,10 +13,13 @@ import stat
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Protocol
 
-from ..config.settings import TINYSHAKESPEARE_URL
-from ..model.errors import BardflowError
+from ...config.settings import TINYSHAKESPEARE_URL, CorpusFigures
+from ..errors import BardflowError
+from .splits import ThreadedDigest
 
 
 class FetchError(BardflowError, RuntimeError):
@@ -254,14 +257,26 @@ def is_bucket(source: str) -> bool:
     return source.split("://", 1)[0] in ("s3", "gs", "gcs") and "://" in source
 
 
+class ObjectBucket(Protocol):
+    """What a corpus in a bucket is read through (``artifacts/objects.py``'s ``Bucket``): its
+    fsspec filesystem, its prefix there, and one-line errors for what goes wrong."""
+
+    fs: Any
+    prefix: str
+
+    def errors(self, doing: str) -> AbstractContextManager[None]: ...
+
+    def path(self, *parts: str) -> str: ...
+
+    def uri(self, *parts: str) -> str: ...
+
+
 class BucketCorpus:
     """A bucket prefix's objects that ``selected`` takes (hidden ones left out), sorted by
     their keys below the prefix, read as one corpus, each decompressed by its name."""
 
-    def __init__(self, source: str, pattern: str | None = None):
-        from ..artifacts.objects import Bucket
-
-        self.bucket, self.source = Bucket(source), source
+    def __init__(self, bucket: ObjectBucket, source: str, pattern: str | None = None):
+        self.bucket, self.source = bucket, source
         with self.bucket.errors(f"list the corpus at {source}"):
             found = self.bucket.fs.find(self.bucket.prefix, detail=True)
         base = self.bucket.prefix + "/"
@@ -318,3 +333,37 @@ def check_local(source: str, pattern: str | None = None) -> None:
     path = local_path(source)
     if path is not None:
         corpus_files(path, pattern)
+
+
+class Digest:
+    """Figures of a corpus's bytes as they stream: md5 (on a thread: ``ThreadedDigest``),
+    sha256, size and which byte values occur; or, ``sha256_only`` (a copy of bytes whose
+    figures are known), its sha256 (on a thread) and size. A download that starts over
+    restarts it."""
+
+    def __init__(self, sha256_only: bool = False):
+        self.sha256_only = sha256_only
+        self.restart()
+
+    def restart(self) -> None:
+        self.md5 = None if self.sha256_only else ThreadedDigest(hashlib.md5())
+        self.sha256 = ThreadedDigest(hashlib.sha256()) if self.sha256_only else hashlib.sha256()
+        self.size, self.seen = 0, b""
+
+    def figures(self) -> CorpusFigures:
+        if self.md5 is None:
+            raise RuntimeError("a sha256-only digest has no md5")
+        return CorpusFigures(self.md5.hexdigest(), self.sha256.hexdigest(), self.size, self.seen)
+
+    def update(self, chunk: bytes) -> None:
+        if self.md5 is not None:
+            self.md5.update(chunk)
+        self.sha256.update(chunk)
+        self.size += len(chunk)
+        if self.sha256_only:
+            return
+        # Which values occur: what is left of the chunk without those seen so far (C speed;
+        # soon nothing, as a text's alphabet is complete within its first pages).
+        new = chunk.translate(None, self.seen)
+        if new:
+            self.seen = bytes(sorted(set(self.seen) | set(new)))
