@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..config import config_file
 from ..config.config_file import parse_assignment
 from ..config.settings import ConfigError, Overrides, PipelineConfig
+from ..flows import cluster, preflight
 from ..flows.environment import (
     AUTO_CHOICES,
     DEBUG,
@@ -28,7 +29,6 @@ from ..flows.environment import (
 from ..flows.tracking import check_installed, track_settings
 from ..model.errors import BardflowError
 from ..model.training import stopping
-from ..model.training.distributed import probe_devices
 from ..server.process import PrefectServer, check_chosen_server, chosen_server, start_embedded
 from ..tasks.registry import NAMES
 from . import printing
@@ -99,7 +99,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
         # A chosen server answers at once: JAX's device count comes from a process of its own
         # while Prefect loads here. (The run's own server takes seconds to start; JAX loads
         # here while this process waits for it: _terminal_run.)
-        probe_devices()
+        preflight.count_devices_meanwhile()
     check_chosen_server(server)
     if getattr(args, "pool", None) and server is None:
         raise UsageError(
@@ -124,18 +124,8 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     if not accepted:
         raise next(found for found in configs.values() if isinstance(found, ConfigError))
     check_installed(accepted[0].track)  # --track mlflow without MLflow: refused now, not mid-run
-    if args.processes > 1:
-        # Whether the devices share out evenly needs JAX's count of them: asked now, before
-        # the run's server starts, so that the refusal comes first, like every other one.
-        from ..model.training.distributed import hardware
-        from ..tasks.stage import RunPlan
-
-        RunPlan(accepted[0], *hardware(), args.processes).parallel_training()
-    from ..model.data.sources import check_local
-
-    # A local corpus that cannot be read as one (missing, a device, a FIFO, a link out of its
-    # folder) is refused now; reading /dev/zero or a FIFO would never end.
-    check_local(accepted[0].data.corpus, accepted[0].data.glob)
+    preflight.refuse_uneven_processes(accepted[0], args.processes)
+    preflight.refuse_unreadable_corpus(accepted[0])
     if start_server:
         server = server or start_embedded()  # comes up while Prefect and JAX load
     return Prepared(root, overrides, configs, server)
@@ -158,15 +148,7 @@ def _terminal_run(verbose: bool, server: PrefectServer):
     quiet_explained_errors()  # before the flow starts: Prefect's first lines are already the log's alone
     watch = None
     if server.embedded is not None:
-        from ..model.training.distributed import ProcessGroup, hardware
-        from ..tasks.registry import TRAIN_SINGLE
-
-        # The seconds the server takes to start are idle here: JAX and the training stages'
-        # module load now (training would load them later, on the run's clock). The other
-        # stages' modules are light once these are in; a cached stage never loads its own.
-        if ProcessGroup.from_env() is None:  # a group's process joins it before JAX starts
-            hardware()
-            TRAIN_SINGLE.build()
+        preflight.load_training()  # while the server starts
         server.embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         server.embedded.watch()
     elif server.api_url.startswith(("http://", "https://")):
@@ -264,40 +246,6 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         )
 
 
-def _follow(group, join_timeout: int, cpu_devices: int | None) -> None:
-    """A cluster process other than 0: no flow of its own; it joins process 0's
-    train_parallel, which tells it what to train, and ends with it."""
-    import subprocess
-
-    prepare_environment(cpu_devices)
-    print(
-        f"bardflow: process {group.process_id} of {group.num_processes}: joining the train_parallel run of "
-        f"process 0 at {group.coordinator or 'the coordinator the cluster names'}",
-        file=sys.stderr,
-        flush=True,
-    )
-    from ..model.training.launch import process_command
-    from ..tasks import train_process
-
-    code = subprocess.call(process_command(train_process, None, join_timeout))
-    if code:
-        raise FollowerError(
-            f"process {group.process_id} of {group.num_processes} failed (exit status {code}); see its output above"
-        )
-
-
-class FollowerError(BardflowError, RuntimeError):
-    """A cluster process other than 0 failed; its own output says why."""
-
-
-def _cluster_follower():
-    """This process's group when it is a cluster process other than process 0."""
-    from ..model.training.distributed import ProcessGroup
-
-    group = ProcessGroup.from_env()
-    return group if group is not None and not group.leader else None
-
-
 def _presets(args: argparse.Namespace) -> int:
     from ..config.settings import PRESETS, build_config
 
@@ -309,37 +257,9 @@ def _presets(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else list(PRESETS)
     shown = {n: build_config(n).model_dump(mode="json") for n in names}
     if args.name:  # and what one device would hold, before a run finds out
-        shown["memory_per_device"] = memory_table(build_config(args.name))
+        shown["memory_per_device"] = preflight.memory_table(build_config(args.name))
     print(json.dumps(shown, indent=2))
     return 0
-
-
-def memory_table(config) -> dict[str, dict]:
-    """The estimate of ``model/training/memory.py`` for a preset on a GPU and on a CPU, on one device
-    and on eight, with and without remat."""
-    from ..model.training.memory import estimate
-    from ..model.training.step_settings import resolve
-
-    table = {}
-    for platform in ("gpu", "cpu"):
-        step = resolve(config.model, config.train, config.data.seq_len, platform)
-        for devices in (1, 8):
-            for remat in (False, True):
-                found = estimate(
-                    config.model,
-                    config.train,
-                    devices,
-                    config.data.seq_len,
-                    step.rows_per_pass,
-                    step.precision,
-                    remat=remat,
-                    attention=step.attention,
-                )
-                name = f"{platform}, {devices} device{'s' if devices > 1 else ''}, {found.layout}" + (
-                    ", remat" if remat else ""
-                )
-                table[name] = {**found.as_json(), "rows_per_pass": step.rows_per_pass, "precision": step.precision}
-    return table
 
 
 def _artifacts(args: argparse.Namespace) -> int:
@@ -419,9 +339,9 @@ def _notify(args: argparse.Namespace) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    follower = _cluster_follower()
+    follower = cluster.follower()
     if follower is not None:
-        _follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
+        cluster.follow(follower, args.join_timeout, args.cpu_devices)  # process 0 reports the run
     else:
         server, summary = _run(args)
         result = summary.to_json()
