@@ -89,6 +89,23 @@ def stop_hook() -> Hook:
     return Hook(stop, lambda info: info.done < info.last)
 
 
+def _validation(files: RunFiles, request: TrainingRequest, placement: Placement, devices: int, global_batch: int):
+    """The validation batches this process evaluates (its rows of each), how many rows they
+    hold, and how many the split has. The validation rows (the whole split, or a fixed choice
+    of a large one) are evaluated every train.eval_every steps. Accelerators want few large
+    calls; a CPU wants cache-sized ones (docs/benchmarks.md, "Training step")."""
+    val_rows = read_split(files.val, (files.shards or {}).get("val"), files.bring)
+    chosen = eval_choice(len(val_rows), eval_limit(request.train.eval_rows, global_batch, val_rows.shape[1]))
+    evaluated = val_rows if chosen is None else val_rows.take(chosen)
+    per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
+    eval_batch = max(1, per_device // val_rows.shape[1]) * devices
+    val = [
+        (rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
+        for rows, weights in val_batches(evaluated, eval_batch, multiple=devices)
+    ]
+    return val, len(evaluated), len(val_rows)  # the split's mapping goes: val holds copies
+
+
 def run_training(
     request: TrainingRequest,
     files: RunFiles,
@@ -110,23 +127,9 @@ def run_training(
         else Placement.single(devices[0])
     )
     global_batch = request.train.per_device_batch * len(devices)
-    shards = files.shards or {}
-    train_rows = read_split(files.train, shards.get("train"), files.bring)
-    val_rows = read_split(files.val, shards.get("val"), files.bring)
-    # Only this process's rows of every batch are read (memory-mapped) and placed. The
-    # validation rows (the whole split, or a fixed choice of a large one) are evaluated every
-    # train.eval_every steps. Accelerators want few large calls; a CPU wants cache-sized ones
-    # (docs/benchmarks.md, "Training step").
-    chosen = eval_choice(len(val_rows), eval_limit(request.train.eval_rows, global_batch, val_rows.shape[1]))
-    evaluated = val_rows if chosen is None else val_rows.take(chosen)
-    per_device = EVAL_TOKENS if placement.devices[0].platform != "cpu" else 2 * CPU_TOKENS_PER_PASS
-    eval_batch = max(1, per_device // val_rows.shape[1]) * len(devices)
-    val = [
-        (rows[slice(*placement.rows(len(rows)))], weights[slice(*placement.rows(len(rows)))])
-        for rows, weights in val_batches(evaluated, eval_batch, multiple=len(devices))
-    ]
-    eval_rows, val_split_rows = len(evaluated), len(val_rows)
-    del evaluated, val_rows  # copied into val: the split's mapping goes
+    # Only this process's rows of every batch are read (memory-mapped) and placed.
+    train_rows = read_split(files.train, (files.shards or {}).get("train"), files.bring)
+    val, eval_rows, val_split_rows = _validation(files, request, placement, len(devices), global_batch)
     rows = placement.rows(global_batch)
     if jax.process_count() > 1:
         print(
