@@ -70,6 +70,14 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
         "BARDFLOW_NUM_PROCESSES and BARDFLOW_PROCESS_ID set (or under srun): process 0 "
         "runs the pipeline, the others join its train_parallel",
     )
+    parser.add_argument(
+        "--server",
+        choices=("kept", "embedded"),
+        help="where the run reports when PREFECT_API_URL names no server: kept (the default, or "
+        "$BARDFLOW_SERVER): the background server, started by the first run and kept for later ones until "
+        "$BARDFLOW_SERVER_IDLE_MINUTES (30) pass without a run; embedded: a server of the run's own, gone "
+        "when it ends",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument(
         "--verbose",
@@ -92,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run the pipeline (stages already in the store come back cached)",
-        description="Run the whole pipeline on Prefect's embedded server (or the server PREFECT_API_URL points at).",
+        description="Run the whole pipeline, reporting to the kept Prefect server (started by the first run; "
+        "--server embedded for one of the run's own), or the one PREFECT_API_URL points at.",
     )
     _pipeline_options(run)
     run.add_argument(
@@ -209,13 +218,21 @@ def _pool_commands(commands) -> None:
     """What an operator of a pool runs: the background server, and the messages it sends."""
     server = commands.add_parser(
         "server",
-        help="keep a Prefect server running in the background (127.0.0.1) for faster runs",
-        description="start: a Prefect server in the background, bound to 127.0.0.1, which `run` and `sweep` "
-        "use while it runs (unless PREFECT_API_URL names another); stop: stop it; status: say "
-        "whether it runs (exit 3 if not).",
+        help="the kept Prefect server (127.0.0.1) that runs report to: start, stop or show it",
+        description="start: the kept Prefect server, bound to 127.0.0.1, which `run` and `sweep` use while it "
+        "runs (unless PREFECT_API_URL names another; a run that finds none starts it); started here it is "
+        "kept until stopped, unless --idle-minutes; stop: stop it; status: its address, pid, uptime and the "
+        "idle time left (exit 3 if it is not running). One per Prefect home (PREFECT_HOME) and cache folder "
+        "(BARDFLOW_CACHE_DIR).",
     )
     server.add_argument("action", choices=("start", "stop", "status"))
-    server.add_argument("--port", type=int, default=4200)
+    server.add_argument("--port", type=int, help="start: this port (default 4200, or a free one if it is taken)")
+    server.add_argument(
+        "--idle-minutes",
+        type=float,
+        metavar="M",
+        help="start: stop after M minutes with no run (default: kept until `bardflow server stop`)",
+    )
     server.add_argument(
         "--database",
         metavar="URL",

@@ -29,7 +29,14 @@ from ..flows.environment import (
 from ..flows.tracking import check_installed, track_settings
 from ..model.errors import BardflowError
 from ..model.training import stopping
-from ..server.process import PrefectServer, check_chosen_server, chosen_server, start_embedded
+from ..server.process import (
+    SERVER_MODE,
+    PrefectServer,
+    check_chosen_server,
+    chosen_server,
+    start_embedded,
+    start_kept,
+)
 from ..tasks.registry import NAMES
 from . import printing
 from .arguments import UsageError, parser
@@ -127,8 +134,16 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     preflight.refuse_uneven_processes(accepted[0], args.processes)
     preflight.refuse_unreadable_corpus(accepted[0])
     if start_server:
-        server = server or start_embedded()  # comes up while Prefect and JAX load
+        server = server or _start(args)  # comes up while Prefect and JAX load
     return Prepared(root, overrides, configs, server)
+
+
+def _start(args: argparse.Namespace) -> PrefectServer:
+    """The server a run starts when none is there: the kept one, or (``--server embedded``) its own."""
+    mode = args.server or os.environ.get(SERVER_MODE) or "kept"
+    if mode not in ("kept", "embedded"):
+        raise UsageError(f"{SERVER_MODE}={mode!r}: give kept or embedded")
+    return start_embedded() if mode == "embedded" else start_kept()
 
 
 @contextmanager
@@ -152,8 +167,11 @@ def _terminal_run(verbose: bool, server: PrefectServer):
         server.embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         server.embedded.watch()
     elif server.api_url.startswith(("http://", "https://")):
-        from ..server.process import watch_chosen
+        from ..server.process import wait_until_up, watch_chosen
 
+        if server.starting is not None:  # the kept server this run started
+            preflight.load_training()  # while it starts
+            wait_until_up(server.starting, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         watch = watch_chosen(server.api_url)
     asked = any(
         name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
@@ -179,7 +197,7 @@ def _run(args: argparse.Namespace) -> tuple[PrefectServer, RunSummary]:
         checked_store(root)  # so is a store that cannot be reached (the flow finds it checked)
     from ..flows.pipeline import pipeline
 
-    server = prepared.server or start_embedded()
+    server = prepared.server or _start(args)
     with _terminal_run(args.verbose, server):
         return server, pipeline(
             preset=args.preset,
@@ -230,7 +248,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     )
     if not os.environ.get(STORE_CREDENTIALS):
         checked_store(root)
-    server = prepared.server or start_embedded()
+    server = prepared.server or _start(args)
     from ..flows.sweep import sweep
 
     with _terminal_run(args.verbose, server):
@@ -302,7 +320,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace) -> int:
     from ..server.process import command
 
-    command(args.action, args.port, args.database)
+    command(args.action, args.port, args.database, args.idle_minutes)
     return 0
 
 

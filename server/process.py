@@ -1,9 +1,16 @@
-"""``bardflow server start|stop|status``: one Prefect server kept running in the background,
-bound to 127.0.0.1, which ``run`` and ``sweep`` then use instead of starting the embedded
-one (about 10 s a run on 2 cores). Its address lives in a small file, so any shell finds it."""
+"""The Prefect server runs report to. By default the first ``bardflow run`` or ``sweep`` that
+finds none starts one in the background, bound to 127.0.0.1, and later runs use it, as build
+tools keep their daemons; it stops after ``BARDFLOW_SERVER_IDLE_MINUTES`` with no run (0: kept
+until ``bardflow server stop``). ``bardflow server start|stop|status`` operate it by hand;
+``--server embedded`` gives a run a server of its own that ends with it. The kept server
+belongs to the Prefect home it serves (and the cache folder its record lives in): its record
+is a small file there, so any shell of that setup finds it, and another setup does not."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -15,16 +22,77 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.machine import cache_dir
 from ..model.errors import BardflowError
+from . import keeper
 from .prefect_private import ephemeral_server_command
+
+SERVER_MODE = "BARDFLOW_SERVER"  # kept (the default) or embedded
+IDLE_MINUTES = "BARDFLOW_SERVER_IDLE_MINUTES"
+DEFAULT_IDLE_MINUTES = 30.0
+DEFAULT_PORT = 4200
 
 
 class ServerError(BardflowError, RuntimeError):
     """The background server could not be started or reached."""
 
 
+def prefect_home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser().resolve()
+
+
 def state_file() -> Path:
-    return Path(os.environ.get("BARDFLOW_SERVER_FILE", "~/.cache/bardflow/server.json")).expanduser()
+    """The kept server's record for this setup: one per Prefect home, in this cache folder."""
+    named = os.environ.get("BARDFLOW_SERVER_FILE")
+    if named:
+        return Path(named).expanduser()
+    return cache_dir() / "servers" / f"{hashlib.sha256(str(prefect_home()).encode()).hexdigest()[:12]}.json"
+
+
+def versions() -> dict[str, str | None]:
+    """What a kept server runs: one of other versions (after an upgrade) is replaced, not used."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in ("bardflow", "prefect"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def idle_minutes() -> float:
+    raw = os.environ.get(IDLE_MINUTES, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_IDLE_MINUTES
+    except ValueError:
+        raise ServerError(f"{IDLE_MINUTES}={raw!r} is no number of minutes; e.g. 30, or 0 to keep it up") from None
+    if value < 0:
+        raise ServerError(f"{IDLE_MINUTES}={raw!r}: give 0 (kept up) or more minutes")
+    return value
+
+
+def _record() -> dict | None:
+    try:
+        record = json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _ours(pid: object) -> bool:
+    """Whether ``pid`` is alive and a bardflow process (a pid reused by another program is not)."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        return b"bardflow" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc: its being alive must do
 
 
 def _health(api: str, timeout_s: float) -> bool:
@@ -39,14 +107,19 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def running() -> dict | None:
-    """The background server's record, if it is up and answering."""
-    try:
-        record = json.loads(state_file().read_text())
-        os.kill(record["pid"], 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return record if healthy(record["url"]) else None
+def running(wait_s: float = 0.0) -> dict | None:
+    """The kept server's record, if it is up and answering; one still starting (another
+    run's) is waited for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        record = _record()
+        if record is None or record.get("state", "running") == "stopped" or not _ours(record.get("pid")):
+            return None
+        if healthy(record["url"]):
+            return record
+        if record.get("state") != "starting" or time.monotonic() > deadline:
+            return None
+        time.sleep(0.25)
 
 
 @dataclass(frozen=True)
@@ -58,6 +131,7 @@ class PrefectServer:
     api_url: str
     kind: str
     embedded: EmbeddedServer | None = None
+    starting: dict | None = None  # a kept server this command started: its record, until it answers
 
     @property
     def url(self) -> str:
@@ -109,7 +183,26 @@ def use_running_server() -> PrefectServer | None:
     record = running()
     if record is None:
         return None
-    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "background"))
+    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept"))
+
+
+def start_kept() -> PrefectServer:
+    """The kept server, for this run and the later ones: started now when none is up (another
+    run's still starting is waited for), with this process pointed at it; one line says so
+    when this run started it, and what became of an earlier one."""
+    idle_s = 60 * idle_minutes()
+    record, started, earlier = start(idle_s=idle_s, poll_s=max(0.5, min(15.0, idle_s / 4)) if idle_s else 15.0)
+    if earlier:
+        print(f"bardflow: {earlier}", file=sys.stderr, flush=True)
+    if started:
+        minutes = record["idle_s"] / 60
+        stays = f"stops after {minutes:g} min idle" if minutes else "kept until stopped"
+        print(
+            f"bardflow: Prefect server at {record['url']} — kept for later runs, {stays} (bardflow server stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept", starting=record if started else None))
 
 
 DATABASE = "PREFECT_API_DATABASE_CONNECTION_URL"
@@ -138,76 +231,181 @@ def _shown(url: str) -> str:
     return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
 
-def start(port: int, timeout_s: float = 180.0, database: str | None = None) -> tuple[dict, bool]:
-    """The background server's record, and whether this call started it (one already up
-    is kept, whatever port it has)."""
-    found = running()
-    if found is not None:
-        return found, False
-    url = f"http://127.0.0.1:{port}"
-    if healthy(url):
-        raise ServerError(f"something already answers at {url}; stop it, or pick another port with --port")
-    path = state_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = path.with_suffix(".log")
-    env = dict(os.environ)
-    if database is not None:
-        env[DATABASE] = database_url(database)
-    with open(log, "ab") as out:  # detached: it outlives this command and its terminal
-        process = subprocess.Popen(
-            [sys.executable, "-m", "bardflow", "ui", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-        )
-    record = {
-        "pid": process.pid,
-        "url": url,
-        "log": str(log),
-        "database": _shown(env.get(DATABASE) or f"sqlite (in {env.get('PREFECT_HOME', '~/.prefect')})"),
-    }
-    deadline = time.monotonic() + timeout_s
-    while not healthy(url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-            raise ServerError(
-                f"the Prefect server did not come up at {url} within {timeout_s:.0f} s; see its log {log}"
-            )
-        time.sleep(0.5)
-    path.write_text(json.dumps(record))
-    return record, True
+@contextlib.contextmanager
+def _start_lock():
+    """Held while a kept server is chosen and started: two first runs at once start one."""
+    folder = state_file().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
-def stop() -> bool:
-    """Stops the background server; False if none was running."""
-    try:
-        record = json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return False
-    state_file().unlink(missing_ok=True)
-    try:
-        os.killpg(record["pid"], signal.SIGTERM)
-    except (OSError, KeyError):
-        return False
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
         try:
-            os.killpg(record["pid"], 0)
+            probe.bind(("127.0.0.1", port))
         except OSError:
-            return True
-        time.sleep(0.2)
-    os.killpg(record["pid"], signal.SIGKILL)
+            return False
     return True
 
 
-def command(action: str, port: int, database: str | None = None) -> None:
+def _write(record: dict) -> None:
+    path = state_file()
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise ServerError(
+            f"cannot write the kept server's record {path} ({error.strerror}); free some space there, or run "
+            "with --server embedded"
+        ) from error
+
+
+def start(
+    port: int | None = None,
+    database: str | None = None,
+    idle_s: float = 0.0,
+    poll_s: float = 15.0,
+    wait_s: float = 180.0,
+) -> tuple[dict, bool, str]:
+    """The kept server's record, whether this call started it, and what became of an earlier
+    one ('' when nothing is to be said). One already up of these versions is kept, whatever
+    its port; one of other versions is replaced. A port given is used or refused; without one,
+    4200 if it is free, else another free port. Returns once the new server's process runs;
+    ``wait_until_up`` waits for its API."""
+    with _start_lock():
+        found = running(wait_s=wait_s)
+        if found is not None and found.get("versions", versions()) == versions():
+            return found, False, ""
+        earlier = ""
+        if found is not None:
+            was = found.get("versions") or {}
+            earlier = (
+                f"the kept server at {found['url']} ran bardflow {was.get('bardflow')} and Prefect "
+                f"{was.get('prefect')}: replaced"
+            )
+            stop()
+        elif (old := _record()) is not None and old.get("state", "running") != "stopped":
+            earlier = f"the kept server (pid {old.get('pid')}) had stopped without a word: started another"
+        chosen = DEFAULT_PORT if port is None else port
+        if not _port_free(chosen) or healthy(f"http://127.0.0.1:{chosen}"):
+            if port is not None:
+                raise ServerError(
+                    f"something already answers at http://127.0.0.1:{port}; stop it, or pick another port with --port"
+                )
+            from ..model.training.launch import free_port
+
+            chosen = free_port()
+        path = state_file()
+        log = path.with_suffix(".log")
+        env = dict(os.environ)
+        if database is not None:
+            env[DATABASE] = database_url(database)
+        command = [sys.executable, "-m", keeper.__name__, "--port", str(chosen), "--state", str(path)]
+        command += ["--idle-s", str(idle_s), "--poll-s", str(poll_s)]
+        with open(log, "ab") as out:  # detached: it outlives this command and its terminal
+            process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=Path(__file__).resolve().parents[1],
+                env=env,
+            )
+        record = {
+            "pid": process.pid,
+            "url": f"http://127.0.0.1:{chosen}",
+            "log": str(log),
+            "database": _shown(env.get(DATABASE) or f"sqlite (in {prefect_home()})"),
+            "prefect_home": str(prefect_home()),
+            "versions": versions(),
+            "started": time.time(),
+            "idle_s": idle_s,
+            "state": "starting",
+        }
+        _write(record)
+    return record, True, earlier
+
+
+def wait_until_up(record: dict, timeout_s: float = 180.0) -> None:
+    """Waits for a kept server just started to answer; a ``ServerError`` naming its log if it
+    does not."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(record["url"], timeout_s=1.0):
+        if not _ours(record["pid"]) or time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.killpg(record["pid"], signal.SIGTERM)
+            raise ServerError(
+                f"the Prefect server did not come up at {record['url']} within {timeout_s:.0f} s; see its log "
+                f"{record['log']}, or run with --server embedded"
+            )
+        time.sleep(0.25)
+    now = _record()
+    if now is not None and now.get("pid") == record["pid"] and now.get("state") == "starting":
+        _write({**now, "state": "running"})  # as its keeper notes too, at its next look
+
+
+def stop() -> bool:
+    """Stops the kept server; False if none was running. Its record then says it stopped."""
+    record = _record()
+    if record is None or record.get("state") == "stopped" or not _ours(record.get("pid")):
+        return False
+    try:
+        os.killpg(record["pid"], signal.SIGTERM)
+    except OSError:
+        return False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _ours(record["pid"]):
+        time.sleep(0.2)
+    if _ours(record["pid"]):
+        with contextlib.suppress(OSError):
+            os.killpg(record["pid"], signal.SIGKILL)
+    now = _record()
+    if now is not None and now.get("pid") == record["pid"] and now.get("state") != "stopped":
+        _write({**now, "state": "stopped", "stopped": time.time(), "why": "stopped by `bardflow server stop`"})
+    return True
+
+
+def status_line(record: dict) -> str:
+    """Address, pid, uptime and the idle time left, in one line."""
+    now = time.time()
+    line = f"running at {record['url']} (pid {record['pid']}, up {_duration(now - record.get('started', now))}"
+    idle_s = float(record.get("idle_s") or 0)
+    if idle_s > 0:
+        left = idle_s - (now - float(record.get("idle_since") or record.get("started") or now))
+        line += f", stops after {_duration(max(0.0, left))} more idle"
+    else:
+        line += ", kept until `bardflow server stop`"
+    return line + f"; Prefect home {record.get('prefect_home', '?')})"
+
+
+def _duration(seconds: float) -> str:
+    whole = int(seconds)
+    return (
+        f"{whole // 3600} h {whole % 3600 // 60:02d} min" if whole >= 3600 else f"{whole // 60} min {whole % 60:02d} s"
+    )
+
+
+def command(
+    action: str, port: int | None, database: str | None = None, idle_minutes_given: float | None = None
+) -> None:
     if action == "start":
-        record, started = start(port, database=database)
-        if not started and not record["url"].endswith(f":{port}"):
+        idle_s = 60 * (idle_minutes_given or 0.0)  # started by hand: kept until stopped, unless asked
+        record, started, earlier = start(port, database=database, idle_s=idle_s)
+        if started:
+            wait_until_up(record)
+        if earlier:
+            print(f"bardflow: {earlier}", file=sys.stderr)
+        if not started and port is not None and not record["url"].endswith(f":{port}"):
             raise ServerError(
                 f"a background Prefect server already runs at {record['url']} (pid {record['pid']}), "
                 f"so --port {port} was not used; `bardflow server stop`, then start again to move it "
@@ -223,7 +421,7 @@ def command(action: str, port: int, database: str | None = None) -> None:
         print("stopped" if stop() else "no background server was running")
     else:
         record = running()
-        print(f"running at {record['url']} (pid {record['pid']})" if record else "not running")
+        print(status_line(record) if record else "not running")
         if record is None:
             raise SystemExit(3)
 

@@ -74,6 +74,9 @@ for name, value in {
     # each other on this one machine on purpose, and a run a test kills would hold its slot
     # until it is noticed; the tests of the slot name one of their own.
     "BARDFLOW_TRAINING_SLOT": "off",
+    # Each run's own server, as before the kept one: the suite's runs share the session's server
+    # (PREFECT_API_URL) or start their own; tests/test_kept_server.py is about the kept one.
+    "BARDFLOW_SERVER": "embedded",
     # Two workers share the cores: torch's OpenMP threads (the transformers checks) spin while
     # they wait, and beside the other worker's XLA threads took five times as long.
     "OMP_NUM_THREADS": "1",
@@ -136,6 +139,7 @@ LONGEST_FIRST = (
     "test_fsdp",
     "test_reliability",
     "test_pool_server",
+    "test_kept_server",
     "test_hf_export",
     "test_bench_baselines",
     "test_tracking",

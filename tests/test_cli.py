@@ -449,8 +449,10 @@ def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not
 
     server = healthy_server()
     url = f"http://127.0.0.1:{server.server_port}"
+    # A process that is bardflow's by its command line (a pid of another program is not taken).
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bardflow-keeper-stand-in"])
     record = tmp_path / "server.json"
-    record.write_text(json.dumps({"pid": os.getpid(), "url": url, "log": str(tmp_path / "server.log")}))
+    record.write_text(json.dumps({"pid": keeper.pid, "url": url, "log": str(tmp_path / "server.log")}))
     env = {**os.environ, "BARDFLOW_SERVER_FILE": str(record)}
     try:
         other, same = (
@@ -467,8 +469,9 @@ def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not
         )
     finally:
         server.shutdown()
+        keeper.kill()
     assert other.returncode == 1 and other.stderr.strip().splitlines() == [
-        f"bardflow: error: a background Prefect server already runs at {url} (pid {os.getpid()}), so --port "
+        f"bardflow: error: a background Prefect server already runs at {url} (pid {keeper.pid}), so --port "
         f"{server.server_port + 1} was not used; `bardflow server stop`, then start again to move it to port "
         f"{server.server_port + 1}"
     ], other.stderr

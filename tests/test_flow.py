@@ -63,8 +63,11 @@ def only(*ran):
     return {stage: ("ran" if stage in ran else "cached") for stage in STAGES}
 
 
-def test_a_fresh_run_builds_every_stage(workspace, first_run):
+def test_a_fresh_run_builds_every_stage(workspace, first_run, prefect_server):
     store, _, md5 = workspace
+    # The run's page, as printed, is on the server it reported to, which still answers for it.
+    assert first_run["ui"] == f"{prefect_server.url}/runs/flow-run/{first_run['flow_run']}" and first_run["ui_served"]
+    assert prefect_server.api(f"/flow_runs/{first_run['flow_run']}")["state"]["type"] == "COMPLETED"
     stages = first_run["stages"]
     assert {name: stage["state"] for name, stage in stages.items()} == only(*STAGES)
     assert stages["fetch"]["metrics"]["md5"] == md5  # computed, recorded, shown

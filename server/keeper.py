@@ -1,0 +1,125 @@
+"""The kept Prefect server's own process (``server/process.py`` starts it). It runs
+``prefect server start`` on 127.0.0.1 as its child (which dies with it), and stops it once no
+flow run has been in progress or started for ``--idle-s`` seconds (0: never), or on SIGTERM;
+then its state file says it stopped, and nothing of it is left running."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ACTIVE = ["RUNNING", "PENDING", "CANCELLING"]
+
+
+def _count(api: str, body: dict) -> int | None:
+    """A count of flow runs from the API; None when it does not answer."""
+    request = urllib.request.Request(
+        f"{api}/flow_runs/count", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        return int(urllib.request.urlopen(request, timeout=10).read())
+    except (OSError, ValueError):
+        return None
+
+
+def activity(api: str) -> tuple[int | None, int | None]:
+    """The flow runs in progress now, and all the server has seen (a new one: a run started)."""
+    return _count(api, {"flow_runs": {"state": {"type": {"any_": ACTIVE}}}}), _count(api, {})
+
+
+def note(path: Path, **fields) -> None:
+    """``fields`` into the state file, if it is still this process's record (a newer server's
+    is left alone)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if record.get("pid") != os.getpid():
+        return
+    record.update(fields)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)
+    except OSError:  # a full disk: the record stays as it was
+        partial.unlink(missing_ok=True)
+
+
+def die_with_parent() -> None:
+    """In a child before it runs: SIGTERM when its parent dies (Linux prctl; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
+    """Runs the server until it has been idle for ``idle_s`` (or exits, or SIGTERM comes);
+    returns why it stopped."""
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        # The UI's browser code asks the server where its API is: this port, not 4200.
+        "PREFECT_UI_API_URL": f"{url}/api",
+        "PREFECT_UI_URL": url,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+    }
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    asked: list[str] = []
+    signal.signal(signal.SIGTERM, lambda *_: asked.append("stopped by `bardflow server stop` or SIGTERM"))
+    last_active, seen, up = time.monotonic(), None, False
+    try:
+        while not asked:
+            time.sleep(poll_s if up else min(poll_s, 0.5))
+            if server.poll() is not None:
+                return f"the Prefect server exited with status {server.returncode}"
+            active, total = activity(f"{url}/api")
+            if active is not None and not up:  # it answers: runs may use it
+                up = True
+                note(state, state="running")
+            if active is None or active > 0 or total != seen:
+                last_active, seen = time.monotonic(), total if total is not None else seen
+                note(state, idle_since=time.time())
+            if idle_s > 0 and time.monotonic() - last_active >= idle_s:
+                return f"idle for {idle_s:.0f} s"
+        return asked[0]
+    finally:
+        _stop(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--state", type=Path, required=True)
+    parser.add_argument("--idle-s", type=float, default=0.0)
+    parser.add_argument("--poll-s", type=float, default=15.0)
+    args = parser.parse_args(argv)
+    why = keep(args.port, args.state, args.idle_s, args.poll_s)
+    note(args.state, state="stopped", stopped=time.time(), why=why)
+    print(f"bardflow: the kept Prefect server stopped: {why}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

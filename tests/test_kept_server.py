@@ -1,0 +1,128 @@
+"""The kept Prefect server: what the first run without a server starts and later runs use.
+Two starts at once start one server; a kept server killed with ``kill -9`` takes its Prefect
+server with it and is replaced by the next start, which says so; one idle for its stretch
+stops by itself, leaves nothing running, and its record says it stopped. (The suite's runs
+use embedded or shared servers: tests/conftest.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.helpers import REPO
+
+START = (
+    "from bardflow.server.process import start_kept, wait_until_up\n"
+    "server = start_kept()\n"
+    "wait_until_up(server.starting) if server.starting else None\n"
+    "print(server.api_url)\n"
+)
+
+
+def _env(tmp_path: Path, idle_minutes: str) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name not in ("PREFECT_API_URL", "BARDFLOW_SERVER")}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect"),  # a setup of its own: its own kept server
+        BARDFLOW_CACHE_DIR=str(tmp_path / "cache"),
+        BARDFLOW_SERVER_IDLE_MINUTES=idle_minutes,
+    )
+    env.pop("BARDFLOW_SERVER_FILE", None)
+    return env
+
+
+def _start(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", START], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _record(tmp_path: Path) -> dict:
+    (found,) = (tmp_path / "cache" / "servers").glob("*.json")
+    return json.loads(found.read_text())
+
+
+def _answers(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(f"{url}/api/health", timeout=2).read() == b"true"
+    except OSError:
+        return False
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_one_kept_server_for_two_first_runs_replaced_after_kill_9_and_gone_when_idle(tmp_path):
+    env = _env(tmp_path, "60")
+    try:
+        _story(tmp_path, env)
+    finally:  # whatever failed, no server of this test outlives it
+        subprocess.run([sys.executable, "-m", "bardflow", "server", "stop"], cwd=REPO, env=env, capture_output=True)
+
+
+def _story(tmp_path: Path, env: dict[str, str]) -> None:
+    first, second = _start(env), _start(env)
+    (out_a, err_a), (out_b, err_b) = first.communicate(timeout=240), second.communicate(timeout=240)
+    assert first.returncode == second.returncode == 0, err_a + err_b
+    assert out_a == out_b  # one server, the same address for both
+    said = [line for line in (err_a + err_b).splitlines() if "kept for later runs" in line]
+    assert len(said) == 1 and said[0].startswith("bardflow: Prefect server at http://127.0.0.1:"), err_a + err_b
+    assert "stops after 60 min idle (bardflow server stop)" in said[0]
+    record = _record(tmp_path)
+    assert record["state"] == "running" and record["prefect_home"] == str((tmp_path / "prefect").resolve())
+    status = subprocess.run(
+        [sys.executable, "-m", "bardflow", "server", "status"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert status.returncode == 0 and status.stdout.startswith(f"running at {record['url']} (pid {record['pid']}, up ")
+    assert "stops after 59 min" in status.stdout or "stops after 60 min" in status.stdout, status.stdout
+
+    # kill -9: the Prefect server goes with it, and the next start replaces it, saying so.
+    port = int(record["url"].rsplit(":", 1)[1])
+    os.kill(record["pid"], signal.SIGKILL)
+    assert _gone(record["pid"], 5)
+    deadline = time.monotonic() + 30
+    while _answers(record["url"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _answers(record["url"])
+    idle = _env(tmp_path, "0.05")  # 3 s
+    with socket.socket() as taken:  # its port taken by another program meanwhile: another port
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old one's closed connections
+        deadline = time.monotonic() + 30
+        while True:  # once the old server has let it go
+            try:
+                taken.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {port} never came free"
+                time.sleep(0.5)
+        again = _start(idle)
+        out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err
+    assert f"the kept server (pid {record['pid']}) had stopped without a word: started another" in err
+    assert out.strip() != f"{record['url']}/api"
+    renewed = _record(tmp_path)
+    assert renewed["pid"] != record["pid"] and _answers(renewed["url"])
+
+    # Idle for its stretch: it stops by itself; nothing of it runs, its record says so.
+    assert _gone(renewed["pid"], 60)
+    assert not _answers(renewed["url"])
+    stopped = _record(tmp_path)
+    assert stopped["state"] == "stopped" and stopped["why"] == "idle for 3 s", stopped
+    status = subprocess.run(
+        [sys.executable, "-m", "bardflow", "server", "status"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert status.returncode == 3 and status.stdout.strip() == "not running"
