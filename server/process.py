@@ -90,9 +90,12 @@ def _ours(pid: object) -> bool:
     except OSError:
         return False
     try:
-        return b"bardflow" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+            return False  # exited, not yet reaped
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return not Path("/proc/self").exists()  # no /proc: its being alive must do
+    return not command or b"bardflow" in command  # empty for a moment while it starts (exec)
 
 
 def _health(api: str, timeout_s: float) -> bool:
