@@ -72,6 +72,14 @@ def _stop(server: subprocess.Popen) -> None:
             server.wait()
 
 
+class _AskedToStop(Exception):
+    pass
+
+
+def _asked_to_stop(*_) -> None:
+    raise _AskedToStop
+
+
 def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     """Runs the server until it has been idle for ``idle_s`` (or exits, or SIGTERM comes);
     returns why it stopped."""
@@ -86,11 +94,10 @@ def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     }
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    asked: list[str] = []
-    signal.signal(signal.SIGTERM, lambda *_: asked.append("stopped by `bardflow server stop` or SIGTERM"))
+    signal.signal(signal.SIGTERM, _asked_to_stop)
     last_active, seen, up = time.monotonic(), None, False
     try:
-        while not asked:
+        while True:
             time.sleep(poll_s if up else min(poll_s, 0.5))
             if server.poll() is not None:
                 return f"the Prefect server exited with status {server.returncode}"
@@ -103,8 +110,10 @@ def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
                 note(state, idle_since=time.time())
             if idle_s > 0 and time.monotonic() - last_active >= idle_s:
                 return f"idle for {idle_s:.0f} s"
-        return asked[0]
+    except _AskedToStop:
+        return "stopped by `bardflow server stop` or SIGTERM"
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is stopping already
         _stop(server)
 
 

@@ -363,7 +363,7 @@ def stop() -> bool:
     if record is None or record.get("state") == "stopped" or not _ours(record.get("pid")):
         return False
     try:
-        os.killpg(record["pid"], signal.SIGTERM)
+        os.kill(record["pid"], signal.SIGTERM)  # the keeper stops its server, then itself
     except OSError:
         return False
     deadline = time.monotonic() + 20
