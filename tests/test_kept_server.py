@@ -32,6 +32,7 @@ def _env(tmp_path: Path, idle_minutes: str) -> dict[str, str]:
         PREFECT_HOME=str(tmp_path / "prefect"),  # a setup of its own: its own kept server
         BARDFLOW_CACHE_DIR=str(tmp_path / "cache"),
         BARDFLOW_SERVER_IDLE_MINUTES=idle_minutes,
+        PREFECT_UI_ENABLED="false",  # its API is what is tested: the UI's files take seconds to lay out
     )
     env.pop("BARDFLOW_SERVER_FILE", None)
     return env

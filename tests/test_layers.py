@@ -102,13 +102,14 @@ def test_the_presets_are_files_a_user_copies():
 
 def test_no_module_is_named_in_a_string():
     """A module started by name (``python -m``) is a dependency the import graph cannot see."""
-    for path in modules().values():
+    names = modules()  # once, not per word: each call walks the tree
+    for path in names.values():
         tree = ast.parse(path.read_text())
         docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 words = node.value.replace("-m ", " ").split()
-                named = [w for w in words if w.rstrip(".,:;") in modules()]
+                named = [w for w in words if w.rstrip(".,:;") in names]
                 assert not named, f"{path.relative_to(REPO)}: {node.value!r}"
 
 
