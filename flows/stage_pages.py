@@ -108,6 +108,7 @@ def _train(version: Version, upstream: dict[str, Version]) -> None:
             f"{metrics['devices']} device(s), global batch {metrics['global_batch']}, "
             f"val loss {metrics['val_loss']:.4f} ({metrics.get('val_bpb', float('nan')):.3f} bits/byte, whole split), "
             f"compile {metrics['compile_s']:.1f} s"
+            + (f", MFU {100 * metrics['mfu']:.1f} % ({metrics['mfu_formula']})" if metrics.get("mfu") else "")
             + (f", resumed from step {metrics['resumed_from_step']}" if metrics.get("resumed_from_step") else "")
             + (f", reused from {metrics['reused_from'][:12]}" if metrics.get("reused_from") else "")
         ),

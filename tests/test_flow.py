@@ -72,6 +72,12 @@ def test_a_fresh_run_builds_every_stage(workspace, first_run, prefect_server):
     assert {name: stage["state"] for name, stage in stages.items()} == only(*STAGES)
     assert stages["fetch"]["metrics"]["md5"] == md5  # computed, recorded, shown
     assert stages["train_parallel"]["metrics"]["devices"] == 2
+    # No MFU on a CPU, whose peak bardflow does not know: said, not guessed.
+    assert (
+        stages["train_parallel"]["metrics"]["mfu"] is None
+        and stages["train_parallel"]["metrics"]["flops_per_token"] > 0
+    )
+    assert stages["train_parallel"]["metrics"]["mfu_note"] == "no float32 peak known for 'cpu'"
     # train_single measures throughput on the first 10 of the schedule's 20 steps.
     assert (stages["train_single"]["metrics"]["steps"], stages["train_parallel"]["metrics"]["steps"]) == (10, 20)
     assert stages["train_parallel"]["metrics"]["global_batch"] == 2 * stages["train_single"]["metrics"]["global_batch"]

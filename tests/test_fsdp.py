@@ -199,3 +199,19 @@ def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training
     adopt_checkpoints(empty, request(8, 1))
     empty.drop_if_empty()  # a run that failed before its first checkpoint leaves nothing
     assert not empty.path.exists()
+
+
+def test_mfu_counts_nanogpt_s_flops_against_a_known_peak_and_none_for_an_unknown_one():
+    from bardflow.model.training.utilization import flops_per_token, peak_flops, utilization
+
+    gpt2 = build_config("gpt2").model
+    assert flops_per_token(gpt2, 1024) == 6 * 85_449_216 + 12 * 12 * 768 * 1024  # 625.9 MFLOP a token
+    assert peak_flops("NVIDIA H200", "bfloat16") == 989e12 and peak_flops("NVIDIA H200", "float64") is None
+    found = utilization(gpt2, 1024, 700_000.0, 1, "NVIDIA H200", "bfloat16")
+    assert found["mfu"] == round(700_000 * flops_per_token(gpt2, 1024) / 989e12, 4) and found["peak_tflops"] == 989
+    unknown = utilization(gpt2, 1024, 700_000.0, 1, "cpu", "float32")
+    assert unknown["mfu"] is None and unknown.get("mfu_note") == "no float32 peak known for 'cpu'"
+    learned = build_config("codelab").model  # a learned position table is not counted
+    declared = parameters(learned)
+    counted = sum(p.size for p in declared.values()) - declared["pos_embed.embedding"].size
+    assert flops_per_token(learned, 256) == 6 * counted + 12 * learned.num_layers * learned.d_model * 256

@@ -71,7 +71,18 @@ class StepMetrics(TypedDict):
     resumed_layout: NotRequired[Layout | None]  # where the checkpoint resumed from was written
 
 
-class TrainingMetrics(StepMetrics):
+class Utilization(TypedDict):
+    """How much of the devices' peak the training's arithmetic used (``utilization.py``)."""
+
+    flops_per_token: int
+    mfu: float | None  # a fraction of the peak; None where the peak is unknown
+    peak_tflops: float | None  # one device's, in the compute dtype
+    mfu_formula: str
+    device_kind: str
+    mfu_note: NotRequired[str]  # why there is no MFU
+
+
+class TrainingMetrics(StepMetrics, Utilization):
     """A training version's figures (its manifest's ``metrics``): the loop's, the step's
     settings and the run's shape."""
 

@@ -21,6 +21,7 @@ from .placement import Placement
 from .run_records import HistoryEntry, TrainingMetrics
 from .step import init_state, model_from_state
 from .step_settings import CPU_TOKENS_PER_PASS, resolve
+from .utilization import utilization
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
 
@@ -176,6 +177,14 @@ def run_training(
         "processes": request.processes,
         "eval_rows": eval_rows,
         "val_split_rows": val_split_rows,
+        **utilization(
+            request.model,
+            min(result.seq_len, request.model.max_seq_len),
+            result.tokens_per_s,
+            len(devices),
+            placement.devices[0].device_kind,
+            step.precision,
+        ),
     }
     return TrainingResult(
         metrics=metrics,
