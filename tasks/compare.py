@@ -71,6 +71,15 @@ def _speed(history: list[HistoryEntry], window: tuple[int, int]) -> Speed:
     )
 
 
+def _mfu(metrics: TrainingMetrics, speed: Speed | TrainingMetrics) -> float | None:
+    """The run's MFU over the timed steps (its manifest's count and peak), or None where the
+    peak is unknown or the run was trained before the manifest had them."""
+    peak, per_token = metrics.get("peak_tflops"), metrics.get("flops_per_token")
+    if not peak or not per_token:
+        return None
+    return speed["tokens_per_s"] * per_token / (peak * 1e12 * metrics["devices"])
+
+
 def comparison(
     single: TrainingMetrics,
     parallel: TrainingMetrics,
@@ -116,6 +125,9 @@ def comparison(
         ],
         ["Tokens/s", f"{one['tokens_per_s']:,.0f}", f"{many['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
     ]
+    mfu = [_mfu(single, one), _mfu(parallel, many)]
+    if mfu[0] is not None and mfu[1] is not None:  # where the devices' peak is known (a GPU, a TPU)
+        rows.append(["MFU", f"{100 * mfu[0]:.1f} %", f"{100 * mfu[1]:.1f} %", f"{mfu[1] / mfu[0]:.2f}x"])
     note = (
         f"{how} The speedup is the data-parallel run's tokens/s over the single device's; with the same batch "
         f"on each device, {devices} devices ideally give {devices}x (emulated CPU devices share the same cores: "

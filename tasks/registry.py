@@ -67,11 +67,11 @@ TRAIN_PARALLEL = Stage(
     headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
     function="train:build_parallel",
 )
-# "3": both runs timed on the same window of steps. "2": its curves include validation loss
-# against tokens and against seconds.
+# "4": an MFU row where the devices' peak is known. "3": both runs timed on the same window
+# of steps. "2": its curves include validation loss against tokens and against seconds.
 COMPARE = Stage(
     "compare",
-    "3",
+    "4",
     reads=("train_single", "train_parallel"),
     settings=lambda run: {},
     builds=("comparison.json", "throughput.png", "curves.png"),

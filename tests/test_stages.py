@@ -446,6 +446,11 @@ def test_the_comparison_times_both_runs_on_the_same_steps():
     rows = {row[0]: row[1:] for row in result["rows"]}
     assert rows["Timed steps"] == ["1 to 20", "1 to 20", "same"] and rows["ms/step"] == ["10.00", "10.00", "1.00x"]
     assert "same steps, 1 to 20" in result["note"] and "ideally give 2x" in result["note"]
+    assert "MFU" not in rows  # no peak known (a CPU): no row, rather than a wrong figure
+    peaks = {"peak_tflops": 989.0, "flops_per_token": 50_000_000_000}
+    with_peaks = comparison({**single, **peaks}, {**parallel, **peaks}, single_history, parallel_history)
+    mfu = {row[0]: row[1:] for row in with_peaks["rows"]}["MFU"]  # the timed steps: 10,000 and 20,000 tokens/s
+    assert mfu == [f"{100 * 1e4 * 5e10 / (2 * 989e12):.1f} %", f"{100 * 2e4 * 5e10 / (2 * 989e12):.1f} %", "2.00x"]
 
     # A single-device run of one step shares no window with the other: whole runs, and said so.
     (one, one_history) = run(1, 100)
