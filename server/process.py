@@ -455,7 +455,7 @@ class EmbeddedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=keeper.die_with_parent,
             )
 
     def wait(self, timeout_s: float) -> None:
@@ -552,16 +552,6 @@ def server_gone(why: str) -> None:
         # A filter, not a level: Prefect's internal loggers answer to a setting of their own.
         logging.getLogger(name).addFilter(lambda record: False)
     stopping.fail(why)
-
-
-def _die_with_parent() -> None:
-    """In the child before it runs: SIGTERM when the parent dies (Linux prctl; elsewhere nothing)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def start_embedded() -> PrefectServer:
