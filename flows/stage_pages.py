@@ -25,7 +25,6 @@ from ..tasks.registry import (
     VERIFY,
 )
 
-HF = "hf"  # the transformers folder inside the export (tasks/export.py)
 SAMPLE_BYTES = 200
 
 
@@ -165,6 +164,8 @@ def _checkpoint(version: Version, upstream: dict[str, Version]) -> None:
 
 
 def _export(version: Version, upstream: dict[str, Version]) -> None:
+    from ..tasks.export import HF  # loaded already: the stage has just built
+
     folder, metrics = version.file(EXPORT.builds[0]), version.metrics
     hf = version.manifest.get("hf") or {}
     rows: list[dict[str, object]] = [
