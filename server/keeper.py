@@ -6,6 +6,7 @@ then its state file says it stopped, and nothing of it is left running."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -44,12 +45,19 @@ def note(path: Path, **fields) -> None:
     if record.get("pid") != os.getpid():
         return
     record.update(fields)
+    with contextlib.suppress(OSError):  # a full disk: the record stays as it was
+        write_record(path, record)
+
+
+def write_record(path: Path, record: dict) -> None:
+    """``record`` as ``path``'s whole content, or (OSError) the file as it was: never half written."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         partial.write_text(json.dumps(record))
         os.replace(partial, path)
-    except OSError:  # a full disk: the record stays as it was
+    except OSError:
         partial.unlink(missing_ok=True)
+        raise
 
 
 def die_with_parent() -> None:

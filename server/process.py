@@ -260,12 +260,9 @@ def _port_free(port: int) -> bool:
 
 def _write(record: dict) -> None:
     path = state_file()
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        partial.write_text(json.dumps(record))
-        os.replace(partial, path)
+        keeper.write_record(path, record)
     except OSError as error:
-        partial.unlink(missing_ok=True)
         raise ServerError(
             f"cannot write the kept server's record {path} ({error.strerror}); free some space there, or run "
             "with --server embedded"
