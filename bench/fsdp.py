@@ -78,6 +78,7 @@ def measure(preset: str, settings: dict, sharding: str, remat: bool, steps: int)
         step.rows_per_pass,
         step.precision,
         attention=step.attention,
+        platform=devices[0].platform,
     )
     state, loss = compiled(state, batch)  # warm
     float(loss)

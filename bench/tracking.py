@@ -20,7 +20,9 @@ from bench.run import RESULTS, machine, write_report
 
 
 def record_ms(target, records: int) -> list[float]:
-    from bardflow.model.training.loop import RunRecord, StepInfo
+    import numpy as np
+
+    from bardflow.model.training.loop import CallLosses, RunRecord, StepInfo
     from bardflow.model.training.trackers import history_hook
 
     hook, record, times = history_hook(target), RunRecord([]), []
@@ -28,7 +30,7 @@ def record_ms(target, records: int) -> list[float]:
         record.history.append(
             {"step": 10 * n, "loss": 2.0, "val_loss": 2.1, "val_bpb": 3.0, "tokens": 1000 * n, "seconds": 0.1 * n}
         )
-        info = StepInfo(10 * n, 10 * records, None, None, 1000 * n, record)
+        info = StepInfo(10 * n, 10 * records, CallLosses(np.full(1, 2.0)), 0, None, 1000 * n, record)
         started = time.perf_counter()
         hook.run(info)
         times.append(1e3 * (time.perf_counter() - started))
@@ -41,7 +43,7 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.training.loop import Hook, RunRecord, every, run_steps
+    from bardflow.model.training.loop import Hook, RunRecord, StepCalls, every, run_steps
     from bardflow.model.training.step import init_state, make_train_step
     from bardflow.model.training.step_settings import resolve
     from bardflow.model.training.trackers import history_hook
@@ -77,9 +79,10 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
             record = RunRecord([])
             started = record.started = time.perf_counter()
             box["state"] = run_steps(
-                compiled,
+                StepCalls(compiled),
                 box["state"],
                 lambda s: stream[s % len(stream)],
+                lambda steps: np.stack([stream[s % len(stream)] for s in steps]),
                 range(steps),
                 batch * (seq_len - 1),
                 hooks,

@@ -30,6 +30,7 @@ TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 BYTE_VALUES = 256  # the data is raw bytes: token ids 0..255
 
 Kernel = Literal["auto", "xla", "custom"]
+AttentionKernel = Literal["auto", "xla", "custom", "cudnn"]
 
 
 class ConfigError(BardflowError, ValueError):
@@ -123,8 +124,13 @@ class ModelConfig(_Section, frozen=True):
     # Which implementation computes attention and the dense layers. Both compute the same
     # function (tested against each other); they differ in speed, so neither enters a
     # version key. auto: the hand-written gradients of model/network/kernels.py on CPU, where they
-    # were measured faster, jax.nn.dot_product_attention and x @ w + b elsewhere.
-    attention: Kernel = Field(default="auto", description="auto | xla (jax.nn.dot_product_attention) | custom")
+    # were measured faster; on a GPU cuDNN's fused attention where the device, dtype and shapes
+    # allow (model/training/step_settings.py), jax.nn.dot_product_attention and x @ w + b elsewhere.
+    attention: AttentionKernel = Field(
+        default="auto",
+        description="auto | xla (jax.nn.dot_product_attention) | custom | cudnn (cuDNN's fused "
+        "attention: NVIDIA GPUs, bfloat16)",
+    )
     dense: Kernel = Field(default="auto", description="auto | xla (x @ w + b) | custom")
     # Small-model refinements from the modded-nanogpt speedrun records, each off by default
     # (the codelab's model) and measured alone on the cpu preset (docs/benchmarks.md).
@@ -235,6 +241,15 @@ class TrainConfig(_Section, frozen=True):
         default=False,
         description="recompute each block's activations in the backward pass "
         "instead of keeping them: less memory for about a third more compute",
+    )
+    steps_per_call: int = Field(
+        default=0,
+        ge=0,
+        le=256,
+        description="optimizer steps per compiled call, nothing read back between them (the same "
+        "updates; hooks land on the same steps): a small step on a GPU otherwise waits on the host. "
+        "0 = auto: 1 on a CPU, on GPU/TPU enough steps for ~10 TFLOP a call, at most 16, dividing the "
+        "log, eval and checkpoint intervals; one process only",
     )
 
     @model_validator(mode="after")
@@ -386,11 +401,19 @@ class TrainingRequest(_Section, frozen=True):
     def recipe(self) -> dict[str, Any]:
         """What decides the trained state: not how often it is checkpointed, nor which of
         two equal kernels computes it, nor how far the other training stage runs."""
-        # sharding and remat change where and when a step computes, not what (to float rounding).
+        # sharding, remat and steps_per_call change where and when a step computes, not what
+        # (to float rounding).
         recipe = self.model_dump(
             mode="json",
             exclude={
-                "train": {"checkpoint_every", "keep_checkpoints", "single_device_steps", "sharding", "remat"},
+                "train": {
+                    "checkpoint_every",
+                    "keep_checkpoints",
+                    "single_device_steps",
+                    "sharding",
+                    "remat",
+                    "steps_per_call",
+                },
                 "model": {"attention", "dense"},
                 "report": True,
             },

@@ -64,6 +64,7 @@ def memory_table(config: PipelineConfig) -> dict[str, dict]:
                     step.precision,
                     remat=remat,
                     attention=step.attention,
+                    platform=platform,
                 )
                 name = f"{platform}, {devices} device{'s' if devices > 1 else ''}, {found.layout}" + (
                     ", remat" if remat else ""

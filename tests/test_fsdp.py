@@ -215,3 +215,54 @@ def test_mfu_counts_nanogpt_s_flops_against_a_known_peak_and_none_for_an_unknown
     declared = parameters(learned)
     counted = sum(p.size for p in declared.values()) - declared["pos_embed.embedding"].size
     assert flops_per_token(learned, 256) == 6 * counted + 12 * learned.num_layers * learned.d_model * 256
+
+
+def test_the_estimate_lies_within_0_9_to_1_2_of_xla_s_figure_measured_on_a_gpu():
+    """The one GPU measurement (bench/results: the gpt2 preset on one H200, XLA's attention,
+    bfloat16): the estimate counts the softmax's scores in float32 and, with remat, the GPU's
+    recomputed block as fitted, where it counted two thirds of XLA's figure before."""
+    from bardflow.model.training.memory import estimate
+
+    measured = json.loads((REPO / "bench/results/2026-12-04-gpu-fsdp-gpt2.json").read_text())
+    gpt2 = build_config("gpt2")
+    for layout in measured["layouts"]:
+        found = estimate(
+            gpt2.model,
+            gpt2.train,
+            layout["devices"],
+            gpt2.data.seq_len,
+            layout["rows_per_pass"],
+            layout["precision"],
+            remat=layout["remat"],
+            attention="xla",
+            platform="gpu",
+        )
+        assert 0.9 <= found.total_bytes / 2**20 / layout["xla_argument_plus_temp_mib"] <= 1.2
+        assert layout["estimate_vs_xla"] < 0.7  # what it was
+
+
+def test_the_compiled_step_is_held_against_the_free_memory_before_its_first_step():
+    """XLA's own figure for the executable that will run (as ``train`` records it): a step that
+    does not fit ends in one line naming what to lower."""
+    import jax
+
+    from bardflow.model.data.splits import Batches
+    from bardflow.model.training.loop import train
+    from bardflow.model.training.memory import check_compiled_fits, compiled_needs, free_bytes
+    from bardflow.model.training.placement import Placement
+    from bardflow.model.training.step import init_state
+
+    tiny = build_config("tiny")
+    rows = np.random.default_rng(0).integers(0, 256, (64, 32), dtype=np.int32)
+    graphdef, state = init_state(tiny.model, tiny.train)
+    result = train(graphdef, state, Batches(rows, 4), [], Placement.single(jax.devices()[0]), tiny.train, stop_after=2)
+    needed = compiled_needs(result.memory or {})
+    assert needed and needed >= result.memory["temp_bytes"] > 0  # pyright: ignore[reportOptionalSubscript]
+    assert (free_bytes(jax.devices()[0]) or 0) > needed  # this host's available memory
+    check_compiled_fits(result.memory or {}, needed, "cpu device 0", "single", False, 1)  # exactly fits
+    with pytest.raises(ConfigError, match=r"^the compiled training step needs [\d.]+ GiB on cpu device 0 .* is free: "
+                       r"set train.remat=true or train.sharding=fsdp, or lower train.per_device_batch or "
+                       r"train.micro_batch$"):  # fmt: skip
+        check_compiled_fits(result.memory or {}, needed - 1, "cpu device 0", "replicated", False, 1)
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB .* free: lower train.per_device_batch$"):
+        check_compiled_fits(result.memory or {}, needed, "cpu device 0", "fsdp", True, 4, sharing=2)

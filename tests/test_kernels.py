@@ -73,6 +73,11 @@ def test_the_model_computes_the_same_with_either_kernel():
         loss, grads = nnx.jit(nnx.value_and_grad(next_byte_loss))(model, tokens)
         results[kernel] = (nnx.jit(lambda m, t: m(t)[0])(model, tokens), loss, nnx.to_pure_dict(grads))
     assert_close(results["custom"], results["xla"], 1e-5)
+    # cuDNN's fused attention serves bfloat16 on a GPU; a float32 pass (an evaluation) of a
+    # model built for it takes XLA's attention, the same function.
+    fused = build_model(base.model_copy(update={"attention": "cudnn"}), seed=0)
+    assert fused.blocks[0].attn.fused
+    np.testing.assert_array_equal(nnx.jit(lambda m, t: m(t)[0])(fused, tokens), results["xla"][0])
     # The model never asks JAX for the platform: left to auto it takes the plain operations,
     # and a training run builds it from the settings resolved for this CPU (the hand-written ones).
     assert not build_model(base, seed=0).blocks[0].attn.custom

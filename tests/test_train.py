@@ -172,14 +172,15 @@ def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
     cpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "cpu")
     gpu = resolve(TINY.model, TINY.train, TINY.data.seq_len, "gpu")
     assert (cpu.attention, cpu.dense, cpu.precision, cpu.xla_options) == ("custom", "custom", "float32", XLA_CPU_TUNED)
-    assert (gpu.attention, gpu.dense, gpu.precision, gpu.xla_options) == ("xla", "xla", "bfloat16", {})
+    assert (gpu.attention, gpu.dense, gpu.precision, gpu.xla_options) == ("cudnn", "xla", "bfloat16", {})
+    assert gpu.attention_note is None and cpu.attention_note is None
     fixed = resolve(
         TINY.model.model_copy(update={"attention": "xla"}),
         TINY.train.model_copy(update={"precision": "float32"}),
         TINY.data.seq_len,
         "gpu",
     )
-    assert (fixed.attention, fixed.precision) == ("xla", "float32")
+    assert (fixed.attention, fixed.precision, fixed.attention_note) == ("xla", "float32", None)
     measured = resolve(
         TINY.model, TINY.train, TINY.data.seq_len, "cpu", {"kernels": "xla", "rows_per_pass": 2, "xla": "default"}
     )
@@ -376,7 +377,9 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     state = ours.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(theirs.init(params))  # checkpoints stay compatible
     expected, got = two_steps(theirs)(grads, params), two_steps(ours)(grads, params)
-    # One device: optax's computation, the matrices of one shape batched (float rounding apart).
+    # One device: optax's computation, the matrices of one shape batched, float rounding apart:
+    # two programs written differently may round an ulp apart (and did, after an unrelated edit
+    # moved this test's source lines, which the compiled programs carry).
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -421,3 +424,100 @@ def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_f
     assert len(batches) > 4 and in_groups == pytest.approx(at_once, rel=1e-6)
     trained = model_from_state(graphdef, runs[1].state)
     assert at_once == pytest.approx(float(nnx.jit(target_losses)(trained, jnp.asarray(subset)).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_several_steps_per_call_take_the_same_steps_and_hooks_land_where_they_did(split, tmp_path, devices):
+    """``train.steps_per_call``: the history, the evaluations, the checkpoints and the trained
+    parameters of one step a call, the calls ending where a hook needs the state; resumed from
+    a checkpoint too. Bitwise where XLA compiles the loop's body as the step: with XLA:CPU's
+    fusion emitters (its default, which this test asks for; the older emitters that the tests
+    compile with round a loss in the loop an ulp apart, 4.8e-7, and AdamW turns that into
+    visible differences of near-zero parameters)."""
+    import dataclasses
+
+    from bardflow.model.training.checkpoint import TrainingCheckpoints
+    from bardflow.model.training.loop import Hook
+    from bardflow.model.training.step_settings import resolve
+
+    cfg = TINY.train.model_copy(
+        update={"steps": 23, "log_every": 5, "eval_every": 10, "checkpoint_every": 10, "schedule": "cosine"}
+    )
+    place = Placement.single(jax.devices()[0]) if devices == 1 else Placement.data_parallel(jax.devices(), fsdp=True)
+    batches, val = Batches(split.train, 4 * devices), val_batches(split.val, 6 * devices, devices)
+    runs = {}
+    for per_call in (1, 4):
+        chosen = cfg.model_copy(update={"steps_per_call": per_call})
+        step = resolve(TINY.model, chosen, TINY.data.seq_len, "cpu")
+        assert step.steps_per_call == per_call and not step.unroll
+        step = dataclasses.replace(step, xla_options={**step.xla_options, "xla_cpu_use_fusion_emitters": True})
+        seen: list[tuple[int, bool]] = []
+        hook = Hook(lambda info, seen=seen: seen.append((info.step, info.state is not None)))
+        graphdef, state = init_state(step.model(TINY.model), chosen)
+        checkpoints = TrainingCheckpoints(tmp_path / str(per_call), 5)
+        result = train(graphdef, state, batches, val, place, chosen, checkpoints=checkpoints, step=step, hooks=[hook])
+        checkpoints.close()
+        runs[per_call] = (result, seen, TrainingCheckpoints.steps(tmp_path / str(per_call)))
+    (one, one_seen, one_saved), (four, four_seen, four_saved) = runs[1], runs[4]
+    assert four.history == [{**h, "seconds": g["seconds"]} for h, g in zip(one.history, four.history, strict=True)]
+    assert [h["step"] for h in four.history if h["val_loss"] is not None] == [0, 10, 20, 22]
+    assert one_saved == four_saved == [10, 20]
+    for a, b in zip(jax.tree.leaves(one.state), jax.tree.leaves(four.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Every step is seen by the hooks, in order; the state only where a call ended: after step
+    # 0 (evaluated), 4 steps a call, and sooner before an evaluation, a checkpoint or the end.
+    assert [s for s, _ in four_seen] == [s for s, _ in one_seen] == list(range(23))
+    assert [s for s, has in four_seen if has] == [0, 4, 8, 9, 10, 14, 18, 19, 20, 21, 22]
+    # A rerun resumes from the newest checkpoint (step 20) and takes the last steps a call each.
+    graphdef, state = init_state(TINY.model, cfg.model_copy(update={"steps_per_call": 4}))
+    checkpoints = TrainingCheckpoints(tmp_path / "4", 5)
+    again = train(graphdef, state, batches, val, place, cfg, checkpoints=checkpoints, step=step)
+    checkpoints.close()
+    assert again.resumed_from == 20 and again.history[-1]["loss"] == one.history[-1]["loss"]
+
+
+def test_a_gpu_takes_cudnn_s_fused_attention_where_it_can_and_says_why_not_where_it_cannot():
+    from bardflow.config.settings import ConfigError
+    from bardflow.model.network.kernels import fused_attention_problem
+    from bardflow.model.training.step_settings import resolve
+
+    seq_len = TINY.data.seq_len
+    in_float32 = resolve(TINY.model, TINY.train.model_copy(update={"precision": "float32"}), seq_len, "gpu")
+    assert in_float32.attention == "xla" and "bfloat16" in (in_float32.attention_note or "")
+    wide = TINY.model.model_copy(update={"d_model": 36, "num_heads": 2})  # heads 18 wide
+    assert "multiple of 8" in (resolve(wide, TINY.train, seq_len, "gpu").attention_note or "")
+    # The run on the device: a kernel that fails there leaves XLA's attention and the reason.
+    # Run here, on a CPU, cuDNN's kernel fails, and the probe says so in one line.
+    reason = fused_attention_problem(seq_len, 2, 16, "bfloat16")
+    assert reason and "\n" not in reason and reason.startswith("cuDNN's fused attention failed on")
+    probed = resolve(TINY.model, TINY.train, seq_len, "gpu", probe=fused_attention_problem)
+    assert (probed.attention, probed.attention_note) == ("xla", reason)
+    ok = resolve(TINY.model, TINY.train, seq_len, "gpu", probe=lambda *shape: None)
+    assert (ok.attention, ok.attention_note) == ("cudnn", None)
+    asked = TINY.model.model_copy(update={"attention": "cudnn"})
+    with pytest.raises(ConfigError, match="model.attention=cudnn.*set model.attention=auto"):
+        resolve(asked, TINY.train, seq_len, "cpu")
+    with pytest.raises(ConfigError, match="model.attention=cudnn cannot serve: .*bfloat16"):
+        resolve(asked, TINY.train.model_copy(update={"precision": "float32"}), seq_len, "gpu")
+
+
+def test_steps_per_call_auto_is_one_on_a_cpu_and_fills_the_hook_intervals_elsewhere():
+    from bardflow.config.settings import ConfigError
+    from bardflow.model.training.step_settings import resolve
+
+    codelab, quality, gpt2 = (build_config(name) for name in ("codelab", "quality", "gpt2"))
+    assert [resolve(c.model, c.train, c.data.seq_len, "cpu").steps_per_call for c in (codelab, gpt2)] == [1, 1]
+    found = {
+        name: resolve(c.model, c.train, c.data.seq_len, "gpu")
+        for name, c in (("codelab", codelab), ("quality", quality), ("gpt2", gpt2))
+    }
+    # codelab: ~0.17 TFLOP a step, 16 wanted, 10 divides its intervals of 100; gpt2 fills a call alone.
+    assert {name: (s.steps_per_call, s.unroll) for name, s in found.items()} == {
+        "codelab": (10, True),
+        "quality": (5, True),
+        "gpt2": (1, False),
+    }
+    two = resolve(codelab.model, codelab.train, 256, "gpu", processes=2)
+    assert two.steps_per_call == 1
+    with pytest.raises(ConfigError, match="steps_per_call=4 runs in one process"):
+        resolve(codelab.model, codelab.train.model_copy(update={"steps_per_call": 4}), 256, "gpu", processes=2)

@@ -8,6 +8,8 @@ XLA:CPU a backward pass that it compiles well (the figures: docs/benchmarks.md, 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import jax
 import jax.numpy as jnp
 
@@ -109,3 +111,28 @@ def attend(query, keys, values, visible):
     scores = jnp.where(visible, jnp.einsum("nqd,nsd->nqs", query, keys), -jnp.inf)
     weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
     return jnp.einsum("nqs,nsd->nqd", weights, values) / weights.sum(axis=-1, keepdims=True)
+
+
+# cuDNN's fused (flash) attention: what it takes. Its scores never reach memory.
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+FUSED_HEAD_WIDTH = 8  # the head width is a multiple of this, and at most FUSED_MAX_HEAD_DIM
+FUSED_MAX_HEAD_DIM = 128
+
+
+@lru_cache(maxsize=16)
+def fused_attention_problem(length: int, heads: int, head_dim: int, dtype: str) -> str | None:
+    """Why cuDNN's fused causal attention does not run here at these shapes, in one line; None
+    where it does. Its gradient is compiled and run once on the default device: a cuDNN too old
+    for the shapes, or a GPU it does not support, fails there and not in a training step."""
+    shape = (1, length, heads, head_dim)
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+
+    try:
+        q = jnp.ones(shape, dtype)
+        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
+    except Exception as error:  # any failure of the kernel is a reason to take XLA's path
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"cuDNN's fused attention failed on {jax.devices()[0].device_kind}: {first[:200]}"
+    return None

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...config.settings import Kernel, ModelConfig
-from .kernels import attend, causal_attention, dense
+from ...config.settings import AttentionKernel, Kernel, ModelConfig
+from .kernels import FUSED_DTYPES, attend, causal_attention, dense
 from .parameters import shape_of
 
 
-def use_custom(setting: Kernel) -> bool:
+def use_custom(setting: Kernel | AttentionKernel) -> bool:
     """Whether the hand-written gradient serves. A training run builds its model from
     resolved settings (``model/training/step_settings.py``: the hand-written kernels where they were
     measured faster); left to ``auto`` here, the model takes the plain JAX operations."""
@@ -81,6 +81,7 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = Linear(*shape_of(cfg, "attn.qkv.kernel"), custom=custom, rngs=rngs)  # query, key, value in one
         self.out = Linear(*shape_of(cfg, "attn.out.kernel"), custom=custom, rngs=rngs, **output_init(cfg))
         self.custom = use_custom(cfg.attention)
+        self.fused = cfg.attention == "cudnn"
         self.qk_norm = cfg.qk_norm
 
     def _heads_first(self, x):  # (rows, t, d_model) -> (rows * heads, t, head_dim)
@@ -104,6 +105,8 @@ class CausalSelfAttention(nnx.Module):
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(span - 1, 0))
             elif self.custom:
                 mixed = causal_attention(q, k, v)
+            elif self.fused and q.dtype in FUSED_DTYPES:  # a float32 evaluation takes XLA's path
+                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
             else:
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return self.out(mixed.reshape(x.shape)), None

@@ -16,7 +16,7 @@ import numpy as np
 
 from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
-from .memory import step_memory
+from .memory import check_compiled_fits, free_bytes, step_memory
 from .placement import Placement
 from .run_records import HistoryEntry, Layout, StepMetrics
 from .step import TrainingError, configured_rates, make_train_step
@@ -106,7 +106,7 @@ class RunRecord:
         finally:
             self.paused_s += time.perf_counter() - paused
 
-    def check_loss(self, step: int, loss: jax.Array) -> float:
+    def check_loss(self, step: int, loss: float) -> float:
         value = float(loss)
         if not math.isfinite(value):
             kept = f"; the checkpoint of step {self.last_saved} is kept" if self.last_saved else ""
@@ -140,14 +140,28 @@ class RunRecord:
         return self.last_saved
 
 
+class CallLosses:
+    """The losses of one compiled call's steps, still on the device: read back all at once,
+    when a hook first wants one (reading waits for the call)."""
+
+    def __init__(self, values: jax.Array | np.ndarray):
+        self.values, self._read = values, None
+
+    def __getitem__(self, index: int) -> float:
+        if self._read is None:
+            self._read = np.asarray(self.values).reshape(-1)
+        return float(self._read[index])
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """One step just taken, as every hook sees it."""
 
     step: int  # 0-based
     last: int  # the run ends after step last - 1
-    loss: jax.Array  # still on the device: reading it waits for the step
-    state: Any
+    losses: CallLosses  # of the call that took this step
+    index: int  # this step's place in it
+    state: Any  # after this step; None inside a call of several steps (only its last has one)
     tokens: int  # trained on so far
     record: RunRecord
 
@@ -155,13 +169,19 @@ class StepInfo:
     def done(self) -> int:
         return self.step + 1
 
+    @property
+    def loss(self) -> float:
+        return self.losses[self.index]
+
 
 @dataclass(frozen=True)
 class Hook:
-    """``run(info)`` after every step for which ``when(info)`` holds."""
+    """``run(info)`` after every step for which ``when(info)`` holds. ``needs_state(info)``:
+    the steps after which it needs the state, where a call of several steps must end."""
 
     run: Callable[[StepInfo], object]  # what it returns is not used
     when: Callable[[StepInfo], bool] = lambda info: True
+    needs_state: Callable[[StepInfo], bool] | None = None
 
 
 def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
@@ -169,22 +189,58 @@ def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
     return lambda info: info.step % n == 0 or (and_last and info.done == info.last)
 
 
+@dataclass(frozen=True)
+class StepCalls:
+    """The compiled training step: ``one`` takes a step a call; ``several`` (where set) takes
+    ``count`` steps a call, their batches stacked."""
+
+    one: Callable
+    several: Callable | None = None
+    count: int = 1
+
+
+_NO_LOSSES = CallLosses(np.zeros(1, np.float32))  # what a hook's needs_state sees: it asks about steps only
+
+
+def _call_end(start: int, stop: int, count: int, hooks: Sequence[Hook], record: RunRecord) -> int:
+    """Where a call that starts at step ``start`` ends: after ``count`` steps, or sooner, after
+    the first step at which a hook needs the state, or at ``stop``."""
+    for step in range(start, min(start + count, stop)):
+        probe = StepInfo(step, stop, _NO_LOSSES, 0, None, 0, record)
+        if any(hook.needs_state is not None and hook.needs_state(probe) for hook in hooks):
+            return step + 1
+    return min(start + count, stop)
+
+
 def run_steps(
-    step_fn,
+    calls: StepCalls,
     state,
     tokens_at: Callable[[int], jax.Array],
+    stacked_at: Callable[[range], jax.Array],
     steps: range,
     tokens_per_step: int,
     hooks: Sequence[Hook],
     record: RunRecord,
 ):
-    """The training loop: a step, then each hook that is due, in order."""
-    for step in steps:
-        state, loss = step_fn(state, tokens_at(step))
-        info = StepInfo(step, steps.stop, loss, state, (step + 1) * tokens_per_step, record)
-        for hook in hooks:
-            if hook.when(info):
-                hook.run(info)
+    """The training loop: a call of one step or of several, then for each of its steps each
+    hook that is due, in order (a hook that needs the state after a step has the call end there)."""
+    step = steps.start
+    while step < steps.stop:
+        end = _call_end(step, steps.stop, calls.count, hooks, record) if calls.several else step + 1
+        if end - step == calls.count and calls.several is not None:
+            state, losses = calls.several(state, stacked_at(range(step, end)))
+        else:
+            end = step + 1
+            state, losses = calls.one(state, tokens_at(step))
+        read = CallLosses(losses)
+        for at in range(step, end):
+            info = StepInfo(
+                at, steps.stop, read, at - step, state if at == end - 1 else None, (at + 1) * tokens_per_step, record
+            )
+            for hook in hooks:
+                if hook.when(info):
+                    hook.run(info)
+        step = end
     return state
 
 
@@ -226,12 +282,13 @@ def evaluation_hook(evaluate: Callable[[Any], float | None], every_n: int, eval_
             }
         )
 
-    return Hook(record, lambda info: bool(recorded(info) or evaluated(info)))
+    return Hook(record, lambda info: bool(recorded(info) or evaluated(info)), needs_state=evaluated)
 
 
 def checkpoint_hook(every_n: int) -> Hook:
     """A resumable checkpoint after every ``every_n`` steps but the last (the stage saves that one)."""
-    return Hook(lambda info: info.record.save(info), lambda info: info.done % every_n == 0 and info.done < info.last)
+    due = lambda info: info.done % every_n == 0 and info.done < info.last  # noqa: E731
+    return Hook(lambda info: info.record.save(info), due, needs_state=due)
 
 
 def progress_hook(on_step: Callable[[int, int], None]) -> Hook:
@@ -281,16 +338,36 @@ def train(
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
-    compiled = (
-        make_train_step(graphdef, placement.shardings(state), placement.batch_sharding, dtype, passes, step.remat)
-        .lower(state, first)
-        .compile(compiler_options=step.xla_options)
-    )
+    shardings = placement.shardings(state)
+
+    def compiled_step(count: int = 0, example=first):
+        made = make_train_step(
+            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll
+        )
+        return made.lower(state, example).compile(compiler_options=step.xla_options)
+
+    calls = StepCalls(compiled_step())
+    if step.steps_per_call > 1 and last - start > 1:  # an example of the stacked batches: their shape
+        stacked = placement.put_batch(np.stack([batch_at(start)] * step.steps_per_call), stacked=True)
+        calls = StepCalls(calls.one, compiled_step(step.steps_per_call, stacked), step.steps_per_call)
     compile_s = time.perf_counter() - started
-    memory = step_memory(compiled, state)
+    memory = step_memory(calls.several or calls.one, state)
+    device = placement.devices[0]
+    check_compiled_fits(
+        memory,
+        free_bytes(device),
+        f"{device.platform} device {device.id} ({device.device_kind})",
+        placement.layout,
+        step.remat,
+        passes,
+        len(placement.devices) if device.platform == "cpu" else 1,
+    )
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
+
+    def stacked_at(steps: range) -> jax.Array:
+        return placement.put_batch(np.stack([batch_at(step) for step in steps]), stacked=True)
 
     builtin = [
         finite_loss_hook(),
@@ -300,7 +377,14 @@ def train(
     builtin += [progress_hook(on_step)] if on_step is not None else []
     record.started = time.perf_counter()
     state = run_steps(
-        compiled, state, tokens_at, range(start, last), global_batch * (seq_len - 1), [*builtin, *hooks], record
+        calls,
+        state,
+        tokens_at,
+        stacked_at,
+        range(start, last),
+        global_batch * (seq_len - 1),
+        [*builtin, *hooks],
+        record,
     )
     jax.block_until_ready(state)
     return TrainResult(

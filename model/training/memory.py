@@ -5,7 +5,7 @@
 The estimate imports no JAX (the run's own process decides before JAX loads). Its
 activation coefficients were fitted to XLA's own ``memory_analysis`` of the compiled step
 on a CPU, over the codelab, cpu and gpt2 shapes, with and without remat (docs/benchmarks.md,
-"Memory per device"); a GPU's fused attention needs less, so there it errs on the safe side.
+"Memory per device"); the bytes each value takes are the backend's (``_widths``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ GIB = 1 << 30
 # kernel: (per attention score, heads x context: scores, probabilities, their gradients;
 # per model feature, with the MLP's four-times-wider hidden layer folded in: its input and
 # output, the attention's queries, keys and values, norms, residuals). The hand-written CPU
-# kernel (model/network/kernels.py) keeps fewer scores.
-ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1)}
+# kernel (model/network/kernels.py) keeps fewer scores; cuDNN's fused kernel keeps none, only
+# its output and a float32 log-sum-exp per head and token (unmeasured: no GPU figure yet).
+ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1), "cudnn": (0.0, 30.6)}
 # With remat, the block being recomputed holds its own activations again while its gradient
 # is taken (a little more than one block's worth), beside the blocks' parameters stacked
-# for the loop.
-RECOMPUTED_BLOCKS = 1.25
+# for the loop: fitted to XLA:CPU, and to the one GPU measurement so far (docs/benchmarks.md).
+RECOMPUTED_BLOCKS = {"cpu": 1.25, "gpu": 1.5}
 
 
 def _moments(parameter: Parameter, optimizer: str) -> int:
@@ -78,6 +79,7 @@ def estimate(
     remat: bool | None = None,
     sharding: str | None = None,
     attention: str = "xla",
+    platform: str = "cpu",
 ) -> Estimate:
     """What one device holds during a training step of ``model`` and ``train`` on
     ``devices`` data-parallel devices: parameters and optimizer state (split by the rule
@@ -85,7 +87,7 @@ def estimate(
     the float32 gradient, and the activations kept for the backward
     pass of one ``rows_per_pass`` x ``seq_len`` pass in the compute dtype with the
     ``attention`` kernel (``remat``: only each block's input, and one block's activations at
-    a time)."""
+    a time) on ``platform``."""
     remat = train.remat if remat is None else remat
     layout = "fsdp" if (train.sharding if sharding is None else sharding) == "fsdp" and devices > 1 else None
     layout = layout or ("replicated" if devices > 1 else "single")
@@ -97,13 +99,16 @@ def estimate(
         state += 4 * parameter.size * (1 + _moments(parameter, train.optimizer)) // (devices if split else 1)
     count = sum(parameter.size for parameter in every)
     width = 2 if precision == "bfloat16" else 4
+    score_width, feature_width = _widths(platform, width)
     tokens = rows_per_pass * seq_len
-    scores, features = ACTIVATION_TERMS["custom" if attention == "custom" else "xla"]
-    per_block = tokens * width * (scores * model.num_heads * seq_len + features * model.d_model)
+    scores, features = ACTIVATION_TERMS.get(attention, ACTIVATION_TERMS["xla"])
+    per_block = tokens * (score_width * scores * model.num_heads * seq_len + feature_width * features * model.d_model)
     if remat:
         block_parameters = sum(parameter.size for parameter in every if parameter.in_block)
         activations = (
-            model.num_layers * tokens * model.d_model * width + RECOMPUTED_BLOCKS * per_block + block_parameters * width
+            model.num_layers * tokens * model.d_model * feature_width
+            + RECOMPUTED_BLOCKS.get(platform, RECOMPUTED_BLOCKS["gpu"]) * per_block
+            + block_parameters * width
         )
     else:
         activations = model.num_layers * per_block
@@ -112,6 +117,16 @@ def estimate(
     # micro-batch loop's per-device copies, ``model/training/step.py``): one float32 copy.
     gathered = 4 * count if layout == "fsdp" else 0
     return Estimate(count, state, gradients, int(activations), devices, layout, remat, gathered)
+
+
+def _widths(platform: str, width: int) -> tuple[int, int]:
+    """Bytes of an attention score and of any other kept value, for a compute dtype of
+    ``width`` bytes. The softmax's scores are float32 whatever the compute dtype
+    (``jax.nn.dot_product_attention`` and the hand-written kernel both take it in float32).
+    XLA:CPU computes bfloat16 elementwise work in float32 and keeps it so (its temporaries in
+    bfloat16 were measured equal to float32's); a GPU keeps the rest in the compute dtype
+    (docs/benchmarks.md, "Memory per device")."""
+    return 4, 4 if platform == "cpu" else width
 
 
 def state_bytes_per_device(state) -> int:
@@ -144,6 +159,50 @@ def step_memory(compiled, state) -> dict[str, int]:
     return figures
 
 
+def compiled_needs(memory: dict[str, int]) -> int | None:
+    """What a compiled step (``step_memory``'s figures) allocates on a device beyond its
+    arguments, which are already there: temporaries and the outputs not written over a
+    donated argument. None where XLA does not say."""
+    if "temp_bytes" not in memory:
+        return None
+    return memory["temp_bytes"] + max(0, memory.get("output_bytes", 0) - memory.get("alias_bytes", 0))
+
+
+def free_bytes(device) -> int | None:
+    """What ``device`` has free now: its allocator's limit less what is in use (GPU, TPU), or
+    for a CPU the host's available memory; None where neither is known."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        for line in open("/proc/meminfo").read().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_compiled_fits(
+    memory: dict[str, int], free: int | None, device: str, layout: str, remat: bool, passes: int, sharing: int = 1
+) -> None:
+    """A ``ConfigError`` in one line, naming what to lower, when the compiled step needs more
+    than is ``free`` on ``device``: asked of the executable that will run, before its first
+    step. ``sharing``: devices that draw on the same memory (emulated CPU devices share the host's)."""
+    needed = compiled_needs(memory)
+    if needed is None or free is None or needed * sharing <= free:
+        return
+    needed *= sharing
+    fixes = [] if remat else ["train.remat=true"]
+    fixes += ["train.sharding=fsdp"] if layout == "replicated" else []
+    lower = "lower train.per_device_batch" + (" or train.micro_batch" if passes == 1 else "")
+    raise ConfigError(
+        f"the compiled training step needs {needed / GIB:.2f} GiB on {device} beyond its state and batch "
+        f"(XLA's figure: temporaries and outputs), and {free / GIB:.2f} GiB is free: "
+        + (f"set {' or '.join(fixes)}, or {lower}" if fixes else lower)
+    )
+
+
 def check_fits(
     model: ModelConfig, train: TrainConfig, devices: int, platform: str, seq_len: int, free_bytes: int | None
 ) -> Estimate:
@@ -152,7 +211,9 @@ def check_fits(
     from .step_settings import resolve
 
     step = resolve(model, train, seq_len, platform)
-    found = estimate(model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention)
+    found = estimate(
+        model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention, platform=platform
+    )
     if free_bytes is None or found.total_bytes <= free_bytes:
         return found
     if found.fixed_bytes > free_bytes:  # no batch, micro-batch or remat shrinks these
@@ -196,6 +257,7 @@ def _too_large(
             step.precision,
             sharding="fsdp",
             attention=step.attention,
+            platform=platform,
         )
         fits = devices > 1 and found.layout != "fsdp" and sharded.fixed_bytes < free_bytes
         ways.append("train.sharding=fsdp" if fits else "train.sharding=fsdp over more devices")

@@ -123,12 +123,25 @@ def _accumulated(loss_fn, passes: int, mesh):
 
 @lru_cache(maxsize=16)
 def make_train_step(
-    graphdef, state_sharding=None, batch_sharding=None, dtype=jnp.float32, passes: int = 1, remat: bool = False
+    graphdef,
+    state_sharding=None,
+    batch_sharding=None,
+    dtype=jnp.float32,
+    passes: int = 1,
+    remat: bool = False,
+    steps: int = 0,
+    unroll: bool = False,
 ):
     """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
     sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
     ``model/training/placement.py``; XLA gathers a parameter where it is used and reduces its
-    gradient to the parts each device keeps)."""
+    gradient to the parts each device keeps).
+
+    ``steps`` > 0: one call runs that many optimizer steps, ``(state, tokens) -> (state,
+    losses)`` with the steps' batches stacked (steps, rows, length) and their losses (steps,),
+    nothing read back between them, so a small step never waits on the host. The steps are a
+    loop of the one step (``unroll``: written out one after another, which lets a GPU launch
+    them as one graph, at the cost of compiling each)."""
 
     def loss_fn(model, tokens):
         return next_byte_loss(in_dtype(model, dtype), tokens, remat)
@@ -147,12 +160,18 @@ def make_train_step(
             optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
+    def several(state, tokens):
+        return jax.lax.scan(step, state, tokens, unroll=steps if unroll else 1)
+
+    run = several if steps else step
     if state_sharding is None or mesh is None:
-        return jax.jit(step, donate_argnums=0)
+        return jax.jit(run, donate_argnums=0)
     if isinstance(state_sharding, StateLayout):
         state_sharding = state_sharding.tree()
+    if steps:
+        batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))
     return jax.jit(
-        step,
+        run,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,

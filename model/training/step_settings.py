@@ -5,11 +5,18 @@ records them (``step_settings``)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...config.settings import ModelConfig, TrainConfig
+from ...config.settings import ConfigError, ModelConfig, TrainConfig
+from ..network.kernels import FUSED_HEAD_WIDTH, FUSED_MAX_HEAD_DIM
 from .run_records import StepChoice
+
+# Runs cuDNN's fused attention once at a run's shapes: (length, heads, head_dim, dtype) -> why
+# it failed, or None (``model/network/kernels.py``: fused_attention_problem).
+AttentionProbe = Callable[[int, int, int, str], str | None]
 
 # XLA:CPU's YNNPACK fusions made the step's matrix products slower than its default dot
 # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md): off by default there.
@@ -17,17 +24,24 @@ XLA_CPU_TUNED = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # On a CPU a step runs fastest when each forward/backward pass covers only a few hundred
 # tokens: a pass's activations then stay in cache (docs/benchmarks.md, "Training step").
 CPU_TOKENS_PER_PASS = 512
+# Accelerators: enough steps in one compiled call that its arithmetic (about 10 ms at an
+# H100's bfloat16 peak) dwarfs the host's cost of launching it, and no more than this many.
+FLOPS_PER_CALL = 10e12
+MAX_STEPS_PER_CALL = 16
 
 
 @dataclass(frozen=True)
 class StepSettings:
-    attention: str  # "xla" (jax.nn.dot_product_attention) or "custom" (model/network/kernels.py)
+    attention: str  # "xla" (jax.nn.dot_product_attention), "custom" (model/network/kernels.py) or "cudnn"
     dense: str  # "xla" (x @ w + b) or "custom"
     precision: str  # the compute dtype: "float32" or "bfloat16"; parameters stay float32
     rows_per_pass: int  # rows of each device's batch per forward/backward pass
     xla_options: dict[str, Any] = field(default_factory=dict)  # compiler options of the step
     sharding: str = "replicated"  # train.sharding: replicated or fsdp (model/training/placement.py)
     remat: bool = False  # train.remat: each block's activations recomputed in the backward pass
+    attention_note: str | None = None  # on a GPU: why cuDNN's fused attention did not serve
+    steps_per_call: int = 1  # optimizer steps per compiled call (train.steps_per_call)
+    unroll: bool = False  # those steps written out one after another (accelerators), or a loop
 
     def passes(self, per_device_batch: int) -> int:
         return per_device_batch // self.rows_per_pass
@@ -55,11 +69,15 @@ def resolve(
     seq_len: int,
     platform: str,
     choice: StepChoice | None = None,
+    probe: AttentionProbe | None = None,
+    processes: int = 1,
 ) -> StepSettings:
     """The concrete settings for ``platform``: what the user set, and for each ``auto`` the
     platform's default — the hand-written kernels, float32, ~512 tokens per pass and YNNPACK
-    fusions off on a CPU; XLA's kernels, bfloat16 and one pass elsewhere — or, where given,
-    the CPU step tuner's measured ``choice`` (``model/training/cpu_tuning.py``)."""
+    fusions off on a CPU; bfloat16, one pass, cuDNN's fused attention where it can serve
+    (``fused_attention_obstacle``; ``probe``: run it once on the device to be sure) and XLA's
+    kernels elsewhere — or, where given, the CPU step tuner's measured ``choice``
+    (``model/training/cpu_tuning.py``)."""
     default_kernel = choice["kernels"] if choice else "custom" if platform == "cpu" else "xla"
     kernels = {
         name: (default_kernel if model_cfg is None or getattr(model_cfg, name) == "auto" else getattr(model_cfg, name))
@@ -68,12 +86,24 @@ def resolve(
     precision = (
         train_cfg.precision if train_cfg.precision != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     )
+    note = None
+    if model_cfg is not None and platform != "cpu" and model_cfg.attention in ("auto", "cudnn"):
+        note = fused_attention_obstacle(model_cfg, precision, seq_len, platform, probe)
+        if model_cfg.attention == "cudnn" and note:
+            raise ConfigError(f"model.attention=cudnn cannot serve: {note}; set model.attention=auto")
+        kernels["attention"] = "xla" if note else "cudnn"
+    elif model_cfg is not None and model_cfg.attention == "cudnn":
+        raise ConfigError(
+            f"model.attention=cudnn is cuDNN's attention for NVIDIA GPUs, and this run trains on {platform}; "
+            "set model.attention=auto"
+        )
     rows = (
         train_cfg.micro_batch
         or (choice["rows_per_pass"] if choice else None)
         or default_rows_per_pass(train_cfg.per_device_batch, seq_len, platform)
     )
     tuned = platform == "cpu" and (choice["xla"] if choice else "tuned") == "tuned"
+    per_call = steps_per_call(model_cfg, train_cfg, seq_len, platform, processes)
     return StepSettings(
         kernels["attention"],
         kernels["dense"],
@@ -82,4 +112,52 @@ def resolve(
         dict(XLA_CPU_TUNED) if tuned else {},
         train_cfg.sharding,
         train_cfg.remat,
+        note,
+        per_call,
+        platform != "cpu" and per_call > 1,
     )
+
+
+def steps_per_call(
+    model_cfg: ModelConfig | None, train_cfg: TrainConfig, seq_len: int, platform: str, processes: int = 1
+) -> int:
+    """``train.steps_per_call``, or for 0 (auto): 1 on a CPU (its step is bound by arithmetic,
+    not by launching it), elsewhere enough steps for ``FLOPS_PER_CALL`` (at most
+    ``MAX_STEPS_PER_CALL``), lowered to a divisor of the intervals at which the loop needs the
+    state, so that calls fill them. Several processes take one step a call: they agree on a
+    stop at any step (``jax.experimental.multihost_utils``)."""
+    if processes > 1:
+        if train_cfg.steps_per_call > 1:
+            raise ConfigError(
+                f"train.steps_per_call={train_cfg.steps_per_call} runs in one process, and this run has "
+                f"{processes}; set train.steps_per_call=0 (auto) or 1"
+            )
+        return 1
+    if train_cfg.steps_per_call:
+        return train_cfg.steps_per_call
+    if platform == "cpu" or model_cfg is None:
+        return 1
+    from .utilization import flops_per_token
+
+    per_step = flops_per_token(model_cfg, min(seq_len, model_cfg.max_seq_len)) * train_cfg.per_device_batch * seq_len
+    wanted = max(1, min(MAX_STEPS_PER_CALL, int(FLOPS_PER_CALL // per_step)))
+    intervals = math.gcd(train_cfg.log_every, train_cfg.eval_every or train_cfg.log_every, train_cfg.checkpoint_every)
+    return max(k for k in range(1, wanted + 1) if intervals % k == 0)
+
+
+def fused_attention_obstacle(
+    model_cfg: ModelConfig, precision: str, seq_len: int, platform: str, probe: AttentionProbe | None = None
+) -> str | None:
+    """Why cuDNN's fused attention cannot compute this model's attention on ``platform``, in
+    one line; None where it can (by its documented limits, then by ``probe``'s run)."""
+    head_dim = model_cfg.d_model // model_cfg.num_heads
+    if platform != "gpu":
+        return f"cuDNN's fused attention runs on NVIDIA GPUs, not on {platform}"
+    if precision != "bfloat16":
+        return f"cuDNN's fused attention takes bfloat16 or float16, and the step computes in {precision}"
+    if head_dim % FUSED_HEAD_WIDTH or head_dim > FUSED_MAX_HEAD_DIM:
+        return (
+            f"cuDNN's fused attention takes a head width that is a multiple of {FUSED_HEAD_WIDTH} up to "
+            f"{FUSED_MAX_HEAD_DIM}, and model.d_model / model.num_heads = {head_dim}"
+        )
+    return probe(min(seq_len, model_cfg.max_seq_len), model_cfg.num_heads, head_dim, precision) if probe else None

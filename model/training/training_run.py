@@ -13,6 +13,7 @@ import jax
 
 from ...config.settings import TrainingRequest
 from ..data.splits import Batches, read_split
+from ..network.kernels import fused_attention_problem
 from . import stopping, trackers
 from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
@@ -74,7 +75,7 @@ def stop_hook() -> Hook:
     ``stopping.Stopped`` with a line that says how to resume."""
 
     def stop(info: StepInfo) -> None:
-        if not stop_agreed(info.done):
+        if info.state is None or not stop_agreed(info.done):  # inside a call of several steps
             return
         saved = info.record.save(info)
         signum = stopping.requested() or signal.SIGTERM  # a peer process's signal
@@ -143,7 +144,15 @@ def run_training(
         from .cpu_tuning import choose
 
         tuning = choose(request.model, request.train, placement, seq_len, say=note)
-    step = resolve(request.model, request.train, seq_len, platform, tuning and tuning["chosen"])
+    step = resolve(
+        request.model,
+        request.train,
+        seq_len,
+        platform,
+        tuning and tuning["chosen"],
+        probe=fused_attention_problem,
+        processes=request.processes,
+    )
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
     hooks = [stop_hook()]
