@@ -352,7 +352,7 @@ def train(
         calls = StepCalls(calls.one, compiled_step(step.steps_per_call, stacked), step.steps_per_call)
     compile_s = time.perf_counter() - started
     memory = step_memory(calls.several or calls.one, state)
-    device = placement.devices[0]
+    device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
     check_compiled_fits(
         memory,
         free_bytes(device),
