@@ -140,6 +140,13 @@ class ModelConfig(_Section, frozen=True):
     qk_norm: bool = Field(default=False, description="RMS-normalise each head's queries and keys before attention")
     zero_init: bool = Field(default=False, description="start the attention and MLP output projections at zero")
     logit_cap: float | None = Field(default=None, gt=0, description="cap the logits softly: cap * tanh(logits / cap)")
+    dropout: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="training's dropout on the embeddings and on what each block's attention and MLP add "
+        "(nanoGPT's residual dropout; 0 = none)",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -241,6 +248,12 @@ class TrainConfig(_Section, frozen=True):
         default=False,
         description="recompute each block's activations in the backward pass "
         "instead of keeping them: less memory for about a third more compute",
+    )
+    keep: Literal["last", "best"] = Field(
+        default="last",
+        description="the state the stage delivers to checkpoint, export, verify and generate: last (the "
+        "last step's) or best (the evaluated step of lowest validation loss; each better one is saved as "
+        "it is found)",
     )
     steps_per_call: int = Field(
         default=0,
@@ -420,9 +433,16 @@ class TrainingRequest(_Section, frozen=True):
         )
         if self.stop_after is None:  # keys of full runs stay what they were
             del recipe["stop_after"]
-        for field in ("muon_ns_steps", "eval_every", "eval_rows"):  # at their defaults, keys from before them stay
+        for field in (
+            "muon_ns_steps",
+            "eval_every",
+            "eval_rows",
+            "keep",
+        ):  # at their defaults, keys from before them stay
             if getattr(self.train, field) == TrainConfig.model_fields[field].default:
                 del recipe["train"][field]
+        if self.model.dropout == ModelConfig.model_fields["dropout"].default:
+            del recipe["model"]["dropout"]
         return recipe
 
 

@@ -109,6 +109,11 @@ def _train(version: Version, upstream: dict[str, Version]) -> None:
             f"compile {metrics['compile_s']:.1f} s"
             + (f", MFU {100 * metrics['mfu']:.1f} % ({metrics['mfu_formula']})" if metrics.get("mfu") else "")
             + (f", resumed from step {metrics['resumed_from_step']}" if metrics.get("resumed_from_step") else "")
+            + (
+                f", the state of step {kept['step']} delivered ({kept['why']})"
+                if (kept := metrics.get("kept")) and kept["step"] != metrics["steps"] - 1
+                else ""
+            )
             + (f", reused from {metrics['reused_from'][:12]}" if metrics.get("reused_from") else "")
         ),
     )

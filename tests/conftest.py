@@ -150,6 +150,7 @@ LONGEST_FIRST = (
     "test_cli",
     "test_resume",
     "test_kernels",
+    "test_kept_state",
     "test_model",
     "test_checkpoint_and_sampling",
     "test_sources",

@@ -56,6 +56,15 @@ def output_init(cfg: ModelConfig) -> dict:
     return {"kernel_init": nnx.initializers.zeros_init()} if cfg.zero_init else {}
 
 
+def dropped(x, rate: float, key):
+    """Dropout: each value zeroed with probability ``rate``, the rest scaled by 1 / (1 - rate);
+    ``x`` itself without a key (evaluation, sampling) or at rate 0."""
+    if key is None or rate == 0.0:
+        return x
+    kept = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(kept, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
 def rms_norm(x):
     """Each vector over its last axis scaled to unit root mean square; no weights."""
     mean_square = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
@@ -143,12 +152,22 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(cfg, rngs)
         self.ln2 = nnx.LayerNorm(*shape_of(cfg, "ln2.scale"), rngs=rngs)
         self.mlp = MLP(cfg, rngs)
+        self.dropout = cfg.dropout
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False, span: int | None = None):
-        # Pre-norm: normalise, attend (or feed forward), add back.
+    def __call__(
+        self,
+        x,
+        positions,
+        cache: LayerCache | None = None,
+        last_only: bool = False,
+        span: int | None = None,
+        keys=None,
+    ):
+        # Pre-norm: normalise, attend (or feed forward), add back; ``keys`` (2,): dropout's
+        # on what each adds (training only).
         mixed, cache = self.attn(self.ln1(x), positions, cache, last_only, span)
-        x = (x[:, -1:] if last_only else x) + mixed
-        return x + self.mlp(self.ln2(x)), cache
+        x = (x[:, -1:] if last_only else x) + dropped(mixed, self.dropout, None if keys is None else keys[0])
+        return x + dropped(self.mlp(self.ln2(x)), self.dropout, None if keys is None else keys[1]), cache
 
 
 class Transformer(nnx.Module):
@@ -161,6 +180,7 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.LayerNorm(*shape_of(cfg, "final_norm.scale"), rngs=rngs)
         self.lm_head = nnx.Linear(*shape_of(cfg, "lm_head.kernel"), use_bias=False, rngs=rngs)
         self.logit_cap = cfg.logit_cap
+        self.dropout = cfg.dropout
 
     def __call__(
         self,
@@ -170,6 +190,7 @@ class Transformer(nnx.Module):
         last_only: bool = False,
         span: int | None = None,
         remat: bool = False,
+        dropout_key=None,
     ):
         """(rows, t) token ids -> (logits, cache).
 
@@ -185,19 +206,28 @@ class Transformer(nnx.Module):
         runs over all positions (they make the top layer's keys and values), the top layer's
         query, MLP and the head only over the last. ``remat`` (training): each block's
         activations are recomputed in the backward pass instead of kept (``_recomputed``).
+        ``dropout_key`` (training): dropout at ``model.dropout`` on the embeddings and on what
+        each block's attention and MLP add, as nanoGPT's residual dropout (no key, or rate 0:
+        none, and the program is the one without dropout).
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
         x = self.token_embed(tokens)
         if self.pos_embed is not None:  # learned positions; rotary ones act in attention
             x = x + self.pos_embed(positions)
+        keys = None
+        if dropout_key is not None and self.dropout > 0:  # one for the embeddings, two a block
+            keys = jax.random.split(dropout_key, 2 * len(self.blocks) + 1)
+            x = dropped(x, self.dropout, keys[0])
+            keys = keys[1:].reshape(len(self.blocks), 2)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
         if remat and cache is None and not last_only and span is None:
-            x = _recomputed(self.blocks, x, positions)
+            x = _recomputed(self.blocks, x, positions, keys)
         else:
             for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
-                x, layer = block(x, positions, layer, last_only and depth == len(self.blocks) - 1, span)
+                last = last_only and depth == len(self.blocks) - 1
+                x, layer = block(x, positions, layer, last, span, None if keys is None else keys[depth])
                 updated.append(layer)
         logits = self.lm_head(self.final_norm(x))
         if self.logit_cap is not None:
@@ -211,7 +241,7 @@ class Transformer(nnx.Module):
         return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
 
 
-def _recomputed(blocks, x, positions):
+def _recomputed(blocks, x, positions, keys=None):
     """The blocks as one loop over their stacked parameters whose body the backward pass
     recomputes from its input (``jax.checkpoint``): only each block's input is kept. A loop,
     not the blocks one after another, since XLA:CPU schedules unrolled recomputations early
@@ -219,10 +249,11 @@ def _recomputed(blocks, x, positions):
     graphdef, _ = nnx.split(blocks[0])
     stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(nnx.split(block)[1] for block in blocks))
 
-    def body(x, state):
-        return nnx.merge(graphdef, state)(x, positions)[0], None
+    def body(x, layer):
+        state, block_keys = layer
+        return nnx.merge(graphdef, state)(x, positions, keys=block_keys)[0], None
 
-    return jax.lax.scan(jax.checkpoint(body), x, stacked)[0]
+    return jax.lax.scan(jax.checkpoint(body), x, (stacked, keys))[0]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

@@ -18,8 +18,8 @@ from ...config.settings import TrainConfig
 from .evaluation import make_evaluate
 from .memory import check_compiled_fits, free_bytes, step_memory
 from .placement import Placement
-from .run_records import HistoryEntry, Layout, StepMetrics
-from .step import TrainingError, configured_rates, make_train_step
+from .run_records import HistoryEntry, KeptState, Layout, StepMetrics
+from .step import TrainingError, configured_rates, make_train_step, model_from_state
 from .step_settings import StepSettings, resolve
 
 
@@ -41,6 +41,7 @@ class TrainResult:
     layout: str = "single"  # single, replicated or fsdp (model/training/placement.py)
     memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/training/memory.py)
     resumed_layout: Layout | None = None  # the devices and layout of the checkpoint resumed from
+    kept: KeptState | None = None  # train.keep=best: the evaluated step whose state this is
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +74,8 @@ class TrainResult:
             found["step_memory"] = self.memory
         if self.resumed_from is not None:
             found["resumed_layout"] = self.resumed_layout
+        if self.kept is not None:
+            found["kept"] = self.kept
         return found
 
 
@@ -94,6 +97,8 @@ class RunRecord:
     started: float = 0.0
     paused_s: float = 0.0
     layout: Layout | None = None  # the devices and layout it trains on: kept in each checkpoint
+    best: KeptState | None = None  # train.keep=best: the lowest validation loss so far, kept in each checkpoint
+    best_state: Any = None  # its state, where no checkpoints keep it
 
     def trained_s(self) -> float:
         return self.prior_s + time.perf_counter() - self.started - self.paused_s
@@ -134,6 +139,7 @@ class RunRecord:
                 "elapsed_s": self.trained_s(),
                 "data_position": info.done,
                 "layout": self.layout,
+                "best": self.best,
             },
         )
         self.last_saved = info.done
@@ -291,6 +297,32 @@ def checkpoint_hook(every_n: int) -> Hook:
     return Hook(lambda info: info.record.save(info), due, needs_state=due)
 
 
+def best_hook(evaluated: Callable[[StepInfo], bool], best: Any = None) -> Hook:
+    """``train.keep=best``: after each evaluation (the evaluation hook's record just written),
+    a validation loss lower than any before makes this step's state the one kept: saved in
+    ``best`` (a ``TrainingCheckpoints`` of one, so that a resumed run still has it), or without
+    checkpoints copied on the device. The last step's state is the run's anyway."""
+
+    def run(info: StepInfo) -> None:
+        record = info.record
+        val_loss = record.history[-1]["val_loss"] if record.history else None
+        if val_loss is None or (record.best is not None and val_loss >= record.best["val_loss"]):
+            return
+        record.best = {
+            "step": info.step,
+            "val_loss": val_loss,
+            "why": "train.keep=best: the lowest validation loss of the steps evaluated",
+        }
+        if info.done == info.last:
+            record.best_state = None
+        elif best is not None:
+            best.save(info.done, info.state, {"step": info.done, "best": record.best})
+        else:
+            record.best_state = jax.tree.map(jnp.copy, info.state)
+
+    return Hook(run, evaluated, needs_state=evaluated)
+
+
 def progress_hook(on_step: Callable[[int, int], None]) -> Hook:
     return Hook(lambda info: on_step(info.done, info.last))
 
@@ -307,6 +339,7 @@ def train(
     stop_after: int | None = None,
     step: StepSettings | None = None,
     hooks: Sequence[Hook] = (),
+    best=None,
 ) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
@@ -314,6 +347,8 @@ def train(
     validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
     ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how
     the step runs (``model/training/step_settings.py``; by default the platform's defaults for ``cfg``).
+    With ``cfg.keep == "best"`` the state returned is that of the evaluated step of lowest
+    validation loss, kept in ``best`` (checkpoints of one) or on the device.
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
@@ -333,16 +368,18 @@ def train(
             start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
             record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
             resumed_layout = saved.get("layout")  # absent from a checkpoint of before it was kept
+            record.best = saved.get("best")
     first = placement.put_batch(batch_at(start))
     global_batch, seq_len = first.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
     shardings = placement.shardings(state)
+    seed = cfg.init_seed if model_from_state(graphdef, state).dropout > 0 else 0  # dropout's; unused without
 
     def compiled_step(count: int = 0, example=first):
         made = make_train_step(
-            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll
+            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll, seed
         )
         return made.lower(state, example).compile(compiler_options=step.xla_options)
 
@@ -373,6 +410,8 @@ def train(
         finite_loss_hook(),
         evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every, cfg.eval_every),
     ]
+    if cfg.keep == "best":
+        builtin.append(best_hook(every(cfg.eval_every or cfg.log_every, and_last=True), best))
     builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
     builtin += [progress_hook(on_step)] if on_step is not None else []
     record.started = time.perf_counter()
@@ -387,6 +426,7 @@ def train(
         record,
     )
     jax.block_until_ready(state)
+    state, kept = _kept_state(state, record, best, last) if cfg.keep == "best" else (state, None)
     return TrainResult(
         state=state,
         history=record.history,
@@ -395,7 +435,7 @@ def train(
         steps=last,
         global_batch=global_batch,
         seq_len=seq_len,
-        val_loss=_or_nan(record.history[-1]["val_loss"]),
+        val_loss=kept["val_loss"] if kept else _or_nan(record.history[-1]["val_loss"]),
         devices=len(placement.devices),
         resumed_from=resumed_from,
         resume_s=resume_s,
@@ -404,7 +444,24 @@ def train(
         layout=placement.layout,
         memory=memory,
         resumed_layout=resumed_layout,
+        kept=kept,
     )
+
+
+def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptState | None]:
+    """``train.keep=best``: the state of the evaluated step of lowest validation loss, and
+    which step that is (the last step's own state where it is the best, or none was evaluated)."""
+    found = record.best
+    if found is None or found["step"] == last - 1:
+        return state, found
+    if best is None:
+        return record.best_state, found
+    restored = best.latest(state)
+    if restored is None:  # set aside as damaged (said through the checkpoints' note), or never copied here
+        last_val = record.history[-1]["val_loss"]
+        why = f"train.keep=best, but the state of step {found['step']} was not found: the last step's delivered"
+        return state, {"step": last - 1, "val_loss": _or_nan(last_val), "why": why}
+    return restored[0], found
 
 
 def _or_nan(value: float | None) -> float:

@@ -49,6 +49,14 @@ class Layout(TypedDict):
     layout: str
 
 
+class KeptState(TypedDict):
+    """``train.keep=best``: the step whose state a training stage delivers, and why."""
+
+    step: int  # 0-based, as the history counts
+    val_loss: float
+    why: str
+
+
 class StepMetrics(TypedDict):
     """What the training loop measured (``TrainResult.metrics``)."""
 
@@ -69,6 +77,7 @@ class StepMetrics(TypedDict):
     layout: str
     step_memory: NotRequired[dict[str, int]]  # the compiled step's bytes per device
     resumed_layout: NotRequired[Layout | None]  # where the checkpoint resumed from was written
+    kept: NotRequired[KeptState]  # train.keep=best: the step delivered (val_loss is its)
 
 
 class Utilization(TypedDict):

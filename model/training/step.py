@@ -26,20 +26,29 @@ class TrainingError(BardflowError, RuntimeError):
     """Training cannot go on; the message names the step and the cause."""
 
 
-def target_losses(model: Transformer, tokens: jax.Array, remat: bool = False) -> jax.Array:
+def target_losses(model: Transformer, tokens: jax.Array, remat: bool = False, dropout_key=None) -> jax.Array:
     """(rows, length - 1): the loss of predicting each byte of the rows but the first from
     those before it. A row one byte longer than the model's context (``data.every_position``)
     is read without its last byte, which is only a target; otherwise the row is read whole
     and the last position's prediction dropped (causal: the same function, one shape for both).
-    ``remat``: each block's activations are recomputed in the backward pass, not kept."""
+    ``remat``: each block's activations are recomputed in the backward pass, not kept;
+    ``dropout_key``: training's dropout (``model.dropout``)."""
     inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
-    logits, _ = model(inputs, remat=remat)
+    logits, _ = model(inputs, remat=remat, dropout_key=dropout_key)
     logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
 
 
-def next_byte_loss(model: Transformer, tokens: jax.Array, remat: bool = False) -> jax.Array:
-    return target_losses(model, tokens, remat).mean()
+def next_byte_loss(model: Transformer, tokens: jax.Array, remat: bool = False, dropout_key=None) -> jax.Array:
+    return target_losses(model, tokens, remat, dropout_key).mean()
+
+
+def dropout_key(model: Transformer, optimizer: nnx.Optimizer, seed: int):
+    """The key of a training step's dropout: ``seed``'s, folded with the optimizer's step count,
+    so that a resumed run draws what the uninterrupted one did; None without dropout."""
+    if model.dropout == 0:
+        return None
+    return jax.random.fold_in(jax.random.key(seed), optimizer.step[...])
 
 
 def in_dtype(model: Transformer, dtype) -> Transformer:
@@ -88,35 +97,40 @@ def model_from_state(graphdef, state) -> Transformer:
 
 
 def _accumulated(loss_fn, passes: int, mesh):
-    """``(model, tokens) -> (loss, grads)`` over ``passes`` equal slices of every
+    """``(model, tokens, key) -> (loss, grads)`` over ``passes`` equal slices of every
     device's rows, summed in a ``lax.scan``: the mean loss and its gradient, exactly as
     one pass would give them up to float rounding. With a mesh each device works on its
-    own rows and the gradients are averaged across devices once per step, not per pass."""
+    own rows and the gradients are averaged across devices once per step, not per pass.
+    ``key`` (dropout, or None): folded with each pass's index, and each device's."""
 
-    def local(graphdef, params, rest, tokens):
+    def local(graphdef, params, rest, tokens, key):
         slices = tokens.reshape(passes, tokens.shape[0] // passes, tokens.shape[1])
         if mesh is not None:
             # Per-device copies: their gradients stay on the device (no all-reduce per pass).
             params = jax.lax.pcast(params, (DATA_AXIS,), to="varying")
+            key = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(DATA_AXIS))
 
-        def one(rows):
-            return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), rows))(params)
+        def one(rows, index):
+            pass_key = None if key is None else jax.random.fold_in(key, index)
+            return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), rows, pass_key))(params)
 
         # The first pass starts the sums (its values carry the right per-device types).
         total, _ = jax.lax.scan(
-            lambda total, rows: (jax.tree.map(jnp.add, total, one(rows)), None), one(slices[0]), slices[1:]
+            lambda total, pass_: (jax.tree.map(jnp.add, total, one(*pass_)), None),
+            one(slices[0], 0),
+            (slices[1:], jnp.arange(1, passes)),
         )
         total = jax.tree.map(lambda x: x / passes, total)
         return total if mesh is None else jax.lax.pmean(total, DATA_AXIS)
 
-    def loss_and_grads(model, tokens):
+    def loss_and_grads(model, tokens, key):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         run = partial(local, graphdef)
         if mesh is not None:
             # Parameters whole (under fsdp: gathered once for all passes, which the memory
             # estimate counts), each device's own rows.
-            run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)), out_specs=P())
-        return run(params, rest, tokens)
+            run = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS), P()), out_specs=P())
+        return run(params, rest, tokens, key)
 
     return loss_and_grads
 
@@ -131,6 +145,7 @@ def make_train_step(
     remat: bool = False,
     steps: int = 0,
     unroll: bool = False,
+    seed: int = 0,
 ):
     """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
     sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
@@ -141,10 +156,10 @@ def make_train_step(
     losses)`` with the steps' batches stacked (steps, rows, length) and their losses (steps,),
     nothing read back between them, so a small step never waits on the host. The steps are a
     loop of the one step (``unroll``: written out one after another, which lets a GPU launch
-    them as one graph, at the cost of compiling each)."""
+    them as one graph, at the cost of compiling each). ``seed``: dropout's (``dropout_key``)."""
 
-    def loss_fn(model, tokens):
-        return next_byte_loss(in_dtype(model, dtype), tokens, remat)
+    def loss_fn(model, tokens, key):
+        return next_byte_loss(in_dtype(model, dtype), tokens, remat, key)
 
     mesh = None if batch_sharding is None else batch_sharding.mesh
     if passes == 1:
@@ -154,7 +169,7 @@ def make_train_step(
 
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = loss_and_grads(model, tokens)
+        loss, grads = loss_and_grads(model, tokens, dropout_key(model, optimizer, seed))
         # The optimizer sees the mesh, so that Muon shares its matrices out among the devices.
         with nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             optimizer.update(model, grads)

@@ -155,6 +155,10 @@ def run_training(
     )
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
+    # train.keep=best: the best state so far, in a folder of its own beside the resumable ones.
+    best = (
+        TrainingCheckpoints(files.resume / "best", 1, files.saved, note=note) if request.train.keep == "best" else None
+    )
     hooks = [stop_hook()]
     if request.report is not None and jax.process_index() == 0:  # process 0 alone writes
         hooks.append(trackers.history_hook(request.report, warn))
@@ -171,9 +175,12 @@ def run_training(
             stop_after=request.steps,
             step=step,
             hooks=hooks,
+            best=best,
         )
     finally:
         checkpoints.close()
+        if best is not None:
+            best.close()
         trackers.close(request.report)
     save_train_state(files.state, result.state)
     metrics: TrainingMetrics = {
