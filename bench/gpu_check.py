@@ -327,6 +327,17 @@ class Check:
         )
         return {"table": done.stdout.strip().splitlines()[-21:]}
 
+    def step_calls(self, limit_s: float) -> dict:
+        """Several steps per compiled call against one, and cuDNN's fused attention against
+        XLA's (50 steps' losses), on the codelab step (``bench/step_calls.py``)."""
+        shape = ["--preset", "tiny", "--counts", "1,4", "--steps", "8", "--rounds", "1"]
+        if not self.dry_run:
+            shape = ["--preset", "codelab", "--counts", "1,4,10,16", "--steps", "80", "--rounds", "3"]
+        done = self.sh(
+            "step_calls", sys.executable, "-m", "bench.step_calls", *shape, "--out", str(self.out), limit_s=limit_s
+        )
+        return {"table": done.stdout.strip().splitlines()[-16:]}
+
     def vllm(self, limit_s: float) -> dict | None:
         if importlib.util.find_spec("vllm") is None:
             return None
@@ -409,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "pipeline": 150,
             "deployment": 120,
             "gpt2": 100,
+            "step_calls": 90,
             "quality": 150,
             "bench": 180,
             "vllm": 120,
