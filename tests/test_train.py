@@ -166,6 +166,27 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
     assert abs(last_half - last_full) < 0.05 * (first - last_full)
 
 
+def test_a_bfloat16_step_multiplies_in_bfloat16_over_float32_parameters():
+    """No float32 matrix product where bfloat16 was meant: every product of the compiled step
+    takes bfloat16 operands, but for the two that XLA's attention gradient
+    (``jax.nn.dot_product_attention``) takes with its float32 probabilities (batch, heads,
+    queries, 1, keys: five axes). The state it updates stays float32."""
+    import re
+
+    tokens = jnp.zeros((4, TINY.data.seq_len), jnp.int32)
+    for kernel, allowed in (("custom", 0), ("xla", 2)):
+        model = TINY.model.model_copy(update={"attention": kernel, "dense": kernel})
+        graphdef, state = init_state(model, TINY.train)
+        text = make_train_step(graphdef, dtype=jnp.dtype("bfloat16")).lower(state, tokens).as_text()
+        products = re.findall(r"stablehlo\.dot_general .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+        in_float32 = [operands for operands in products if any("xf32>" in t for t in operands)]
+        assert len(products) > 10 and len(in_float32) == allowed
+        assert all(t.count("x") == 5 for operands in in_float32 for t in operands if "xf32>" in t)  # 5 axes
+        assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
+            jnp.dtype("float32")
+        }
+
+
 def test_auto_is_resolved_once_for_the_platform_and_what_the_user_set_wins():
     from bardflow.model.training.step_settings import XLA_CPU_TUNED, resolve
 

@@ -65,6 +65,13 @@ def dropped(x, rate: float, key):
     return jnp.where(kept, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
+def lookup(table: nnx.Embed, ids):
+    """Rows of an embedding table, in the table's own dtype: ``nnx.Embed`` computes in the
+    dtype it was built with (float32), which would lift a bfloat16 step's activations, and
+    with them every matrix product after, back to float32."""
+    return jnp.take(table.embedding[...], ids, axis=0)
+
+
 def rms_norm(x):
     """Each vector over its last axis scaled to unit root mean square; no weights."""
     mean_square = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
@@ -212,9 +219,9 @@ class Transformer(nnx.Module):
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
-        x = self.token_embed(tokens)
+        x = lookup(self.token_embed, tokens)
         if self.pos_embed is not None:  # learned positions; rotary ones act in attention
-            x = x + self.pos_embed(positions)
+            x = x + lookup(self.pos_embed, positions)
         keys = None
         if dropout_key is not None and self.dropout > 0:  # one for the embeddings, two a block
             keys = jax.random.split(dropout_key, 2 * len(self.blocks) + 1)

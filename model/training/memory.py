@@ -27,8 +27,8 @@ GIB = 1 << 30
 ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1), "cudnn": (0.0, 30.6)}
 # With remat, the block being recomputed holds its own activations again while its gradient
 # is taken (a little more than one block's worth), beside the blocks' parameters stacked
-# for the loop: fitted to XLA:CPU, and to the one GPU measurement so far (docs/benchmarks.md).
-RECOMPUTED_BLOCKS = {"cpu": 1.25, "gpu": 1.5}
+# for the loop.
+RECOMPUTED_BLOCKS = 1.25
 
 
 def _moments(parameter: Parameter, optimizer: str) -> int:
@@ -107,7 +107,7 @@ def estimate(
         block_parameters = sum(parameter.size for parameter in every if parameter.in_block)
         activations = (
             model.num_layers * tokens * model.d_model * feature_width
-            + RECOMPUTED_BLOCKS.get(platform, RECOMPUTED_BLOCKS["gpu"]) * per_block
+            + RECOMPUTED_BLOCKS * per_block
             + block_parameters * width
         )
     else:
