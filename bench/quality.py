@@ -93,6 +93,8 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
         "seconds_to_target": None if reached is None else reached["seconds"] + metrics["compile_s"],
         "tokens_to_target": None if reached is None else reached["tokens"],
         "curve": curve,
+        "kept": metrics.get("kept"),  # train.keep=best: the step whose state the run delivered
+        "step_settings": metrics.get("step_settings"),
         "nanogpt": NANOGPT,
     }
 
