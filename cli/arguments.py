@@ -153,12 +153,17 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ui = commands.add_parser(
         "ui",
-        help="start the Prefect server and UI on 127.0.0.1 and print its URL",
-        description="Start `prefect server start` with bardflow's settings "
-        "(bound to 127.0.0.1, no telemetry) in the foreground.",
+        help="print the Prefect UI's address, starting the kept server if none is up",
+        description="Print where the Prefect UI is: PREFECT_API_URL's server, or bardflow's kept server "
+        "(started now if none is up, in the background, bound to 127.0.0.1; `bardflow server stop` stops it).",
     )
-    ui.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    ui.add_argument("--port", type=int, default=4200)
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only); another address serves in the foreground, "
+        "reachable by anyone who can reach this machine",
+    )
+    ui.add_argument("--port", type=int, help="the kept server's port (default 4200, or a free one if it is taken)")
     _pool_commands(commands)
     return parser
 

@@ -47,26 +47,42 @@ if TYPE_CHECKING:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from ..server.process import healthy, running
+    """The Prefect UI's address, at once: the server the user chose (PREFECT_API_URL), the kept
+    server, or the kept server started now (its own process, its banner in its log, the user's
+    Prefect profile untouched). Another address than 127.0.0.1 serves in the foreground."""
+    from ..server import process
 
     prepare_environment()
-    url = f"http://{args.host}:{args.port}"
-    found = running()
-    if found is not None or healthy(url):  # `bardflow server start` already serves the UI: say where
-        shown = found["url"] if found is not None else url
-        whose = f"the background server, pid {found['pid']}" if found is not None else "a server already there"
-        print(f"Prefect UI:  {shown} ({whose})\nArtifacts:   {shown}/artifacts", flush=True)
-        return 0
+    if args.host != "127.0.0.1":
+        return _ui_in_foreground(args.host, args.port or process.DEFAULT_PORT)
+    server = process.chosen_server()
+    if server is None:
+        server = process.start_kept(port=args.port)  # says at once where, when it starts one
+        if server.starting is not None:
+            process.wait_until_up(server.starting)
+        record = process.running()
+        whose = "the kept server" + (f": {process.status_line(record)}" if record else "")
+    else:
+        whose = "PREFECT_API_URL's server" if server.kind == "chosen" else "the kept server"
+    print(f"Prefect UI:  {server.ui_url} ({whose})\nArtifacts:   {server.ui_url}/artifacts", flush=True)
+    return 0
+
+
+def _ui_in_foreground(host: str, port: int) -> int:
+    """``--host`` other than this machine's loopback: Prefect's server in the foreground, bound
+    where asked, until Ctrl-C."""
+    url = f"http://{host}:{port}"
     # The UI's browser code asks the server where its API is; tell it this port, not 4200.
     os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
     os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (server/notify.py)
-    os.environ.setdefault("PREFECT_SERVER_API_HOST", args.host)
-    os.environ.setdefault("PREFECT_SERVER_API_PORT", str(args.port))
+    os.environ.setdefault("PREFECT_SERVER_API_HOST", host)
+    os.environ.setdefault("PREFECT_SERVER_API_PORT", str(port))
     print(
-        f"Prefect UI:  {url}\nArtifacts:   {url}/artifacts\nRuns use it with: export PREFECT_API_URL={url}/api",
+        f"Prefect UI:  {url} (reachable from other machines: bound to {host}; Ctrl-C stops it)\n"
+        f"Artifacts:   {url}/artifacts\nRuns use it with: export PREFECT_API_URL={url}/api",
         flush=True,
     )
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
     os.execv(sys.executable, command)
 
 

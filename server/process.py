@@ -189,12 +189,13 @@ def use_running_server() -> PrefectServer | None:
     return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept"))
 
 
-def start_kept() -> PrefectServer:
+def start_kept(port: int | None = None) -> PrefectServer:
     """The kept server, for this run and the later ones: started now when none is up (another
     run's still starting is waited for), with this process pointed at it; one line says so
     when this run started it, and what became of an earlier one."""
     idle_s = 60 * idle_minutes()
-    record, started, earlier = start(idle_s=idle_s, poll_s=max(0.5, min(15.0, idle_s / 4)) if idle_s else 15.0)
+    poll_s = max(0.5, min(15.0, idle_s / 4)) if idle_s else 15.0
+    record, started, earlier = start(port=port, idle_s=idle_s, poll_s=poll_s)
     if earlier:
         print(f"bardflow: {earlier}", file=sys.stderr, flush=True)
     if started:
@@ -251,6 +252,8 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as probe:
+        # As the server's own socket does: a port left in TIME_WAIT by a server just stopped is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

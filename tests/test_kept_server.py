@@ -38,10 +38,19 @@ def _env(tmp_path: Path, idle_minutes: str) -> dict[str, str]:
     return env
 
 
-def _start(env: dict[str, str]) -> subprocess.Popen:
+def _start(env: dict[str, str], command: tuple[str, ...] = ("-c", START)) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", START], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, *command], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+A_FLOW_RUN = (  # a run on the server Prefect's settings name, as a pipeline run reports to it
+    "from prefect import flow\n"
+    "@flow\n"
+    "def shortest():\n"
+    "    return 1\n"
+    "print(shortest(return_state=True).state_details.flow_run_id)\n"
+)
 
 
 def _record(tmp_path: Path) -> dict:
@@ -76,10 +85,14 @@ def test_one_kept_server_for_two_first_runs_replaced_after_kill_9_and_gone_when_
 
 
 def _story(tmp_path: Path, env: dict[str, str]) -> None:
-    first, second = _start(env), _start(env)
+    # A run and `bardflow ui` at the same second: one server, whose address ui prints (without
+    # Prefect's banner, and without touching the user's Prefect profiles).
+    first, second = _start(env), _start(env, ("-m", "bardflow", "ui"))
     (out_a, err_a), (out_b, err_b) = first.communicate(timeout=240), second.communicate(timeout=240)
     assert first.returncode == second.returncode == 0, err_a + err_b
-    assert out_a == out_b  # one server, the same address for both
+    url = out_a.strip().removesuffix("/api")
+    assert out_b.startswith(f"Prefect UI:  {url} (the kept server") and f"Artifacts:   {url}/artifacts" in out_b
+    assert "prefect config set" not in out_b + err_b and not (tmp_path / "prefect" / "profiles.toml").exists()
     said = [line for line in (err_a + err_b).splitlines() if "kept for later runs" in line]
     assert len(said) == 1 and said[0].startswith("bardflow: Prefect server at http://127.0.0.1:"), err_a + err_b
     assert "stops after 60 min idle (bardflow server stop)" in said[0]
@@ -90,6 +103,19 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     )
     assert status.returncode == 0 and status.stdout.startswith(f"running at {record['url']} (pid {record['pid']}, up ")
     assert "stops after 59 min" in status.stdout or "stops after 60 min" in status.stdout, status.stdout
+
+    # A run's record answers after its command has returned (its UI link's page reads it).
+    ran = subprocess.run(
+        [sys.executable, "-c", A_FLOW_RUN],
+        cwd=REPO,
+        env={**env, "PREFECT_API_URL": f"{url}/api"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    flow_run = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{ran.stdout.strip()}", timeout=10).read())
+    assert flow_run["state"]["type"] == "COMPLETED"
 
     # kill -9: the Prefect server goes with it, and the next start replaces it, saying so.
     port = int(record["url"].rsplit(":", 1)[1])
@@ -106,6 +132,7 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
         while True:  # once the old server has let it go
             try:
                 taken.bind(("127.0.0.1", port))
+                taken.listen()  # as a program serving there does
                 break
             except OSError:
                 assert time.monotonic() < deadline, f"port {port} never came free"
