@@ -55,6 +55,10 @@ def _ui(args: argparse.Namespace) -> int:
     prepare_environment()
     if args.host != "127.0.0.1":
         return _ui_in_foreground(args.host, args.port or process.DEFAULT_PORT)
+    asked = f"http://127.0.0.1:{args.port}"
+    if args.port is not None and process.healthy(asked):  # a Prefect server there already: say so
+        print(f"Prefect UI:  {asked} (a server already there)\nArtifacts:   {asked}/artifacts", flush=True)
+        return 0
     server = process.chosen_server()
     if server is None:
         server = process.start_kept(port=args.port)  # says at once where, when it starts one
