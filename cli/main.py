@@ -192,7 +192,7 @@ def _terminal_run(verbose: bool, server: PrefectServer):
         if server.starting is not None:  # the kept server this run started
             preflight.load_training()  # while it starts
             wait_until_up(server.starting, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-        watch = watch_chosen(server.api_url, kept=server.kind == "kept")
+        watch = watch_chosen(server.api_url)
     asked = any(
         name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
     )

@@ -509,7 +509,7 @@ LATER_UI = "http://127.0.0.1:4200"  # where `bardflow ui` serves the runs of thi
 SILENT_FOR_S = 4.0  # a server that answers no health check for this long is gone
 
 
-def watch_chosen(api: str, every_s: float = 1.0, kept: bool = False):
+def watch_chosen(api: str, every_s: float = 1.0):
     """The same watch over a server the run found (the background one, PREFECT_API_URL),
     which is not this process's child: its health is asked every ``every_s`` seconds, and a
     server silent for ``SILENT_FOR_S`` stops the run in one line. The watch ends when the
@@ -529,14 +529,9 @@ def watch_chosen(api: str, every_s: float = 1.0, kept: bool = False):
                 reason = getattr(error, "reason", None) or error
                 silent_since = silent_since or time.monotonic()
             if time.monotonic() - silent_since >= SILENT_FOR_S and not done.is_set():
-                again = (
-                    "rerun the same command: it starts another and goes on"
-                    if kept
-                    else "start it again (`bardflow server start`) and rerun the same command to go on"
-                )
                 server_gone(
-                    f"the {'kept ' if kept else ''}Prefect server at {api} stopped answering mid-run ({reason}); "
-                    f"{again} ({GOING_ON})"
+                    f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
+                    f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})"
                 )
                 return
 
