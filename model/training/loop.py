@@ -372,33 +372,8 @@ def train(
     first = placement.put_batch(batch_at(start))
     global_batch, seq_len = first.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
-    dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
-    started = time.perf_counter()
-    shardings = placement.shardings(state)
-    seed = cfg.init_seed if model_from_state(graphdef, state).dropout > 0 else 0  # dropout's; unused without
-
-    def compiled_step(count: int = 0, example=first):
-        made = make_train_step(
-            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll, seed
-        )
-        return made.lower(state, example).compile(compiler_options=step.xla_options)
-
-    calls = StepCalls(compiled_step())
-    if step.steps_per_call > 1 and last - start > 1:  # an example of the stacked batches: their shape
-        stacked = placement.put_batch(np.stack([batch_at(start)] * step.steps_per_call), stacked=True)
-        calls = StepCalls(calls.one, compiled_step(step.steps_per_call, stacked), step.steps_per_call)
-    compile_s = time.perf_counter() - started
-    memory = step_memory(calls.several or calls.one, state)
-    device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
-    check_compiled_fits(
-        memory,
-        free_bytes(device),
-        f"{device.platform} device {device.id} ({device.device_kind})",
-        placement.layout,
-        step.remat,
-        passes,
-        len(placement.devices) if device.platform == "cpu" else 1,
-    )
+    dtype = jnp.dtype(step.precision)
+    calls, compile_s, memory = _compiled_calls(graphdef, state, first, batch_at, placement, cfg, step, start, last)
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
@@ -446,6 +421,43 @@ def train(
         resumed_layout=resumed_layout,
         kept=kept,
     )
+
+
+def _compiled_calls(
+    graphdef, state, first, batch_at, placement: Placement, cfg: TrainConfig, step: StepSettings, start: int, last: int
+):
+    """The step compiled ahead of time (one a call, and ``step.steps_per_call`` a call where
+    more than one step is left), the seconds that took, and the compiled step's memory, held
+    against the device's free memory before anything runs."""
+    dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
+    started = time.perf_counter()
+    shardings = placement.shardings(state)
+    seed = cfg.init_seed if model_from_state(graphdef, state).dropout > 0 else 0  # dropout's; unused without
+
+    def compiled_step(count: int = 0, example=first):
+        made = make_train_step(
+            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll, seed
+        )
+        return made.lower(state, example).compile(compiler_options=step.xla_options)
+
+    calls = StepCalls(compiled_step())
+    if step.steps_per_call > 1 and last - start > 1:  # an example of the stacked batches: their shape
+        stacked = placement.put_batch(np.stack([batch_at(start)] * step.steps_per_call), stacked=True)
+        calls = StepCalls(calls.one, compiled_step(step.steps_per_call, stacked), step.steps_per_call)
+    compile_s = time.perf_counter() - started
+    memory = step_memory(calls.several or calls.one, state)
+    device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
+    check_compiled_fits(
+        memory,
+        free_bytes(device),
+        f"{device.platform} device {device.id} ({device.device_kind})",
+        placement.layout,
+        step.remat,
+        passes,
+        len(placement.devices) if device.platform == "cpu" else 1,
+    )
+
+    return calls, compile_s, memory
 
 
 def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptState | None]:
