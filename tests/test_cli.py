@@ -418,6 +418,18 @@ def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_proce
     assert done.stdout.split("\n")[0] == "False (3, 'cpu') (3, 'cpu') False", done.stdout + done.stderr
 
 
+def test_presets_and_their_memory_table_load_no_jax():
+    """A GPU host's kit carries no JAX of its own and is checked without one: the presets and
+    their memory per device (which resolves the step settings) are read without importing it."""
+    code = (
+        "import sys; from bardflow.cli.main import main; rc = main(['presets', 'gpt2']); "
+        "print('imported:', [m for m in ('jax', 'flax', 'optax') if m in sys.modules]); sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "imported: []" in done.stdout, done.stdout[-2000:] + done.stderr
+    assert "memory_per_device" in done.stdout
+
+
 def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
     """A sweep's runs as --json has them (flows/records.py, Trial): ``trial`` is None but for a
     search's, and the failure line names the run's place then."""

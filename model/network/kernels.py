@@ -114,9 +114,9 @@ def attend(query, keys, values, visible):
 
 
 # cuDNN's fused (flash) attention: what it takes. Its scores never reach memory.
+# Its head-width limits live with the choice (``model/training/step_settings.py``), which a
+# machine without jax reads too.
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
-FUSED_HEAD_WIDTH = 8  # the head width is a multiple of this, and at most FUSED_MAX_HEAD_DIM
-FUSED_MAX_HEAD_DIM = 128
 
 
 @lru_cache(maxsize=16)

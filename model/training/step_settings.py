@@ -11,12 +11,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...config.settings import ConfigError, ModelConfig, TrainConfig
-from ..network.kernels import FUSED_HEAD_WIDTH, FUSED_MAX_HEAD_DIM
 from .run_records import StepChoice
 
 # Runs cuDNN's fused attention once at a run's shapes: (length, heads, head_dim, dtype) -> why
 # it failed, or None (``model/network/kernels.py``: fused_attention_problem).
 AttentionProbe = Callable[[int, int, int, str], str | None]
+# cuDNN's fused kernel takes a head width that is a multiple of this, up to the maximum.
+FUSED_HEAD_WIDTH = 8
+FUSED_MAX_HEAD_DIM = 128
 
 # XLA:CPU's YNNPACK fusions made the step's matrix products slower than its default dot
 # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md): off by default there.
