@@ -155,7 +155,6 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
         "bardflow_over_torch": torch_result and torch_result["ratio_median"],
         "bardflow_precision": dtype.name,
         "bardflow_rows_per_pass": batch // passes,
-        "flops_per_token": flops_per_token(cfg),
         **utilisation(cfg, result["b_median"], dtype.name),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "batch": [batch, seq_len],
@@ -166,30 +165,16 @@ def bench_train(cfg, pairs: int, steps: int) -> dict:
     }
 
 
-def flops_per_token(cfg) -> int:
-    """Training FLOPs per token, counted as PaLM's appendix does: 6 per weight of every
-    matrix product (2 forward, 4 backward), plus attention's 6 * 2 * layers * context * width
-    (scores and weighted sum; the causal half is not discounted). Embedding lookups are free."""
-    m, t = cfg.model, cfg.data.seq_len
-    per_layer = 4 * m.d_model * m.d_model + 2 * m.d_model * m.ffn_dim
-    matmul_weights = m.num_layers * per_layer + m.d_model * m.vocab_size
-    return 6 * matmul_weights + 12 * m.num_layers * t * m.d_model
-
-
-# Dense peak FLOP/s of the accelerators the benchmark knows, by device kind.
-PEAK_FLOPS = {
-    "NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
-    "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "float32": 67e12},
-}
-
-
 def utilisation(cfg, tokens_per_s: float, precision: str) -> dict:
+    """Model FLOPs utilization of one device as the training manifest counts it
+    (``model/training/utilization.py``: its formula and its table of peaks)."""
     import jax
 
+    from bardflow.model.training.utilization import utilization
+
     kind = jax.devices()[0].device_kind
-    peak = PEAK_FLOPS.get(kind, {}).get(precision)
-    achieved = tokens_per_s * flops_per_token(cfg)
-    return {"achieved_tflops": achieved / 1e12, "device_kind": kind, "mfu": achieved / peak if peak else None}
+    used = utilization(cfg.model, cfg.data.seq_len, tokens_per_s, 1, kind, precision)
+    return {"achieved_tflops": tokens_per_s * used["flops_per_token"] / 1e12, **used}
 
 
 def bench_precision(mode: Mode) -> dict:
