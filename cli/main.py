@@ -32,8 +32,12 @@ from ..model.training import stopping
 from ..server.process import (
     SERVER_MODE,
     PrefectServer,
+    ServerError,
     check_chosen_server,
     chosen_server,
+    full_database,
+    refuse_full_database,
+    silence_prefect,
     start_embedded,
     start_kept,
 )
@@ -128,6 +132,7 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
         # here while this process waits for it: _terminal_run.)
         preflight.count_devices_meanwhile()
     check_chosen_server(server)
+    refuse_full_database(server)
     if getattr(args, "pool", None) and server is None:
         raise UsageError(
             f"--pool {args.pool} needs a Prefect server that its workers share: start one "
@@ -192,13 +197,19 @@ def _terminal_run(verbose: bool, server: PrefectServer):
         if server.starting is not None:  # the kept server this run started
             preflight.load_training()  # while it starts
             wait_until_up(server.starting, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-        watch = watch_chosen(server.api_url)
+        watch = watch_chosen(server.api_url, rerun_starts_one=server.by_a_run)
     asked = any(
         name in os.environ for name in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
     )
     try:
         with nullcontext() if asked else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+    except Exception as error:
+        line = full_database(error, server)
+        if line is None:
+            raise
+        silence_prefect()
+        raise ServerError(line) from error
     finally:
         if watch is not None:
             watch.set()

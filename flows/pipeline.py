@@ -31,6 +31,7 @@ from ..model.errors import BardflowError
 from ..model.training import stopping
 from ..model.training.distributed import hardware
 from ..server import notify
+from ..server.process import full_database, server_gone, serving_this_process
 from ..server.slots import training_slot
 from ..tasks.compare import overfitting
 from ..tasks.registry import HISTORY, STAGES
@@ -96,13 +97,17 @@ def _stage_task(stage: Stage):
             version, built = produce(
                 stage, settings, upstream, checked_store(store), force, notice=logger.warning, around=around
             )
-        except BaseException:
-            # The run's server is gone (model/training/stopping.py, fail): the stage has saved what it
-            # could and cleaned up on its way here; Prefect can report nothing more. End now.
+            if built:  # what the UI shows of it, from its figures and files
+                publish(stage.name, version, upstream)
+        except BaseException as error:
+            # The run's server is gone (model/training/stopping.py, fail), or cannot write its
+            # database (its disk full): the stage has saved what it could and cleaned up on its
+            # way here; Prefect can report nothing more. End now, in one line.
+            line = full_database(error, serving_this_process()) if isinstance(error, Exception) else None
+            if line is not None:
+                server_gone(line)
             stopping.end_if_failed()
             raise
-        if built:  # what the UI shows of it, from its figures and files
-            publish(stage.name, version, upstream)
         if built and version.same_as_stored:
             return Completed(
                 data=version,

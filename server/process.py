@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,9 @@ class PrefectServer:
     kind: str
     embedded: EmbeddedServer | None = None
     starting: dict | None = None  # a kept server this command started: its record, until it answers
+    # A kept server a run started by itself: the next run starts another if it is gone. One a
+    # person started (``bardflow server start``, perhaps on PostgreSQL) is theirs to start again.
+    by_a_run: bool = False
 
     @property
     def url(self) -> str:
@@ -186,7 +190,7 @@ def use_running_server() -> PrefectServer | None:
     record = running()
     if record is None:
         return None
-    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept"))
+    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept", by_a_run=record.get("by") == "run"))
 
 
 def start_kept(port: int | None = None) -> PrefectServer:
@@ -195,7 +199,7 @@ def start_kept(port: int | None = None) -> PrefectServer:
     when this run started it, and what became of an earlier one."""
     idle_s = 60 * idle_minutes()
     poll_s = max(0.5, min(15.0, idle_s / 4)) if idle_s else 15.0
-    record, started, earlier = start(port=port, idle_s=idle_s, poll_s=poll_s)
+    record, started, earlier = start(port=port, idle_s=idle_s, poll_s=poll_s, by="run")
     if earlier:
         print(f"bardflow: {earlier}", file=sys.stderr, flush=True)
     if started:
@@ -206,7 +210,11 @@ def start_kept(port: int | None = None) -> PrefectServer:
             file=sys.stderr,
             flush=True,
         )
-    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept", starting=record if started else None))
+    return _point_prefect_at(
+        PrefectServer(
+            f"{record['url']}/api", "kept", starting=record if started else None, by_a_run=record.get("by") == "run"
+        )
+    )
 
 
 DATABASE = "PREFECT_API_DATABASE_CONNECTION_URL"
@@ -228,6 +236,73 @@ def database_url(url: str) -> str:
         f"--database {url!r}: Prefect's server keeps its state in PostgreSQL (postgresql://…) "
         "or SQLite (sqlite:///path)"
     )
+
+
+# A run writes a few MB of records (states, logs, events) into the server's database, and
+# SQLite needs room for its journal beside them: less free than this is refused before a run.
+DATABASE_ROOM = 32 * 2**20
+
+
+def database_folder(server: PrefectServer | None) -> Path | None:
+    """Where the SQLite database of the server a run reports to lies on this machine: the one
+    a run would start (``server`` None), its own or a kept one; None for PostgreSQL or a server
+    chosen with PREFECT_API_URL, whose disk is not this command's to judge."""
+    url = os.environ.get(DATABASE, "")
+    if server is not None and server.kind == "kept":
+        record = _record() or {}
+        url = str(record.get("database", ""))
+        url = "" if url.startswith("sqlite (in ") else url
+    elif server is not None and server.kind != "embedded":
+        return None
+    if not url:
+        return prefect_home()
+    scheme, _, rest = url.partition("://")
+    return Path(rest.lstrip("/")).parent if scheme.startswith("sqlite") else None
+
+
+def database_room_problem(folder: Path, need: int = DATABASE_ROOM) -> str | None:
+    """Why a run cannot keep its records in the SQLite database in ``folder`` (its disk full,
+    or nearly), in one line; None when there is room."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if free >= need:
+        return None
+    return (
+        f"the disk under the Prefect database in {folder} has {free / 2**20:.1f} MiB free, and a run's records "
+        f"need room there ({need // 2**20} MiB); free some space on it, or set PREFECT_HOME to a folder on a disk "
+        "with room"
+    )
+
+
+def refuse_full_database(server: PrefectServer | None) -> None:
+    """Before a run: a ServerError when its server's SQLite database has no room to grow."""
+    folder = database_folder(server)
+    problem = None if folder is None else database_room_problem(folder)
+    if problem is not None:
+        raise ServerError(problem)
+
+
+def full_database(error: BaseException, server: PrefectServer | None) -> str | None:
+    """One line for a run that failed because its server could not write its SQLite database
+    (the disk filled mid-run: Prefect answers 500, the server's log says "database or disk is
+    full"); None for any other error."""
+    if type(error).__name__ != "PrefectHTTPStatusError" and "database or disk is full" not in str(error):
+        return None
+    folder = database_folder(server)
+    problem = None if folder is None else database_room_problem(folder)
+    if problem is None:
+        return None
+    return f"{problem}, then rerun the same command to go on ({GOING_ON})"
+
+
+def serving_this_process() -> PrefectServer | None:
+    """The server this process's runs report to (PREFECT_API_URL, as bardflow set it), as
+    ``database_folder`` judges it: the kept one where its record names that address."""
+    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    record = _record() or {}
+    if api and api == f"{record.get('url')}/api":
+        return PrefectServer(api, "kept")
+    return PrefectServer(api, "embedded") if api.startswith("http://127.0.0.1:") else None
 
 
 def _shown(url: str) -> str:
@@ -278,11 +353,13 @@ def start(
     idle_s: float = 0.0,
     poll_s: float = 15.0,
     wait_s: float = 180.0,
+    by: str = "command",
 ) -> tuple[dict, bool, str]:
     """The kept server's record, whether this call started it, and what became of an earlier
     one ('' when nothing is to be said). One already up of these versions is kept, whatever
     its port; one of other versions is replaced. A port given is used or refused; without one,
-    4200 if it is free, else another free port. Returns once the new server's process runs;
+    4200 if it is free, else another free port. ``by``: who starts it, "run" (by itself) or
+    "command" (``bardflow server start``), as its record keeps. Returns once the new server's process runs;
     ``wait_until_up`` waits for its API."""
     with _start_lock():
         found = running(wait_s=wait_s)
@@ -333,6 +410,7 @@ def start(
             "versions": versions(),
             "started": time.time(),
             "idle_s": idle_s,
+            "by": by,
             "state": "starting",
         }
         _write(record)
@@ -509,11 +587,12 @@ LATER_UI = "http://127.0.0.1:4200"  # where `bardflow ui` serves the runs of thi
 SILENT_FOR_S = 4.0  # a server that answers no health check for this long is gone
 
 
-def watch_chosen(api: str, every_s: float = 1.0):
+def watch_chosen(api: str, every_s: float = 1.0, rerun_starts_one: bool = False):
     """The same watch over a server the run found (the background one, PREFECT_API_URL),
     which is not this process's child: its health is asked every ``every_s`` seconds, and a
     server silent for ``SILENT_FOR_S`` stops the run in one line. The watch ends when the
-    event it returns is set (the run's end: the process may go on, as a caller's does)."""
+    event it returns is set (the run's end: the process may go on, as a caller's does).
+    ``rerun_starts_one``: the server is a kept one a run started, which the rerun replaces by itself."""
     import threading
 
     done = threading.Event()
@@ -529,10 +608,12 @@ def watch_chosen(api: str, every_s: float = 1.0):
                 reason = getattr(error, "reason", None) or error
                 silent_since = silent_since or time.monotonic()
             if time.monotonic() - silent_since >= SILENT_FOR_S and not done.is_set():
-                server_gone(
-                    f"the Prefect server at {api} stopped answering mid-run ({reason}); start it again "
-                    f"(`bardflow server start`) and rerun the same command to go on ({GOING_ON})"
+                again = (
+                    "rerun the same command: it starts another and goes on"
+                    if rerun_starts_one
+                    else "start it again (`bardflow server start`) and rerun the same command to go on"
                 )
+                server_gone(f"the Prefect server at {api} stopped answering mid-run ({reason}); {again} ({GOING_ON})")
                 return
 
     threading.Thread(target=poll, name="bardflow-server-watch", daemon=True).start()
@@ -540,18 +621,26 @@ def watch_chosen(api: str, every_s: float = 1.0):
 
 
 def server_gone(why: str) -> None:
-    """Stops the run for a server that is gone. What Prefect still holds for it (events,
-    logs, state reports) can no longer be sent: its retries and their warnings are silenced,
-    so that the run's last line is the one that says what happened."""
-    import logging
-
+    """Stops the run for a server that is gone, or cannot write its database: the run's last
+    line is ``why`` (``silence_prefect``)."""
     from ..model.training import stopping
+
+    silence_prefect()
+    stopping.fail(why)
+
+
+def silence_prefect() -> None:
+    """What Prefect still holds for a server that cannot take it (events, logs, state reports)
+    can no longer be sent: its retries and their warnings are silenced, so that the line that
+    says what happened is the command's last."""
+    import logging
 
     known = [name for name in logging.root.manager.loggerDict if name.startswith("prefect")]
     for name in (*known, "prefect", "EventsWorker", "APILogWorker"):
         # A filter, not a level: Prefect's internal loggers answer to a setting of their own.
         logging.getLogger(name).addFilter(lambda record: False)
-    stopping.fail(why)
+    # Prefect's log worker writes its failures to send straight to stderr unless this stdlib flag is off.
+    logging.raiseExceptions = False
 
 
 def start_embedded() -> PrefectServer:

@@ -10,9 +10,12 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,6 +54,29 @@ A_FLOW_RUN = (  # a run on the server Prefect's settings name, as a pipeline run
     "    return 1\n"
     "print(shortest(return_state=True).state_details.flow_run_id)\n"
 )
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        f"{url}/api{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+
+def _load(url: str, stop: threading.Event, made: list[str]) -> None:
+    """Flow runs written as fast as the server takes them (finished ones: none stays in
+    progress, so the next server can still go idle), until ``stop`` or the server is gone. A
+    503 (SQLite busy) is retried, as Prefect's client does."""
+    flow = _post(url, "/flows/", {"name": "load"})["id"]
+    while not stop.is_set():
+        try:
+            made.append(_post(url, "/flow_runs/", {"flow_id": flow, "state": {"type": "COMPLETED"}})["id"])
+        except urllib.error.HTTPError as error:
+            if error.code != 503:
+                raise
+            time.sleep(0.05)
+        except OSError:
+            return
 
 
 def _record(tmp_path: Path) -> dict:
@@ -117,14 +143,24 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     flow_run = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{ran.stdout.strip()}", timeout=10).read())
     assert flow_run["state"]["type"] == "COMPLETED"
 
-    # kill -9: the Prefect server goes with it, and the next start replaces it, saying so.
+    # kill -9 while flow runs are being written: the Prefect server goes with it, and the next
+    # start replaces it, saying so, on the same database.
     port = int(record["url"].rsplit(":", 1)[1])
+    stop, made = threading.Event(), []
+    load = threading.Thread(target=_load, args=(url, stop, made))
+    load.start()
+    deadline = time.monotonic() + 60
+    while len(made) < 20 and load.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(made) >= 20, "the server took no load"
     os.kill(record["pid"], signal.SIGKILL)
     assert _gone(record["pid"], 5)
     deadline = time.monotonic() + 30
     while _answers(record["url"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _answers(record["url"])
+    stop.set()
+    load.join(timeout=30)
     idle = _env(tmp_path, "0.05")  # 3 s
     with socket.socket() as taken:  # its port taken by another program meanwhile: another port
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old one's closed connections
@@ -143,13 +179,19 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     assert f"the kept server (pid {record['pid']}) had stopped without a word: started another" in err
     assert out.strip() != f"{record['url']}/api"
     renewed = _record(tmp_path)
-    assert renewed["pid"] != record["pid"] and _answers(renewed["url"])
+    assert renewed["pid"] != record["pid"] and renewed["by"] == "run" and _answers(renewed["url"])
+    # What the killed server had committed is there: the run before the load, and the load's.
+    for earlier in (ran.stdout.strip(), made[0]):
+        read = json.loads(urllib.request.urlopen(f"{renewed['url']}/api/flow_runs/{earlier}", timeout=10).read())
+        assert read["state"]["type"] == "COMPLETED"
 
     # Idle for its stretch: it stops by itself; nothing of it runs, its record says so.
     assert _gone(renewed["pid"], 60)
     assert not _answers(renewed["url"])
     stopped = _record(tmp_path)
     assert stopped["state"] == "stopped" and stopped["why"] == "idle for 3 s", stopped
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as database:
+        assert database.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
     status = subprocess.run(
         [sys.executable, "-m", "bardflow", "server", "status"], cwd=REPO, env=env, capture_output=True, text=True
     )

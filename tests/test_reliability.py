@@ -15,7 +15,7 @@ from bardflow.artifacts.store import Store
 from bardflow.config.settings import DataConfig
 from bardflow.tasks.registry import FETCH
 from bardflow.tasks.stage import produce
-from tests.helpers import base_args, call, checkpoint_steps, finish, md5_bytes, play_text, start
+from tests.helpers import bardflow, base_args, call, checkpoint_steps, finish, md5_bytes, play_text, start
 
 pytestmark = pytest.mark.flow
 
@@ -202,6 +202,24 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
         for name, s in json.loads(call(*base_args(corpus, store, devices=1), env=run_env).stdout)["stages"].items()
     }
     assert states["encode"] == "cached" and states["train_single"] == "ran"
+
+
+@pytest.mark.parametrize("small_disk", ["8m"], indirect=True)
+@pytest.mark.parametrize("server", ["kept", "embedded"])
+def test_a_prefect_database_on_a_full_disk_is_refused_in_one_line_before_any_work(small_disk, server, corpus, tmp_path):
+    """The server a run would start keeps its SQLite database in PREFECT_HOME: with no room to
+    grow there, the run is refused before a server starts or a stage runs (a full disk
+    mid-run ends in the same line: server/process.py, full_database)."""
+    env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(small_disk / "prefect"), BARDFLOW_CACHE_DIR=str(tmp_path / "cache"))
+    env["BARDFLOW_SERVER"] = server
+    store = tmp_path / "store"
+    done = bardflow(*base_args(corpus, store, devices=1), env=env, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"bardflow: error: the disk under the Prefect database in {small_disk / 'prefect'} has ")
+    assert "set PREFECT_HOME to a folder on a disk with room" in line
+    assert not store.exists() and not (tmp_path / "cache" / "servers").exists()
 
 
 @pytest.mark.flow
