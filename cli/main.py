@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..config import config_file
 from ..config.config_file import parse_assignment
+from ..config.machine import install_hint
 from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..flows import cluster, preflight
 from ..flows.environment import (
@@ -251,7 +252,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         from importlib.util import find_spec
 
         if find_spec("optuna") is None:  # refused before a run is recorded, not by the failed sweep
-            raise UsageError("--search needs Optuna: pip install 'bardflow[search]'")
+            raise UsageError(f"--search needs Optuna: {install_hint('search')}")
     if args.search is not None and not 1 <= args.search <= (args.max_runs or MAX_SWEEP_RUNS):
         raise UsageError(
             f"--search takes 1 to {args.max_runs or MAX_SWEEP_RUNS} trials (raise the limit with --max-runs)"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import cast
 
-from ..config.machine import cache_dir
+from ..config.machine import cache_dir, install_hint
 from ..config.settings import PRESETS
 from ..model.errors import BardflowError
 from ..model.training.distributed import CPU_DEVICE_FLAG
@@ -121,7 +121,7 @@ def store_credentials() -> str | None:
         from prefect_aws import AwsCredentials
         from pydantic import SecretStr
     except ImportError:
-        raise ConfigError(f"{STORE_CREDENTIALS} needs prefect-aws: pip install 'bardflow[aws]'") from None
+        raise ConfigError(f"{STORE_CREDENTIALS} needs prefect-aws: {install_hint('aws')}") from None
     try:
         found = cast("AwsCredentials", AwsCredentials.load(block))  # the synchronous call's result
     except ValueError:

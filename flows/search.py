@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts.objects import ObjectStore, checked_store
+from ..config.machine import install_hint
 from ..config.settings import Overrides
 from ..model.errors import BardflowError
 from .records import StageRow, Trial
@@ -46,7 +47,7 @@ class Search:
         try:
             import optuna
         except ImportError:
-            raise SearchError("--search needs Optuna: pip install 'bardflow[search]'") from None
+            raise SearchError(f"--search needs Optuna: {install_hint('search')}") from None
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from ..artifacts.store import Version
+from ..config.machine import install_hint
 from ..config.settings import ConfigError, PipelineConfig, TrackConfig, TrackingTarget
 from ..model.training import trackers as tracking
 
@@ -54,8 +55,7 @@ def check_installed(track: TrackConfig) -> None:
     for kind, (module, extra) in EXTRAS.items():
         if getattr(track, kind) is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(
-                f"tracking with {kind} needs the {module} package, which is not installed: "
-                f"pip install 'bardflow[{extra}]'"
+                f"tracking with {kind} needs the {module} package, which is not installed: {install_hint(extra)}"
             )
 
 

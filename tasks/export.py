@@ -24,6 +24,7 @@ import numpy as np
 
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version, file_digest
+from ..config.machine import install_hint
 from ..config.settings import ModelConfig
 from ..model.errors import BardflowError
 from ..model.inference.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
@@ -41,6 +42,10 @@ CHECK = Path(__file__).with_name("export_check.py")
 
 WEIGHTS, CONFIG, FORWARD, CHECKSUMS = "model.safetensors", "config.json", "forward.jax", "checksums.json"
 HF = "hf"  # the transformers folder, inside the export
+# Beside it: whether transformers loaded it, and what it computed. A file of the version, so
+# that a refresh whose check ran where the stored version's could not is a new output, not
+# "the same" (its record would otherwise keep saying "not checked").
+HF_RECORD = "hf_check.json"
 HF_CHECK = Path(__file__).with_name("hf_check.py")
 HF_TOLERANCE = 1e-4
 HF_CHECKING = "BARDFLOW_HF_CHECK"  # off: hf/ is written but not loaded with transformers
@@ -119,9 +124,7 @@ def hf_checking() -> str | None:
     if os.environ.get(HF_CHECKING, "").lower() == "off":
         return f"not checked ({HF_CHECKING}=off)"
     if find_spec("torch") is None or find_spec("transformers") is None:
-        return (
-            "not checked: torch and transformers are not installed (pip install 'bardflow[hf]', then --refresh export)"
-        )
+        return f"not checked: torch and transformers are not installed ({install_hint('hf')}, then --refresh export)"
     return None
 
 
@@ -158,6 +161,9 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
             f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export"
         )
     hf = _hf(folder / HF, model, cfg, params)
+    if (folder / HF).is_dir():
+        kept = {name: value for name, value in hf.items() if name not in ("check_s", "greedy_ids")}  # no timings
+        (folder / HF_RECORD).write_text(json.dumps(kept, indent=1, sort_keys=True))
     write_checksums(folder)  # now with hf/
     ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}

@@ -85,11 +85,12 @@ CHECKPOINT = Stage(
     builds=("model",),
     headline=("parameters", "bytes"),
 )
-# "4": checksums.json covers the transformers folder's files too. "2": the folder holds
-# checksums.json, the sha256 of its other files.
+# "5": hf_check.json records the transformers check beside hf/. "4": checksums.json covers the
+# transformers folder's files too. "2": the folder holds checksums.json, the sha256 of its
+# other files.
 EXPORT = Stage(
     "export",
-    "4",
+    "5",
     reads=("checkpoint",),
     settings=lambda run: {},
     builds=("export",),

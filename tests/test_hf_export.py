@@ -198,5 +198,9 @@ def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp
     monkeypatch.delenv(export.HF_CHECKING, raising=False)
     model = build_model(cfg, 0)
     found = export._hf(tmp_path / "hf", model, cfg, flat_params(model))
-    assert found["checked"] is False and "pip install 'bardflow[hf]'" in found["status"]
+    # The install hint fits where bardflow is: this clone's editable install takes its extra from here.
+    from bardflow.config.machine import install_hint
+
+    assert install_hint("hf").startswith("pip install -e '") and install_hint("hf").endswith("[hf]'")
+    assert found["checked"] is False and f"({install_hint('hf')}, then --refresh export)" in found["status"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"

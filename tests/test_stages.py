@@ -164,6 +164,7 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
         "config.json",
         "forward.jax",
         "hf",
+        "hf_check.json",
         "model.safetensors",
     ]
     # The transformers folder beside it (tests/test_hf_export.py loads such folders with
@@ -176,6 +177,8 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
         "tokenizer_config.json",
     ]
     assert exported.manifest["hf"]["status"].startswith("not checked") and exported.metrics["hf_checked"] is False
+    # ... in a file of the version too, so that a refresh whose check runs is a new output.
+    assert json.loads((folder / "hf_check.json").read_text())["status"] == exported.manifest["hf"]["status"]
     sums = json.loads((folder / "checksums.json").read_text())["sha256"]  # every file, hf/'s too
     assert sorted(sums) == sorted(
         p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != "checksums.json"
@@ -186,6 +189,19 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     assert all(np.array_equal(weights[name], ours[name]) for name in ours)
     assert exported.metrics["max_abs_diff"] <= 1e-5 and exported.metrics["platforms"] == "cpu,cuda"
     assert json.loads((folder / "config.json").read_text())["max_seq_len"] == cfg.model.max_seq_len
+
+    # A refresh whose transformers check comes out otherwise (here: transformers missing, where
+    # the first had the check switched off; after `pip install`, checked) is a new version whose
+    # record says so, not "the same output" with the stored record kept.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with monkeypatch.context() as patched:
+        patched.delenv(export.HF_CHECKING)
+        patched.setattr(importlib.util, "find_spec", lambda n, *r: None if n == "transformers" else real(n, *r))
+        refreshed, built = produce(EXPORT, {}, {"checkpoint": saved}, Store(store), force=True)
+    assert built and not refreshed.same_as_stored and refreshed.key == exported.key
+    assert "pip install" in Store(store).require(refreshed).manifest["hf"]["status"]
 
     def nudged(folder, model, cfg):  # an export whose weights are not the checkpoint's
         held = write(folder, model, cfg)
