@@ -92,6 +92,31 @@ def time_left(seconds: float) -> str:
     return f"ETA {whole} s" if whole < 60 else f"ETA {whole // 60} min {whole % 60:02d} s"
 
 
+def _log_lines_through(stream: Any, proxy: Any) -> list[Callable[[], None]]:
+    """While a bar is live, rich's ``proxy`` stands for stderr and prints each line above the
+    bar; log handlers hold the stream they were made with and would write over the bar's
+    line. Each handler on ``stream`` (Prefect's console handler prints through a rich console
+    of its own) writes through ``proxy`` until the returned calls undo it."""
+    import logging
+
+    if proxy is stream:
+        return []
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    undo: list[Callable[[], None]] = []
+    for handler in {h for logger in loggers for h in logger.handlers}:
+        console = getattr(handler, "console", None)
+        if console is not None and getattr(console, "file", None) is stream:
+            console.file = proxy
+            undo.append(lambda console=console: setattr(console, "file", stream))
+        elif isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+            handler.setStream(proxy)
+            undo.append(lambda handler=handler: handler.setStream(stream))
+    return undo
+
+
 class Progress:
     """A terminal bar plus a throttled progress artifact in the UI (each update is an
     HTTP call of tens of milliseconds, so at most one every ``every_s`` seconds).
@@ -139,6 +164,7 @@ class Progress:
             self._sender.start()
         import shutil
 
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -160,9 +186,12 @@ class Progress:
             TimeRemainingColumn(),
             transient=False,
             disable=not sys.stderr.isatty(),
+            console=Console(stderr=True),  # beside the log, off stdout (which --json keeps for itself)
         )
         self._task = self._bar.add_task(label, total=total)
+        before = sys.stderr
         self._bar.start()
+        self._restore = [] if self._bar.disable else _log_lines_through(before, sys.stderr)
 
     def __call__(self, done: int, total: int | None = None) -> None:
         if total is not None and total != self.total:  # a download's size comes with its answer
@@ -226,6 +255,9 @@ class Progress:
         """Ends the bar; the last update goes to the server (waited for up to CLOSE_WAIT_S
         unless ``wait`` is false: a stage that failed or stopped, maybe for want of a server)."""
         self._bar.stop()
+        for restore in self._restore:
+            restore()
+        self._restore = []
         if self._sender is not None:
             with self._wake:
                 self._closed = True

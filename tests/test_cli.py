@@ -430,6 +430,50 @@ def test_presets_and_their_memory_table_load_no_jax():
     assert "memory_per_device" in done.stdout
 
 
+BAR_AND_A_LOG_LINE = """
+import logging, sys, time
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+logging.getLogger("probe").addHandler(handler)
+logging.getLogger("probe").setLevel(logging.INFO)
+from bardflow.artifacts import ui
+with ui.Progress("train_single", 30, "train_single (1 cpu device, 30 of 460 steps)") as bar:
+    for step in range(30):
+        bar(step + 1)
+        if step == 10:
+            logging.getLogger("probe").info("measuring 4 training step settings")
+        time.sleep(0.01)
+"""
+
+
+def test_a_log_line_during_a_live_bar_prints_above_it_on_a_line_of_its_own():
+    """At a terminal (a pseudo-terminal here, 80 columns) a log line written while a bar is
+    drawn clears the bar's line and prints there; the bar is drawn again below it."""
+    import pty
+    import re
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "80", "TERM": "xterm", "DO_NOT_TRACK": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", BAR_AND_A_LOG_LINE], stdin=follower, stdout=follower, stderr=follower, env=env, cwd=REPO
+    )
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the other end closed: the process is done
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert process.wait(timeout=60) == 0, out.decode(errors="replace")[-2000:]
+    text = out.decode(errors="replace")
+    assert "30/30" in text, text[-2000:]
+    assert re.search(r"(\r\x1b\[2K|\n)\d\d:\d\d:\d\d measuring 4 training step settings\r?\n", text), text[-2000:]
+
+
 def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
     """A sweep's runs as --json has them (flows/records.py, Trial): ``trial`` is None but for a
     search's, and the failure line names the run's place then."""
