@@ -133,6 +133,54 @@ def diff(a: Version, b: Version, manifests: dict[tuple[str, str], Manifest]) -> 
     }
 
 
+KEY_SHOWN = 8  # enough to tell versions apart, and what `bardflow runs A B` takes
+SHOWN_SETTINGS = 4  # a table's cell lists this many settings that differ, then how many more
+
+
+def short_settings(differs: dict[str, Any]) -> str:
+    """A cell's settings, one to a line: each by its last name where that is unambiguous
+    (``steps=500`` for train.steps), a corpus by its name alone, at most ``SHOWN_SETTINGS``."""
+    last = [key.rsplit(".", 1)[-1] for key in differs]
+    lines = []
+    for key, value in differs.items():
+        name = key.rsplit(".", 1)[-1] if last.count(key.rsplit(".", 1)[-1]) == 1 else key
+        if key == "corpus" and isinstance(value, str):
+            value = value.split(" (", 1)[0]  # its size and md5: bardflow runs A B, or --json
+        lines.append(f"{name}={value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+    more = len(lines) - SHOWN_SETTINGS
+    return "\n".join(lines[:SHOWN_SETTINGS] + ([f"+{more} more"] if more > 0 else []))
+
+
+def listing_table(rows: list[dict[str, Any]], title: str, width: int | None = None):
+    """``listing``'s rows as a table that fits the terminal (or ``width``)."""
+    from .tables import Column, fitted, short_time
+
+    # The loss and speed first; what the versions differ in before the training time (which
+    # the speed tells too), abbreviated; the date goes first (--json: all of it).
+    columns = [
+        Column("training", 6),
+        Column("key", 5),
+        Column("val loss", 5),
+        Column("tokens/s", 4),
+        Column("training s", 2),
+        Column("differs in", 3, text=True),
+        Column("created", 1),
+    ]
+    cells = [
+        [
+            row["stage"].removeprefix("train_"),
+            row["key"][:KEY_SHOWN],
+            "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
+            "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+            "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}",
+            short_settings(row["differs"]),
+            short_time(row["created"]),
+        ]
+        for row in rows
+    ]
+    return fitted(f"{title} (keys: their first {KEY_SHOWN} characters)", columns, cells, width=width)
+
+
 def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
     versions, manifests = trained_versions(root)
     if keys:
@@ -150,33 +198,10 @@ def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
         for column in ("", "A", "B", "B − A"):
             table.add_column(column, overflow="fold")
         for key, pair in result["differences"].items():
-            table.add_row(key, json.dumps(pair["a"]), json.dumps(pair["b"]), "")
+            table.add_row(key, json.dumps(pair["a"], ensure_ascii=False), json.dumps(pair["b"], ensure_ascii=False), "")
         for name, figure in result["figures"].items():
             delta = figure["b_minus_a"]
             table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
     else:
-        from .tables import Column, fitted, short_time
-
-        columns = [
-            Column("stage", 5),
-            Column("key", 4),
-            Column("created", 0),
-            Column("settings that differ", 3, text=True),
-            Column("val loss", 3),
-            Column("tokens/s", 2),
-            Column("training s", 1),
-        ]
-        cells = [
-            [
-                row["stage"],
-                row["key"],
-                short_time(row["created"]),
-                "\n".join(f"{k}={json.dumps(v)}" for k, v in row["differs"].items()),
-                "—" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
-                "—" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
-                "—" if row["elapsed_s"] is None else f"{row['elapsed_s']:.1f}",
-            ]
-            for row in result
-        ]
-        table = fitted(f"trained versions in {root}, newest first", columns, cells)
+        table = listing_table(result, f"trained versions in {root}, newest first")
     Console().print(table)

@@ -268,6 +268,40 @@ def test_tables_leave_columns_out_rather_than_break_a_number_a_key_or_a_date(cap
         assert ("2026-12-01 06:35" in text) == (width == 120), text  # whole, or left out
 
 
+def test_the_runs_table_shows_its_figures_first_and_abbreviates_the_settings():
+    """`bardflow runs` at 80 and 120 columns: every figure of every version, whole; the
+    settings that differ by their last names, at most four and how many more; a corpus by its
+    name (no escaped characters); the creation date is what goes first."""
+    from rich.console import Console
+
+    from bardflow.cli.runs import listing_table
+
+    differs = {f"train.setting_{n}": n for n in range(18)}
+    differs.update({"model.d_model": 64, "corpus": "play.txt (20,000 bytes, md5 6fb458f12320\u2026)"})
+    rows = [
+        {
+            "stage": stage,
+            "key": key,
+            "created": "2026-12-01T06:35:50Z",
+            "differs": differs,
+            "val_loss": 1.68691,
+            "tokens_per_s": 21925.7,
+            "elapsed_s": 62.4,
+        }
+        for stage, key in (("train_single", "ddc481f338a2"), ("train_parallel", "0123456789ab"))
+    ]
+    for width in (80, 120):
+        console = Console(width=width, record=True)
+        console.print(listing_table(rows, "trained versions", width=width))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        for value in ("ddc481f3", "01234567", "1.6869", "21,926", "62.4", "single", "parallel", "differs in"):
+            assert value in text, text
+        assert "\\u2026" not in text and "+16 more" in text and "setting_0=0" in text, text
+        assert "train.setting_0" not in text and "20,000 bytes" not in text, text
+    assert "2026-12-01 06:35" in text  # at 120 columns; the first left out at 80
+
+
 def test_a_sweep_table_keeps_the_setting_its_runs_differ_in(capsys, monkeypatch):
     """At 80 columns, settings that every run shares go before the one the runs differ in
     (which, being rightmost, used to be the first setting left out)."""
