@@ -133,10 +133,12 @@ def parser() -> argparse.ArgumentParser:
 
     presets = commands.add_parser(
         "presets",
-        help="show each preset's full configuration",
-        description="Print the configuration of each preset (or one) as JSON.",
+        help="show the presets, or one preset and its memory per device",
+        description="A table of the presets (or one preset, and its memory per device on a GPU and a CPU); "
+        "--json prints every field, --yaml one preset as a config file.",
     )
     presets.add_argument("name", nargs="?", choices=PRESET_NAMES[1:])
+    presets.add_argument("--json", action="store_true", help="print every field as JSON instead of a table")
     presets.add_argument(
         "--yaml",
         action="store_true",

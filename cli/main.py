@@ -305,10 +305,14 @@ def _presets(args: argparse.Namespace) -> int:
         print(config_file.as_yaml(args.name), end="")
         return 0
     names = [args.name] if args.name else list(PRESETS)
-    shown = {n: build_config(n).model_dump(mode="json") for n in names}
-    if args.name:  # and what one device would hold, before a run finds out
-        shown["memory_per_device"] = preflight.memory_table(build_config(args.name))
-    print(json.dumps(shown, indent=2))
+    if args.json:
+        shown = {n: build_config(n).model_dump(mode="json") for n in names}
+        if args.name:  # and what one device would hold, before a run finds out
+            shown["memory_per_device"] = preflight.memory_table(build_config(args.name))
+        print(json.dumps(shown, indent=2))
+        return 0
+    configs = {n: build_config(n) for n in names}
+    printing.print_presets(configs, preflight.memory_table(configs[args.name]) if args.name else None)
     return 0
 
 

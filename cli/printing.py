@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..artifacts.store import Metrics
 from ..tasks.registry import BY_NAME
 from .tables import Column, fitted, short_time
+
+if TYPE_CHECKING:
+    from ..config.settings import PipelineConfig
 
 SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
 
@@ -184,3 +187,64 @@ def show(result: dict[str, Any], as_json: bool, table) -> None:
         print(json.dumps(result, indent=1))
     else:
         table(result)
+
+
+def preset_row(cfg: PipelineConfig) -> dict[str, Any]:
+    """A preset at a glance: the README's table's columns."""
+    from ..model.network.parameters import parameters
+
+    data, model, train = cfg.data, cfg.model, cfg.train
+    return {
+        "seq_len": data.seq_len,
+        "layers": model.num_layers,
+        "d_model": model.d_model,
+        "heads": model.num_heads,
+        "positions": model.positions,
+        "steps": train.steps,
+        "single-device steps": train.single_device_steps or train.steps,
+        "batch per device": train.per_device_batch,
+        "optimizer": train.optimizer,
+        "sharding": train.sharding,
+        "parameters": f"{sum(p.size for p in parameters(model).values()) / 1e6:.2f} M",
+    }
+
+
+def print_presets(configs: dict[str, PipelineConfig], memory: dict[str, dict] | None) -> None:
+    """``bardflow presets``: a row per preset; with one named, its memory per device first."""
+    from rich.console import Console
+
+    console = Console()
+    if memory is not None:
+        columns = [
+            Column("where, layout", 6),
+            Column("total GiB", 5),
+            Column("activations", 3),
+            Column("state", 2),
+            Column("gradients", 1),
+            Column("gathered", 0),
+            Column("rows a pass", 1),
+            Column("precision", 2),
+        ]
+        cells = [
+            [
+                where,
+                f"{m['total_gib']:.2f}",
+                f"{m['activation_gib']:.2f}",
+                f"{m['state_gib']:.2f}",
+                f"{m['gradient_gib']:.2f}",
+                f"{m['gathered_gib']:.2f}",
+                str(m["rows_per_pass"]),
+                str(m["precision"]),
+            ]
+            for where, m in memory.items()
+        ]
+        (name,) = configs
+        console.print(fitted(f"{name}: memory per device (GiB), estimated", columns, cells))
+    rows = {name: preset_row(cfg) for name, cfg in configs.items()}
+    names = list(next(iter(rows.values())))
+    ranks = {"steps": 3, "seq_len": 4, "layers": 4, "d_model": 4, "parameters": 5, "batch per device": 3}
+    columns = [Column("preset", 9)] + [Column(n, ranks.get(n, 1)) for n in names]
+    cells = [[name, *(str(v) for v in row.values())] for name, row in rows.items()]
+    console.print(fitted("presets (config/presets/NAME.yaml)", columns, cells))
+    shown = next(iter(configs)) if len(configs) == 1 else "NAME"
+    console.print(f"--json: every field; --yaml {shown}: a config file to copy (bardflow presets --help)")

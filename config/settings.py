@@ -475,6 +475,19 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _did_you_mean(dotted: str) -> str:
+    """``; did you mean train.steps?`` for a setting spelled nearly like one that exists."""
+    import difflib
+
+    known = [
+        f"{section}.{name}"
+        for section, info in PipelineConfig.model_fields.items()
+        for name in getattr(info.annotation, "model_fields", {})
+    ]
+    close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_config(preset: str, overrides: Overrides | None = None) -> PipelineConfig:
     """The preset's config with dotted ``section.field`` overrides applied and validated."""
     if preset not in PRESETS:
@@ -486,8 +499,8 @@ def build_config(preset: str, overrides: Overrides | None = None) -> PipelineCon
         fields = getattr(known.annotation, "model_fields", {}) if known is not None else {}
         if not field or field not in fields:
             raise ConfigError(
-                f"unknown setting {dotted!r}; settings are section.field with section in "
-                f"{', '.join(PipelineConfig.model_fields)} (see `bardflow presets`)"
+                f"unknown setting {dotted!r}{_did_you_mean(dotted)}; settings are section.field with section in "
+                f"{', '.join(PipelineConfig.model_fields)} (see `bardflow presets {preset} --json`)"
             )
         tree.setdefault(section, {})[field] = value
     try:

@@ -344,10 +344,15 @@ def build(settings: DataConfig, out: Builder) -> None:
     text = "" if distinct > 100 or 0 in corpus.seen else "; text"  # ASCII text holds about 60 to 100 values
     read = f" from {len(files):,} files" if files is not None and len(files) > 1 else ""
     ui.say(
-        "fetch: %s bytes%s, %d distinct byte values%s, %.0f MB/s",
+        "fetch: %s bytes%s, %d distinct byte values%s, %s",
         f"{size:,}",
         read,
         distinct,
         text,
-        size / 1e6 / max(seconds, 1e-9),
+        _rate(size / max(seconds, 1e-9)),
     )
+
+
+def _rate(bytes_per_s: float) -> str:
+    """A speed in the unit that gives it a figure: ``34 MB/s``, ``820 kB/s``."""
+    return f"{bytes_per_s / 1e6:.0f} MB/s" if bytes_per_s >= 1e6 else f"{bytes_per_s / 1e3:.0f} kB/s"

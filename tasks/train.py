@@ -23,6 +23,7 @@ from ..model.training import trackers as tracking
 from ..model.training.checkpoint import TrainingCheckpoints, load_train_state
 from ..model.training.distributed import ProcessGroup, hardware
 from ..model.training.launch import ProcessFailure, launch_leader, launch_local
+from ..model.training.memory import compiled_needs
 from ..model.training.step import TrainingError, init_state, model_from_state
 from ..model.training.training_run import RunFiles, TrainingResult, run_training
 from . import train_process
@@ -132,7 +133,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
         # failure and the run goes on reporting it (docs/reliability.md).
         return _build_in_processes(settings, files, out, encode)
     label = (
-        f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}, "
+        f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}{_sharded(settings)}, "
         f"batch {settings.train.per_device_batch * visible})"
     )
     with out.resume.writing(), ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
@@ -179,7 +180,7 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
     processes = settings.processes if group is None else group.num_processes
     where = f"{processes} processes, " if processes > 1 else ""
     label = (
-        f"train_parallel ({where}{settings.devices} {settings.platform} devices, "
+        f"train_parallel ({where}{settings.devices} {settings.platform} devices{_sharded(settings)}, "
         f"batch {settings.train.per_device_batch * settings.devices})"
     )
     try:
@@ -233,6 +234,11 @@ def training_fingerprint(summary: TrainingResult) -> str:
     return hashlib.sha256((summary.params_digest + canonical_json(outcome)).encode()).hexdigest()
 
 
+def _sharded(settings: TrainingRequest) -> str:
+    """The label's word for a layout other than one copy a device."""
+    return ", fsdp" if settings.train.sharding == "fsdp" else ""
+
+
 def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
     """Everything of a training version but its state: history, metrics, fingerprint, UI."""
     metrics, history = summary.metrics, summary.history
@@ -241,6 +247,15 @@ def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
     out.record["devices"] = summary.devices
     out.record["resumed_from_step"] = metrics["resumed_from_step"]
     out.fingerprint = training_fingerprint(summary)
+    memory = metrics.get("step_memory") or {}
+    if metrics["layout"] == "fsdp" and "argument_bytes" in memory:
+        held = memory["argument_bytes"] + (compiled_needs(memory) or 0)
+        ui.say(
+            "%s: fsdp over %d devices, %s a device (the compiled step's state, batch and temporaries; XLA's figure)",
+            stage,
+            metrics["devices"],
+            f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB",
+        )
     if metrics["resumed_from_step"] is not None:
         ui.log(
             "%s resumed from its checkpoint at step %d (restored in %.1f s)",

@@ -461,7 +461,7 @@ def test_presets_and_their_memory_table_load_no_jax():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "imported: []" in done.stdout, done.stdout[-2000:] + done.stderr
-    assert "memory_per_device" in done.stdout
+    assert "gpt2: memory per device (GiB), estimated" in done.stdout, done.stdout
 
 
 BAR_AND_A_LOG_LINE = """

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from bardflow.config.config_file import parse_assignment
@@ -60,7 +62,7 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        ({"train.stepz": 1}, ["unknown setting", "train.stepz"]),
+        ({"train.stepz": 1}, ["unknown setting", "train.stepz", "(did you mean train.steps?)"]),
         ({"nosuch.steps": 1}, ["unknown setting"]),
         ({"train.steps": "many"}, ["train.steps", "integer"]),
         ({"train.steps": 0}, ["train.steps", "greater than 0"]),
@@ -119,9 +121,22 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
 
     printed = json.loads(
         subprocess.run(
-            [sys.executable, "-m", "bardflow", "presets"], cwd=REPO, check=True, capture_output=True, text=True
+            [sys.executable, "-m", "bardflow", "presets", "--json"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
     )
+    # Without --json, the same columns as a table, a row per preset.
+    table = subprocess.run(
+        [sys.executable, "-m", "bardflow", "presets"],
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     lines = (REPO / "README.md").read_text().split("\n")
     header = next(i for i, line in enumerate(lines) if line.startswith("| preset | seq_len |"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
@@ -147,6 +162,8 @@ def test_the_readme_presets_table_is_what_bardflow_presets_prints():
             "sharding": train["sharding"],
         }
         assert {k: rows[name][k] for k in expected} == {k: str(v) for k, v in expected.items()}, name
+        row = next(line for line in table.splitlines() if line.startswith(f"│ {name} "))
+        assert [c.strip() for c in row.strip("│").split("│")][1:-1] == [str(v) for v in expected.values()], row
 
 
 def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(tmp_path):
