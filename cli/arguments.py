@@ -34,8 +34,9 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--corpus",
-        help="https URL, file:// URL or path of the corpus (default: $BARDFLOW_CORPUS "
-        "or the public TinyShakespeare URL)",
+        help="the corpus: a file or a folder (its files in path order, joined as they are; "
+        "data.glob picks which), plain or .gz/.xz/.zst/.zip/.tar archives, an http(s):// or file:// URL, "
+        "or s3:// gs:// (default: $BARDFLOW_CORPUS or the public TinyShakespeare URL)",
     )
     parser.add_argument("--store", help=STORE_HELP)
     parser.add_argument(

@@ -94,6 +94,12 @@ def main() -> None:
     folder = hf_folder(args.folder)
     check(folder)
     from transformers import GenerationConfig, pipeline, set_seed
+    from transformers.utils import logging as transformers_logging
+
+    # The sample alone on stdout and stderr: no weight-loading bar, and no notice that the
+    # folder's max_length (its context) stands beside this call's max_new_tokens.
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
     room = GenerationConfig.from_pretrained(folder).max_length - len(args.prompt.encode())
     n_bytes = min(100, room) if args.bytes is None else args.bytes

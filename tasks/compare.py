@@ -8,6 +8,7 @@ from typing import cast
 
 from typing_extensions import TypedDict
 
+from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.training.run_records import HistoryEntry, TrainingMetrics
 from .registry import COMPARE, HISTORY
@@ -258,3 +259,16 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
         out.path(CURVES_PNG),
     )
     out.metrics.update({"speedup": result["speedup"], "devices": devices})
+    window = result["window"]
+    emulated = parallel.metrics.get("platform") == "cpu" and devices > 1
+    ui.say(
+        "compare: data-parallel on %d device(s) ran %.2fx the single device's tokens/s (%s); timed on %s",
+        devices,
+        result["speedup"],
+        "emulated CPU devices share this machine's cores: about 1x is expected"
+        if emulated
+        else f"{devices} devices ideally give {devices}x",
+        f"steps {window[0] + 1} to {window[1]} of both"
+        if window
+        else "each run's whole length (their logs share no steps to time both on)",
+    )

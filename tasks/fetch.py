@@ -99,10 +99,11 @@ def md5_mismatch(source: str, expected: str, found: CorpusFigures) -> FetchError
         if expected_size and found.size != expected_size
         else ""
     )
+    packed = str(source).lower().endswith((".gz", ".xz", ".zst", ".bz2", ".zip", ".tar", ".tgz"))
     return FetchError(
         f"md5 mismatch for {source}: expected {expected}, got {found.md5}{truncated}; fetch it again or "
         f"fix the source, or if this is the corpus you want, pass its checksum: --set data.md5="
-        f"{found.md5}"
+        f"{found.md5}" + (" (data.md5 is of the decompressed text, not of the archive)" if packed else "")
     )
 
 
