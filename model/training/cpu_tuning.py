@@ -196,7 +196,7 @@ def choose(
     say(
         f"measured {len(measured)} of {len(tried)}: kept kernels {best['kernels']}, {best['rows_per_pass']} rows a "
         f"pass, XLA options {best['xla']} ({best['ms_per_step']:.1f} ms a step"
-        + (f", {gain:.0f} % under the defaults'" if best is not default else ", the defaults")
+        + (f", {gain:.0f} % less time a step than the defaults" if best is not default else ", the defaults")
         + f"){note}"
     )
     result = {"chosen": chosen, "measured": measured, "note": note}
