@@ -190,7 +190,7 @@ def use_running_server() -> PrefectServer | None:
     record = running()
     if record is None:
         return None
-    return _point_prefect_at(PrefectServer(f"{record['url']}/api", "kept", by_a_run=record.get("by") == "run"))
+    return _point_prefect_at(_kept(record))
 
 
 def start_kept(port: int | None = None) -> PrefectServer:
@@ -210,11 +210,11 @@ def start_kept(port: int | None = None) -> PrefectServer:
             file=sys.stderr,
             flush=True,
         )
-    return _point_prefect_at(
-        PrefectServer(
-            f"{record['url']}/api", "kept", starting=record if started else None, by_a_run=record.get("by") == "run"
-        )
-    )
+    return _point_prefect_at(_kept(record, starting=record if started else None))
+
+
+def _kept(record: dict, starting: dict | None = None) -> PrefectServer:
+    return PrefectServer(f"{record['url']}/api", "kept", starting=starting, by_a_run=record.get("by") == "run")
 
 
 DATABASE = "PREFECT_API_DATABASE_CONNECTION_URL"
@@ -274,10 +274,15 @@ def database_room_problem(folder: Path, need: int = DATABASE_ROOM) -> str | None
     )
 
 
+def _no_room(server: PrefectServer | None) -> str | None:
+    """``database_room_problem`` of ``server``'s SQLite database, where it has one here."""
+    folder = database_folder(server)
+    return None if folder is None else database_room_problem(folder)
+
+
 def refuse_full_database(server: PrefectServer | None) -> None:
     """Before a run: a ServerError when its server's SQLite database has no room to grow."""
-    folder = database_folder(server)
-    problem = None if folder is None else database_room_problem(folder)
+    problem = _no_room(server)
     if problem is not None:
         raise ServerError(problem)
 
@@ -288,8 +293,7 @@ def full_database(error: BaseException, server: PrefectServer | None) -> str | N
     full"); None for any other error."""
     if type(error).__name__ != "PrefectHTTPStatusError" and "database or disk is full" not in str(error):
         return None
-    folder = database_folder(server)
-    problem = None if folder is None else database_room_problem(folder)
+    problem = _no_room(server)
     if problem is None:
         return None
     return f"{problem}, then rerun the same command to go on ({GOING_ON})"

@@ -128,6 +128,17 @@ def prepare(model_cfg, train_cfg, placement, seq_len: int, choice: StepChoice):
     return lambda: run(TIMED_STEPS)
 
 
+def _kept_line(measured: list[MeasuredChoice], tried: int, best: MeasuredChoice, default: MeasuredChoice) -> str:
+    """What the measurement kept, for the terminal."""
+    gain = 100 * (1 - best["ms_per_step"] / default["ms_per_step"])
+    return (
+        f"measured {len(measured)} of {tried}: kept kernels {best['kernels']}, {best['rows_per_pass']} rows a "
+        f"pass, XLA options {best['xla']} ({best['ms_per_step']:.1f} ms a step"
+        + (f", {gain:.0f} % less time a step than the defaults" if best is not default else ", the defaults")
+        + ")"
+    )
+
+
 def choose(
     model_cfg,
     train_cfg,
@@ -192,13 +203,7 @@ def choose(
     if best["ms_per_step"] > (1 - MARGIN) * default["ms_per_step"]:
         best = default
     chosen = StepChoice(kernels=best["kernels"], rows_per_pass=best["rows_per_pass"], xla=best["xla"])
-    gain = 100 * (1 - best["ms_per_step"] / default["ms_per_step"])
-    say(
-        f"measured {len(measured)} of {len(tried)}: kept kernels {best['kernels']}, {best['rows_per_pass']} rows a "
-        f"pass, XLA options {best['xla']} ({best['ms_per_step']:.1f} ms a step"
-        + (f", {gain:.0f} % less time a step than the defaults" if best is not default else ", the defaults")
-        + f"){note}"
-    )
+    say(_kept_line(measured, len(tried), best, default) + note)
     result = {"chosen": chosen, "measured": measured, "note": note}
     known[key] = result
     path.parent.mkdir(parents=True, exist_ok=True)
