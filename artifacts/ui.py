@@ -20,6 +20,19 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext, TaskRunContext
+from rich.console import Console
+from rich.file_proxy import FileProxy
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    Task,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.progress import Progress as Bar
+from rich.text import Text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -93,14 +106,12 @@ def time_left(seconds: float) -> str:
 
 
 def _log_lines_through(stream: Any, proxy: Any) -> list[Callable[[], None]]:
-    """While a bar is live, rich's ``proxy`` stands for stderr and prints each line above the
-    bar; log handlers hold the stream they were made with and would write over the bar's
-    line. Each handler on ``stream`` (Prefect's console handler prints through a rich console
-    of its own) writes through ``proxy`` until the returned calls undo it."""
+    """While a bar is live, ``proxy`` prints each line written to it above the bar; log
+    handlers hold the stream they were made with and would write over the bar's line. Each
+    handler on ``stream`` (Prefect's console handler prints through a rich console of its
+    own) writes through ``proxy`` until the returned calls undo it."""
     import logging
 
-    if proxy is stream:
-        return []
     loggers = [
         logging.getLogger(),
         *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)),
@@ -115,6 +126,71 @@ def _log_lines_through(stream: Any, proxy: Any) -> list[Callable[[], None]]:
             handler.setStream(proxy)
             undo.append(lambda handler=handler: handler.setStream(stream))
     return undo
+
+
+def _above_the_bar(console: Any, stream: Any) -> Any:
+    """A file whose lines ``console`` (the live bar's) prints above the bar. Rich's own
+    proxy names the file it stands for, and a rich console handed it writes to that file
+    directly, over the bar: this one names itself."""
+
+    class AboveTheBar(FileProxy):
+        @property
+        def rich_proxied_file(self) -> Any:
+            return self
+
+    return AboveTheBar(console, stream)
+
+
+class _LabelColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        return Text(task.description, style="bold")
+
+
+class _SizedBarColumn(BarColumn):
+    """Each bar as wide as its own label leaves room for (its task's ``bar_width``)."""
+
+    def render(self, task: Task) -> Any:
+        self.bar_width = task.fields.get("bar_width", 40)
+        return super().render(task)
+
+
+class _CountColumn(ProgressColumn):
+    """Bytes and their rate for a transfer, steps done of all for the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = {True: (DownloadColumn(), TransferSpeedColumn()), False: (MofNCompleteColumn(),)}
+
+    def render(self, task: Task) -> Text:
+        return Text(" ").join(part.render(task) for part in self.parts[bool(task.fields.get("in_bytes"))])
+
+
+class _Display:
+    """The one live display on the terminal: a bar opened while another is drawn (a
+    sweep's, then each stage's of its runs) is a row of it, gone when that bar closes, so
+    that nested bars never draw over each other. Log lines print above it."""
+
+    def __init__(self) -> None:
+        stream = sys.stderr
+        self.bar = Bar(
+            _LabelColumn(),
+            _SizedBarColumn(),
+            _CountColumn(),
+            TimeRemainingColumn(),
+            transient=False,
+            console=Console(stderr=True),  # beside the log, off stdout (which --json keeps for itself)
+        )
+        self.users = 0
+        self.bar.start()
+        self.undo = _log_lines_through(stream, _above_the_bar(self.bar.console, stream))
+
+    def stop(self) -> None:
+        self.bar.stop()
+        for undo in self.undo:
+            undo()
+
+
+_DISPLAY: _Display | None = None
 
 
 class Progress:
@@ -164,46 +240,29 @@ class Progress:
             self._sender.start()
         import shutil
 
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-        from rich.progress import Progress as Bar
-
         # The label, the count and the time left keep their room on a narrow terminal; the bar takes the rest.
         self.in_bytes = in_bytes
-        counted = [DownloadColumn(), TransferSpeedColumn()] if in_bytes else [MofNCompleteColumn()]
         room = shutil.get_terminal_size().columns - len(label) - (30 if in_bytes else 2 * len(str(total))) - 12
-        self._bar = Bar(
-            TextColumn(f"[bold]{label}"),
-            BarColumn(bar_width=max(5, min(40, room))),
-            *counted,
-            TimeRemainingColumn(),
-            transient=False,
-            disable=not sys.stderr.isatty(),
-            console=Console(stderr=True),  # beside the log, off stdout (which --json keeps for itself)
-        )
-        self._task = self._bar.add_task(label, total=total)
-        before = sys.stderr
-        self._bar.start()
-        self._restore = [] if self._bar.disable else _log_lines_through(before, sys.stderr)
+        self._live = sys.stderr.isatty()
+        self._task = None
+        if self._live:
+            global _DISPLAY
+            if _DISPLAY is None:
+                _DISPLAY = _Display()
+            _DISPLAY.users += 1
+            self._task = _DISPLAY.bar.add_task(label, total=total, in_bytes=in_bytes, bar_width=max(5, min(40, room)))
 
     def __call__(self, done: int, total: int | None = None) -> None:
         if total is not None and total != self.total:  # a download's size comes with its answer
             self.total = max(1, total)
-            self._bar.update(self._task, total=self.total)
-        self._bar.update(self._task, completed=done)
+            self._update(total=self.total)
+        self._update(completed=done)
         now = self._clock()
         seconds = max(now - self._started, 1e-9)
         if self._first is None:
             self._first = (now, done)
         if (
-            self._bar.disable
+            not self._live
             and done * 10 // self.total > self._logged * 10 // self.total
             and (not self.in_bytes or seconds > 2.0)
         ):  # bytes: a second's copy needs no account
@@ -226,6 +285,23 @@ class Progress:
             with self._wake:
                 self._pending = 100.0 * done / self.total
                 self._wake.notify()
+
+    def _update(self, **values: Any) -> None:
+        if self._task is not None and _DISPLAY is not None:
+            _DISPLAY.bar.update(self._task, **values)
+
+    def _end_bar(self) -> None:
+        """The outermost bar stays on the screen, finished; a nested one's row goes."""
+        global _DISPLAY
+        if self._task is None or _DISPLAY is None:
+            return
+        task, self._task = self._task, None
+        _DISPLAY.users -= 1
+        if _DISPLAY.users == 0:
+            _DISPLAY.stop()
+            _DISPLAY = None
+        else:
+            _DISPLAY.bar.remove_task(task)
 
     def _seconds_left(self, now: float, done: int, seconds: float) -> float:
         """The time left at the pace since the first report: what came before it (a first
@@ -254,10 +330,7 @@ class Progress:
     def close(self, wait: bool = True) -> None:
         """Ends the bar; the last update goes to the server (waited for up to CLOSE_WAIT_S
         unless ``wait`` is false: a stage that failed or stopped, maybe for want of a server)."""
-        self._bar.stop()
-        for restore in self._restore:
-            restore()
-        self._restore = []
+        self._end_bar()
         if self._sender is not None:
             with self._wake:
                 self._closed = True

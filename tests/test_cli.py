@@ -464,32 +464,43 @@ def test_presets_and_their_memory_table_load_no_jax():
     assert "gpt2: memory per device (GiB), estimated" in done.stdout, done.stdout
 
 
-BAR_AND_A_LOG_LINE = """
+BARS_AND_LOG_LINES = """
 import logging, sys, time
-handler = logging.StreamHandler(sys.stderr)
-handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-logging.getLogger("probe").addHandler(handler)
-logging.getLogger("probe").setLevel(logging.INFO)
+from prefect.logging.handlers import PrefectConsoleHandler
+plain = logging.StreamHandler(sys.stderr)  # a handler that writes to its stream
+through_rich = PrefectConsoleHandler(stream=sys.stderr)  # Prefect's: prints through a rich console of its own
+for name, handler in (("plain", plain), ("rich", through_rich)):
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logging.getLogger(name).addHandler(handler)
+    logging.getLogger(name).setLevel(logging.INFO)
 from bardflow.artifacts import ui
-with ui.Progress("train_single", 30, "train_single (1 cpu device, 30 of 460 steps)") as bar:
-    for step in range(30):
-        bar(step + 1)
-        if step == 10:
-            logging.getLogger("probe").info("measuring 4 training step settings")
-        time.sleep(0.01)
+with ui.Progress("sweep", 2, "sweep of 2 runs, preset tiny") as sweep:
+    for run in range(2):
+        logging.getLogger("rich").info("preset tiny on 2 cpu device(s), run %d", run)
+        with ui.Progress("train_single", 30, "train_single (1 cpu device, 30 of 460 steps)") as bar:
+            for step in range(30):
+                bar(step + 1)
+                if step == 10:
+                    logging.getLogger("plain").info("measuring 4 training step settings, run %d", run)
+                if step == 20:
+                    logging.getLogger("rich").info("measured 4 of 4, run %d", run)
+                time.sleep(0.01)
+        sweep(run + 1)
 """
 
 
-def test_a_log_line_during_a_live_bar_prints_above_it_on_a_line_of_its_own():
-    """At a terminal (a pseudo-terminal here, 80 columns) a log line written while a bar is
-    drawn clears the bar's line and prints there; the bar is drawn again below it."""
+def test_log_lines_during_live_bars_print_above_them_on_lines_of_their_own():
+    """At a terminal (a pseudo-terminal here, 80 columns) a log line written while bars are
+    drawn (a sweep's, and a stage's of one of its runs), by a handler on the stream or by
+    Prefect's, which prints through a rich console of its own, clears the bars' lines and
+    prints there; the bars are drawn again below it, and a nested bar's row goes when it ends."""
     import pty
     import re
 
     leader, follower = pty.openpty()
     env = {**os.environ, "COLUMNS": "80", "TERM": "xterm", "DO_NOT_TRACK": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-c", BAR_AND_A_LOG_LINE], stdin=follower, stdout=follower, stderr=follower, env=env, cwd=REPO
+        [sys.executable, "-c", BARS_AND_LOG_LINES], stdin=follower, stdout=follower, stderr=follower, env=env, cwd=REPO
     )
     os.close(follower)
     out = b""
@@ -504,8 +515,17 @@ def test_a_log_line_during_a_live_bar_prints_above_it_on_a_line_of_its_own():
     os.close(leader)
     assert process.wait(timeout=60) == 0, out.decode(errors="replace")[-2000:]
     text = out.decode(errors="replace")
-    assert "30/30" in text, text[-2000:]
-    assert re.search(r"(\r\x1b\[2K|\n)\d\d:\d\d:\d\d measuring 4 training step settings\r?\n", text), text[-2000:]
+    assert re.search(r"\d+/30\b", text) and "2/2" in text, text[-2000:]  # both bars were drawn
+    for run in (0, 1):
+        for line in (
+            f"preset tiny on 2 cpu device\\(s\\), run {run}",
+            f"measuring 4 training step settings, run {run}",
+            f"measured 4 of 4, run {run}",
+        ):
+            assert re.search(rf"(\x1b\[2K|\n)\d\d:\d\d:\d\d {line}\r?\n", text), (line, text[-3000:])
+    # Once the runs are done one row is drawn: the sweep's, finished, and no stage's below it.
+    last = text[text.rindex("sweep of 2 runs") :]
+    assert "2/2" in last and "train_single" not in last, last
 
 
 def test_a_failed_sweep_run_is_named_by_its_place_or_its_trial(capsys):
