@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# The end of a pytest-xdist worker, kept from an interrupt that comes once its work is done.
+pytest_plugins = ["tests.worker_end"]
+
 
 def _quick_compile_flags() -> str:
     """The tests check what programs compute, not how fast: XLA:CPU's backend at -O0, and its
@@ -151,6 +154,7 @@ LONGEST_FIRST = (
     "test_resume",
     "test_kernels",
     "test_kept_state",
+    "test_session",
     "test_model",
     "test_checkpoint_and_sampling",
     "test_sources",
