@@ -128,17 +128,14 @@ def _log_lines_through(stream: Any, proxy: Any) -> list[Callable[[], None]]:
     return undo
 
 
-def _above_the_bar(console: Any, stream: Any) -> Any:
-    """A file whose lines ``console`` (the live bar's) prints above the bar. Rich's own
-    proxy names the file it stands for, and a rich console handed it writes to that file
-    directly, over the bar: this one names itself."""
+class _AboveTheBar(FileProxy):
+    """A file whose lines the live bar's console prints above the bar. Rich's own proxy names
+    the file it stands for, and a rich console handed it writes to that file directly, over
+    the bar: this one names itself."""
 
-    class AboveTheBar(FileProxy):
-        @property
-        def rich_proxied_file(self) -> Any:
-            return self
-
-    return AboveTheBar(console, stream)
+    @property
+    def rich_proxied_file(self) -> Any:
+        return self
 
 
 class _LabelColumn(ProgressColumn):
@@ -182,7 +179,7 @@ class _Display:
         )
         self.users = 0
         self.bar.start()
-        self.undo = _log_lines_through(stream, _above_the_bar(self.bar.console, stream))
+        self.undo = _log_lines_through(stream, _AboveTheBar(self.bar.console, stream))
 
     def stop(self) -> None:
         self.bar.stop()

@@ -139,6 +139,27 @@ def _kept_line(measured: list[MeasuredChoice], tried: int, best: MeasuredChoice,
     )
 
 
+def _shape(model_cfg, train_cfg, seq_len: int, devices: int) -> dict:
+    """What a measurement holds for, besides the CPU: the model, the batch and the devices."""
+    return {
+        "model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
+        "per_device_batch": train_cfg.per_device_batch,
+        "micro_batch": train_cfg.micro_batch,
+        "fixed_kernels": None
+        if model_cfg.attention == model_cfg.dense == "auto"
+        else [model_cfg.attention, model_cfg.dense],
+        "seq_len": seq_len,
+        "devices": devices,
+    }
+
+
+def _keep(path: Path, known: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache
+    temporary.write_text(json.dumps(known, indent=1))
+    temporary.replace(path)
+
+
 def choose(
     model_cfg,
     train_cfg,
@@ -154,17 +175,7 @@ def choose(
     if os.environ.get("BARDFLOW_CPU_TUNING", "").lower() in ("off", "0", "false") or jax.process_count() > 1:
         why = "BARDFLOW_CPU_TUNING=off" if jax.process_count() == 1 else "several processes keep the defaults"
         return Tuning(chosen=base, measured=[], source=why)
-    shape = {
-        "model": model_cfg.model_dump(mode="json", exclude={"attention", "dense"}),
-        "per_device_batch": train_cfg.per_device_batch,
-        "micro_batch": train_cfg.micro_batch,
-        "fixed_kernels": None
-        if model_cfg.attention == model_cfg.dense == "auto"
-        else [model_cfg.attention, model_cfg.dense],
-        "seq_len": seq_len,
-        "devices": len(placement.devices),
-    }
-    signature = {**cpu_signature(), **shape}
+    signature = {**cpu_signature(), **_shape(model_cfg, train_cfg, seq_len, len(placement.devices))}
     key = json.dumps(signature, sort_keys=True)
     path = cache_file()
     try:
@@ -205,9 +216,5 @@ def choose(
     chosen = StepChoice(kernels=best["kernels"], rows_per_pass=best["rows_per_pass"], xla=best["xla"])
     say(_kept_line(measured, len(tried), best, default) + note)
     result = {"chosen": chosen, "measured": measured, "note": note}
-    known[key] = result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache
-    temporary.write_text(json.dumps(known, indent=1))
-    temporary.replace(path)
+    _keep(path, {**known, key: result})
     return Tuning(chosen=chosen, measured=measured, note=note, source="measured now")
