@@ -81,11 +81,13 @@ class MemorySampler:
 
 
 class Check:
+    name = "gpu-check"  # its files under --out: NAME.json, NAME.txt, NAME.log
+
     def __init__(self, out: Path, work: Path, dry_run: bool, budget_s: float):
         self.out, self.work, self.dry_run = out, work, dry_run
         self.deadline = time.monotonic() + budget_s
         self.results: dict[str, dict] = {}
-        self.log = (out / "gpu-check.log").open("w")
+        self.log = (out / f"{self.name}.log").open("w")
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -144,8 +146,14 @@ class Check:
     # --- the parts ---
 
     def tests(self, limit_s: float) -> dict:
+        return self.pytest(GPU_TESTS, limit_s)
+
+    def pytest(self, tests: list[str], limit_s: float, env: dict | None = None) -> dict:
+        """The tests in one process, on the device (on CPU in a dry run)."""
+        if not self.dry_run:
+            env = {**self.env, **(env or {}), "BARDFLOW_TEST_DEVICE": "accelerator"}
         done = self.sh(
-            "tests", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS, limit_s=limit_s
+            "tests", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, limit_s=limit_s, env=env
         )
         return {"summary": _last_line(done.stdout)}
 

@@ -38,7 +38,39 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
     return next((h for h in history if h.get("val_loss") is not None and h["val_loss"] <= target), None)
 
 
-def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -> dict:
+def deliver(request, split, state_path: Path, folder: Path, prompts: int = 4, new_bytes: int = 300) -> dict:
+    """What the later stages make of a training run's state, as they make it: the model saved
+    with Orbax (checkpoint), restored into a freshly initialised model whose logits on
+    validation rows must match the trained one's (verify), and samples (generate)."""
+    from flax import nnx
+
+    from bardflow.config.settings import VerifyConfig
+    from bardflow.model.inference.sampling import generate_batch
+    from bardflow.model.training.checkpoint import load_model, load_train_state, max_logit_diff, save_model
+    from bardflow.model.training.step import init_state, model_from_state
+
+    started = time.perf_counter()
+    graphdef, template = nnx.eval_shape(lambda: init_state(request.model, request.train))
+    trained = model_from_state(graphdef, load_train_state(state_path, template))
+    save_model(folder / "model", trained, request.model)
+    settings = VerifyConfig()
+    restored = load_model(folder / "model", init_seed=settings.init_seed)
+    probe = split.val[: settings.probe_sequences][:, : request.model.max_seq_len]
+    diff = max_logit_diff(trained, restored, probe)
+    checked_s = time.perf_counter() - started
+    started = time.perf_counter()
+    samples = generate_batch(restored, "ROMEO:", new_bytes, 0.8, list(range(prompts)), request.model.max_seq_len)
+    return {
+        "max_abs_logit_diff": diff,
+        "tolerance": settings.tolerance,
+        "verified": diff < settings.tolerance,
+        "checkpoint_and_verify_s": round(checked_s, 2),
+        "generate_s": round(time.perf_counter() - started, 2),
+        "samples": [sample.decode("utf-8", errors="replace") for sample in samples],
+    }
+
+
+def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, delivered: bool = False) -> dict:
     import jax
 
     from bardflow.config.settings import TrainingRequest, build_config
@@ -63,6 +95,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
             parallel=True,
         )
         wall = time.perf_counter() - started
+        after = deliver(request, split, folder / "state", folder) if delivered else None
     metrics, history = summary.metrics, summary.history
     reached = first_reaching(history, target)
     curve = [
@@ -95,6 +128,8 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path) -
         "curve": curve,
         "kept": metrics.get("kept"),  # train.keep=best: the step whose state the run delivered
         "step_settings": metrics.get("step_settings"),
+        "mfu": metrics.get("mfu"),
+        "delivered": after,
         "nanogpt": NANOGPT,
     }
 
@@ -106,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS, help="a local copy of TinyShakespeare")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
+    parser.add_argument(
+        "--deliver", action="store_true", help="then checkpoint, restore and verify the kept state, and sample from it"
+    )
     args = parser.parse_args(argv)
     if not args.corpus.is_file():
         print(
@@ -121,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = dict(parse_assignment(item) for item in args.set)
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)
-    result = time_to_quality(args.preset, overrides, target, args.corpus)
+    result = time_to_quality(args.preset, overrides, target, args.corpus, args.deliver)
     print(f"{'step':>6} {'tokens':>11} {'seconds':>8} {'val loss':>9} {'bits/byte':>9}")
     for point in result["curve"]:
         print(
@@ -130,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     reference = NANOGPT["cpu" if result["platform"] == "cpu" else "gpu"]
     print(f"nanoGPT shakespeare_char ({reference['recipe']}): {reference['val_loss']} in {reference['seconds']}")
+    if result["delivered"]:
+        after = result["delivered"]
+        print(
+            f"restored into a fresh model: logits within {after['max_abs_logit_diff']:.2e} "
+            f"(verified: {after['verified']})"
+        )
+        print(f"a sample: {after['samples'][0][:200]!r}")
     flat = {
         "preset": args.preset,
         "devices": result["devices"],
@@ -142,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": target,
         "seconds_to_target": result["seconds_to_target"],
         "tokens_to_target": result["tokens_to_target"],
+        "mfu": result["mfu"],
+        "verified": None if result["delivered"] is None else result["delivered"]["verified"],
     }
     report = {"machine": machine(), "quality": result}
     out = write_report(report, {k: v for k, v in flat.items()}, args.out, f"quality-{args.preset}")

@@ -30,7 +30,7 @@ TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 BYTE_VALUES = 256  # the data is raw bytes: token ids 0..255
 
 Kernel = Literal["auto", "xla", "custom"]
-AttentionKernel = Literal["auto", "xla", "custom", "cudnn"]
+AttentionKernel = Literal["auto", "xla", "custom", "cudnn", "splash", "flash"]
 
 
 class ConfigError(BardflowError, ValueError):
@@ -125,11 +125,13 @@ class ModelConfig(_Section, frozen=True):
     # function (tested against each other); they differ in speed, so neither enters a
     # version key. auto: the hand-written gradients of model/network/kernels.py on CPU, where they
     # were measured faster; on a GPU cuDNN's fused attention where the device, dtype and shapes
-    # allow (model/training/step_settings.py), jax.nn.dot_product_attention and x @ w + b elsewhere.
+    # allow, on a TPU Pallas's where the shapes allow (model/training/step_settings.py),
+    # jax.nn.dot_product_attention and x @ w + b elsewhere.
     attention: AttentionKernel = Field(
         default="auto",
         description="auto | xla (jax.nn.dot_product_attention) | custom | cudnn (cuDNN's fused "
-        "attention: NVIDIA GPUs, bfloat16)",
+        "attention: NVIDIA GPUs, bfloat16) | splash | flash (Pallas's fused attention: TPUs, a context "
+        "that is a multiple of 128)",
     )
     dense: Kernel = Field(default="auto", description="auto | xla (x @ w + b) | custom")
     # Small-model refinements from the modded-nanogpt speedrun records, each off by default

@@ -43,11 +43,15 @@ def _quick_compile_flags() -> str:
     return found
 
 
-# Every process a test starts inherits these with the rest of XLA_FLAGS.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), _quick_compile_flags(), "--xla_force_host_platform_device_count=2"]
-).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+# BARDFLOW_TEST_DEVICE=accelerator (bench/tpu_check.py, bench/gpu_check.py): the tests a device
+# changes run on the machine's GPU or TPU, as JAX finds it; otherwise on the CPU, two of them.
+ON_ACCELERATOR = os.environ.get("BARDFLOW_TEST_DEVICE") == "accelerator"
+if not ON_ACCELERATOR:
+    # Every process a test starts inherits these with the rest of XLA_FLAGS.
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), _quick_compile_flags(), "--xla_force_host_platform_device_count=2"]
+    ).strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
 # Compiled programs are kept on disk and shared by every process of the session (the CLI
 # runs, the training processes) and by later sessions: most tests compile the same few
 # tiny-model programs. Outside the repository; BARDFLOW_TEST_JAX_CACHE moves it.

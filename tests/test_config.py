@@ -70,7 +70,7 @@ def test_overrides_are_typed():
         ({"data.seq_len": 64}, ["max_seq_len", "lower data.seq_len"]),
         ({"train.micro_batch": 3}, ["micro_batch=3", "does not divide per_device_batch=4", "divisor"]),
         ({"model.vocab_size": 128}, ["model.vocab_size=128", "smaller than the 256 byte values", "vocab_size=256"]),
-        ({"model.attention": "flash"}, ["model.attention", "'auto', 'xla', 'custom' or 'cudnn'"]),
+        ({"model.attention": "pallas"}, ["model.attention", "'auto', 'xla', 'custom', 'cudnn', 'splash' or 'flash'"]),
         ({"train.single_device_steps": 21}, ["single_device_steps=21", "more than steps=20", "0 for all"]),
         ({"train.beta2": 1.0}, ["train.beta2", "less than 1"]),
         ({"generate.prompts": []}, ["generate.prompts", "at least 1 item"]),

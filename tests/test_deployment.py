@@ -38,6 +38,7 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
     with prefect_server.deployments():
         for command in (
             ["work-pool", "create", "--overwrite", "--type", "process", "gpu"],
+            ["work-pool", "create", "--overwrite", "--type", "process", "tpu"],
             ["--no-prompt", "deploy", "--all"],
         ):
             done = prefect_server.run(str(BIN / "prefect"), *command)
@@ -73,10 +74,13 @@ def first_deployment_run(deployed) -> dict:
     return {"id": run_id, "started": started}
 
 
-def deployment_run(server: Server, name: str, *params: str) -> tuple[str, float]:
+def deployment_run(server: Server, name: str, *params: str, job_variables: dict | None = None) -> tuple[str, float]:
     """Runs the README's command; returns the flow run id and when the command started."""
     started = time.time()
     args = [arg for p in params for arg in ("--param", p)]
+    args += [
+        arg for key, value in (job_variables or {}).items() for arg in ("--job-variable", f"{key}={json.dumps(value)}")
+    ]
     done = server.run(str(BIN / "prefect"), "deployment", "run", name, *args, "--watch", timeout=900)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     match = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
@@ -117,6 +121,37 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
 
     (OUTPUT / "deployment").mkdir(parents=True, exist_ok=True)
     (OUTPUT / "deployment" / "timings.json").write_text(json.dumps(timings, indent=1))
+
+
+def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_deployment_run):
+    """prefect.yaml's `pipeline-tpu`: the pool `tpu`, the TPU's environment, and a run through a
+    worker of that pool. Here, with no TPU, the run's environment says the CPU instead."""
+    server, store, object_server = deployed
+    found = server.api("/deployments/filter", {"deployments": {"name": {"any_": ["pipeline-tpu"]}}})
+    assert [d["work_pool_name"] for d in found] == ["tpu"]
+    env = found[0]["job_variables"]["env"]
+    assert env["JAX_PLATFORMS"] == "tpu" and env["BARDFLOW_STORE"] == "store"
+    worker = server.start(
+        "tpu-worker",
+        str(BIN / "prefect"),
+        "worker",
+        "start",
+        "--pool",
+        "tpu",
+        env={**server.env, **object_server.env, "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri()},
+    )
+    try:
+        run_id, _ = deployment_run(
+            server,
+            "bardflow-pipeline/pipeline-tpu",
+            "preset=tiny",
+            f"store={store}",
+            job_variables={"env": {**env, "JAX_PLATFORMS": "cpu"}},
+        )
+    finally:
+        server.stop_worker(worker)
+    # The same store as the first run: every stage is its version, from the cache.
+    assert set(stage_states(server, run_id).values()) == {"Cached"}
 
 
 def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployment_run):

@@ -85,3 +85,30 @@ def test_the_model_computes_the_same_with_either_kernel():
 
     resolved = resolve(base, build_config("tiny").train, base.max_seq_len, "cpu").model(base)
     assert build_model(resolved, seed=0).blocks[0].attn.custom
+
+
+@pytest.mark.parametrize("kernel", ["splash", "flash"])
+def test_pallas_tpu_attention_matches_autodiff_of_dot_product_attention(kernel):
+    """Pallas's TPU kernels, run here by Pallas's interpreter: the values and gradients of XLA's
+    causal attention, over two 128-long tiles (one tile sees the other, one does not)."""
+    from contextlib import nullcontext
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    from bardflow.model.network.kernels import pallas_attention
+
+    q, k, v = (jax.random.normal(key, (1, 256, 2, 64)) for key in jax.random.split(jax.random.key(4), 3))
+    reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    interpreted = (
+        pltpu.force_tpu_interpret_mode() if kernel == "flash" and jax.default_backend() != "tpu" else nullcontext()
+    )
+    with interpreted:
+        got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: pallas_attention(q, k, v, kernel, 128), *a))(q, k, v)
+    assert_close(got, jax.jit(lambda *a: value_and_grads(reference, *a))(q, k, v), 2e-5)
+
+
+def test_pallas_blocks_are_the_largest_tile_that_divides_the_context():
+    from bardflow.model.network.kernels import pallas_blocks
+
+    assert [pallas_blocks(n) for n in (128, 256, 384, 1024, 1536)] == [128, 256, 128, 512, 512]
+    assert pallas_blocks(1024, largest=1024) == 1024

@@ -544,3 +544,28 @@ def test_steps_per_call_auto_is_one_on_a_cpu_and_fills_the_hook_intervals_elsewh
     assert two.steps_per_call == 1
     with pytest.raises(ConfigError, match="steps_per_call=4 runs in one process"):
         resolve(codelab.model, codelab.train.model_copy(update={"steps_per_call": 4}), 256, "gpu", processes=2)
+
+
+def test_a_tpu_takes_pallas_attention_where_it_can_and_says_why_not_where_it_cannot():
+    from bardflow.config.settings import ConfigError
+    from bardflow.model.training.step_settings import TPU_ATTENTION, resolve
+
+    gpt2 = build_config("gpt2")
+    chosen = resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "tpu")
+    assert (chosen.attention, chosen.attention_note, chosen.precision) == (TPU_ATTENTION, None, "bfloat16")
+    short = resolve(TINY.model, TINY.train, TINY.data.seq_len, "tpu")  # a 32-byte context
+    assert short.attention == "xla" and "multiple of 128" in (short.attention_note or "")
+    quality = build_config("quality")  # 256 bytes: XLA's attention was measured as fast there
+    under = resolve(quality.model, quality.train, quality.data.seq_len, "tpu")
+    assert under.attention == "xla" and "under 1024" in (under.attention_note or "")
+    several = resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "tpu", devices=4)
+    assert several.attention == "xla" and "on 4" in (several.attention_note or "")
+    flash = gpt2.model.model_copy(update={"attention": "flash"})
+    assert resolve(flash, gpt2.train, gpt2.data.seq_len, "tpu").attention == "flash"
+    with pytest.raises(ConfigError, match="model.attention=flash is Pallas's attention for TPUs.*on gpu"):
+        resolve(flash, gpt2.train, gpt2.data.seq_len, "gpu")
+    with pytest.raises(ConfigError, match="model.attention=splash cannot serve: .*multiple of 128"):
+        resolve(TINY.model.model_copy(update={"attention": "splash"}), TINY.train, TINY.data.seq_len, "tpu")
+    # Neither CPU nor GPU choices move.
+    assert resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "cpu").attention == "custom"
+    assert resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "gpu", probe=lambda *shape: None).attention == "cudnn"

@@ -79,14 +79,14 @@ def _cached_loop(graphdef, params, context, cache, start, length, done, count, t
     wraps around. Positions and counts are traced, so one compilation serves every prompt."""
     model = nnx.merge(graphdef, params)
     rows, window = context.shape
-    if cache is None:  # the first call: an empty cache, made here rather than op by op
-        cache = model.init_cache(rows, window)
+    if cache is None:  # the first call: an empty cache, made here rather than op by op; in the weights' dtype
+        cache = model.init_cache(rows, window, model.token_embed.embedding.dtype)
     keys, noise = _noise(keys, count, size, model.lm_head.out_features)
     greedy = temperature <= 0
 
-    def position(pos, carry):
+    def position(pos, carry, filled):
         context, cache, out = carry
-        logits, cache = model(jax.lax.dynamic_slice_in_dim(context, pos, 1, axis=1), pos[None], cache)
+        logits, cache = model(jax.lax.dynamic_slice_in_dim(context, pos, 1, axis=1), pos[None], cache, filled=filled)
         slot = jnp.maximum(pos - (length - 1) - done, 0)  # this call's sampled byte
         scaled = logits[:, 0] / jnp.maximum(temperature, 1e-6) + noise[slot]
         token = jnp.argmax(jnp.where(greedy, logits[:, 0], scaled), axis=-1).astype(context.dtype)
@@ -97,10 +97,21 @@ def _cached_loop(graphdef, params, context, cache, start, length, done, count, t
         return context, cache, out
 
     out = jnp.zeros((rows, size), context.dtype)  # the first ``count`` columns get filled
-    context, cache, out = jax.lax.fori_loop(start, length - 1 + done + count, position, (context, cache, out))
+    end, carry = length - 1 + done + count, (context, cache, out)
+    # The positions in pieces of the window, each reading the cache only up to its own end (a
+    # position reads the keys before it); past the window (rotary: a ring) the whole cache.
+    piece = window // CACHE_PIECES if window % CACHE_PIECES == 0 else window
+    for limit in range(piece, window + 1, piece):
+        lowest = jnp.maximum(start, limit - piece)
+        carry = jax.lax.fori_loop(lowest, jnp.minimum(end, limit), partial(position, filled=limit), carry)
+    context, cache, out = jax.lax.fori_loop(jnp.maximum(start, window), end, partial(position, filled=None), carry)
     return context, cache, keys, out
 
 
+# A sampling step reads the cache up to the end of the piece of the window its position is in:
+# four pieces read on average 5/8 of what the whole window would, for four copies of the step
+# in the compiled loop.
+CACHE_PIECES = 4
 SEGMENT = 4096  # bytes sampled per compiled call at most: bounds the noise drawn ahead (rows x SEGMENT x 256 floats)
 
 

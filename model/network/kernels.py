@@ -1,5 +1,6 @@
 """The model's arithmetic kernels: two hand-written gradients (a dense layer and causal
-attention) and the attention of a few queries over cached keys and values.
+attention), Pallas's fused causal attention for TPUs, and the attention of a few queries
+over cached keys and values.
 
 Each computes exactly what its plain JAX version does (``x @ w + b`` and
 ``jax.nn.dot_product_attention(..., is_causal=True)``, tested against them) but gives
@@ -9,6 +10,7 @@ XLA:CPU a backward pass that it compiles well (the figures: docs/benchmarks.md, 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +138,70 @@ def fused_attention_problem(length: int, heads: int, head_dim: int, dtype: str) 
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"cuDNN's fused attention failed on {jax.devices()[0].device_kind}: {first[:200]}"
     return None
+
+
+# Pallas's fused (flash) attention for TPUs: ``flash`` (jax.experimental.pallas.ops.tpu's
+# flash_attention) and ``splash`` (its splash_attention, MaxText's choice: it skips the blocks
+# above the diagonal). Like cuDNN's, their scores never reach memory; unlike it they take any
+# dtype. Their tiles are 128 lanes wide, so the context must be a multiple of this.
+PALLAS_TILE = 128
+
+
+def pallas_blocks(length: int, largest: int = 512) -> int:
+    """The kernels' tile length for a context of ``length``: the largest power of two up to
+    ``largest`` that divides it (their defaults, 128, halved the speed of a 1,024-byte context
+    on a TPU v5e: docs/tpu-check.md)."""
+    block = largest
+    while block > PALLAS_TILE and length % block:
+        block //= 2
+    return block
+
+
+def pallas_attention(query, key, value, kernel: str, block: int | None = None):
+    """Causal softmax attention of (batch, length, heads, head_dim) inputs by a Pallas TPU
+    kernel (``kernel``: "flash" or "splash") with ``block``-long tiles (``pallas_blocks``).
+    Off a TPU (slowly: for tests) splash runs in its own interpreter, flash only where its
+    whole trace, gradient included, is inside ``jax.experimental.pallas.tpu.force_tpu_interpret_mode``."""
+    length, head_dim = query.shape[1], query.shape[-1]
+    block = block or pallas_blocks(length)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (query, key, value))  # heads before positions
+    if kernel == "splash":
+        interpret = jax.devices()[0].platform != "tpu"
+        out = jax.vmap(_splash(length, q.shape[1], block, interpret))(q * jnp.asarray(head_dim**-0.5, q.dtype), k, v)
+    else:
+        from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+        sizes = tpu_flash.BlockSizes(
+            block_q=block,
+            block_k_major=block,
+            block_k=block,
+            block_b=1,
+            block_q_major_dkv=block,
+            block_k_major_dkv=block,
+            block_k_dkv=block,
+            block_q_dkv=block,
+            block_k_major_dq=block,
+            block_k_dq=block,
+            block_q_dq=block,
+        )
+        out = tpu_flash.flash_attention(q, k, v, causal=True, sm_scale=head_dim**-0.5, block_sizes=sizes)
+    return cast(jax.Array, out).transpose(0, 2, 1, 3)  # one array: no residuals were asked for
+
+
+def _splash(length: int, heads: int, block: int, interpret: bool):
+    """Splash attention's kernel for one row. Made anew at each trace: it holds arrays of its
+    mask's blocks, which a kernel kept from another trace would carry in as that trace's."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ...config.settings import AttentionKernel, Kernel, ModelConfig
-from .kernels import FUSED_DTYPES, attend, causal_attention, dense
+from .kernels import FUSED_DTYPES, attend, causal_attention, dense, pallas_attention
 from .parameters import shape_of
 
 
@@ -98,6 +98,7 @@ class CausalSelfAttention(nnx.Module):
         self.out = Linear(*shape_of(cfg, "attn.out.kernel"), custom=custom, rngs=rngs, **output_init(cfg))
         self.custom = use_custom(cfg.attention)
         self.fused = cfg.attention == "cudnn"
+        self.pallas = cfg.attention if cfg.attention in ("splash", "flash") else None
         self.qk_norm = cfg.qk_norm
 
     def _heads_first(self, x):  # (rows, t, d_model) -> (rows * heads, t, head_dim)
@@ -110,7 +111,15 @@ class CausalSelfAttention(nnx.Module):
         x = x.reshape(-1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
         return x.reshape(-1, length, self.num_heads * self.head_dim)
 
-    def __call__(self, x, positions, cache: LayerCache | None = None, last_only: bool = False, span: int | None = None):
+    def __call__(
+        self,
+        x,
+        positions,
+        cache: LayerCache | None = None,
+        last_only: bool = False,
+        span: int | None = None,
+        filled: int | None = None,
+    ):
         q, k, v = (t.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for t in jnp.split(self.qkv(x), 3, axis=-1))
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
@@ -121,6 +130,8 @@ class CausalSelfAttention(nnx.Module):
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(span - 1, 0))
             elif self.custom:
                 mixed = causal_attention(q, k, v)
+            elif self.pallas:
+                mixed = pallas_attention(q, k, v, self.pallas)
             elif self.fused and q.dtype in FUSED_DTYPES:  # a float32 evaluation takes XLA's path
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
             else:
@@ -137,6 +148,8 @@ class CausalSelfAttention(nnx.Module):
             cache = LayerCache(k, v)
         if last_only:
             q, positions = q[:, -1:], positions[-1:]
+        if filled is not None:  # only the cache's first ``filled`` slots hold keys yet: read no more
+            k, v = k[:, :filled], v[:, :filled]
         visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (queries, keys)
         return self.out(self._heads_last(attend(self._heads_first(q), k, v, visible))), cache
 
@@ -169,10 +182,11 @@ class Block(nnx.Module):
         last_only: bool = False,
         span: int | None = None,
         keys=None,
+        filled: int | None = None,
     ):
         # Pre-norm: normalise, attend (or feed forward), add back; ``keys`` (2,): dropout's
         # on what each adds (training only).
-        mixed, cache = self.attn(self.ln1(x), positions, cache, last_only, span)
+        mixed, cache = self.attn(self.ln1(x), positions, cache, last_only, span, filled)
         x = (x[:, -1:] if last_only else x) + dropped(mixed, self.dropout, None if keys is None else keys[0])
         return x + dropped(self.mlp(self.ln2(x)), self.dropout, None if keys is None else keys[1]), cache
 
@@ -198,6 +212,7 @@ class Transformer(nnx.Module):
         span: int | None = None,
         remat: bool = False,
         dropout_key=None,
+        filled: int | None = None,
     ):
         """(rows, t) token ids -> (logits, cache).
 
@@ -215,7 +230,9 @@ class Transformer(nnx.Module):
         activations are recomputed in the backward pass instead of kept (``_recomputed``).
         ``dropout_key`` (training): dropout at ``model.dropout`` on the embeddings and on what
         each block's attention and MLP add, as nanoGPT's residual dropout (no key, or rate 0:
-        none, and the program is the one without dropout).
+        none, and the program is the one without dropout). ``filled`` (with ``cache``): only
+        the cache's first ``filled`` slots are read, the rest not being written yet (a static
+        bound, so that a sampler's step reads the cache only as far as it is filled).
         """
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
@@ -234,7 +251,7 @@ class Transformer(nnx.Module):
         else:
             for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
                 last = last_only and depth == len(self.blocks) - 1
-                x, layer = block(x, positions, layer, last, span, None if keys is None else keys[depth])
+                x, layer = block(x, positions, layer, last, span, None if keys is None else keys[depth], filled)
                 updated.append(layer)
         logits = self.lm_head(self.final_norm(x))
         if self.logit_cap is not None:

@@ -24,11 +24,23 @@ GIB = 1 << 30
 # output, the attention's queries, keys and values, norms, residuals). The hand-written CPU
 # kernel (model/network/kernels.py) keeps fewer scores; cuDNN's fused kernel keeps none, only
 # its output and a float32 log-sum-exp per head and token (unmeasured: no GPU figure yet).
-ACTIVATION_TERMS = {"xla": (2.36, 30.6), "custom": (0.865, 32.1), "cudnn": (0.0, 30.6)}
+# Pallas's TPU kernels (splash, flash) keep what cuDNN's does.
+ACTIVATION_TERMS = {
+    "xla": (2.36, 30.6),
+    "custom": (0.865, 32.1),
+    "cudnn": (0.0, 30.6),
+    "splash": (0.0, 30.6),
+    "flash": (0.0, 30.6),
+}
 # With remat, the block being recomputed holds its own activations again while its gradient
 # is taken (a little more than one block's worth), beside the blocks' parameters stacked
 # for the loop.
 RECOMPUTED_BLOCKS = 1.25
+# XLA:TPU keeps fewer of them (it fuses more of a block's elementwise work into its products)
+# and more while a block is recomputed: fitted to its memory_analysis of the gpt2 step on a TPU
+# v5e, batch 16 and 32, with and without remat (docs/tpu-check.md).
+TPU_ACTIVATION_TERMS = {"xla": (1.05, 14.2), "splash": (0.0, 14.2), "flash": (0.0, 22.9)}
+TPU_RECOMPUTED_BLOCKS = 2.7
 
 
 def _moments(parameter: Parameter, optimizer: str) -> int:
@@ -101,13 +113,14 @@ def estimate(
     width = 2 if precision == "bfloat16" else 4
     score_width, feature_width = _widths(platform, width)
     tokens = rows_per_pass * seq_len
-    scores, features = ACTIVATION_TERMS.get(attention, ACTIVATION_TERMS["xla"])
+    terms = TPU_ACTIVATION_TERMS if platform == "tpu" else ACTIVATION_TERMS
+    scores, features = terms.get(attention, terms["xla"])
     per_block = tokens * (score_width * scores * model.num_heads * seq_len + feature_width * features * model.d_model)
     if remat:
         block_parameters = sum(parameter.size for parameter in every if parameter.in_block)
         activations = (
             model.num_layers * tokens * model.d_model * feature_width
-            + RECOMPUTED_BLOCKS * per_block
+            + (TPU_RECOMPUTED_BLOCKS if platform == "tpu" else RECOMPUTED_BLOCKS) * per_block
             + block_parameters * width
         )
     else:
@@ -213,7 +226,7 @@ def check_fits(
     the figure and the fix when it exceeds ``free_bytes`` (one device's; None: unknown)."""
     from .step_settings import resolve
 
-    step = resolve(model, train, seq_len, platform)
+    step = resolve(model, train, seq_len, platform, devices=devices)
     found = estimate(
         model, train, devices, seq_len, step.rows_per_pass, step.precision, attention=step.attention, platform=platform
     )

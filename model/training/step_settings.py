@@ -19,6 +19,13 @@ AttentionProbe = Callable[[int, int, int, str], str | None]
 # cuDNN's fused kernel takes a head width that is a multiple of this, up to the maximum.
 FUSED_HEAD_WIDTH = 8
 FUSED_MAX_HEAD_DIM = 128
+# Pallas's fused attention kernels for TPUs (model/network/kernels.py), and the one ``auto``
+# takes there: measured against each other and XLA's on a TPU v5e (docs/tpu-check.md).
+PALLAS_KERNELS = ("splash", "flash")
+TPU_ATTENTION = "splash"
+PALLAS_TILE = 128  # their tiles' length: the context must be a multiple (kernels.PALLAS_TILE)
+# Below this context XLA's attention was as fast as splash's on a TPU v5e (docs/tpu-check.md).
+PALLAS_MIN_CONTEXT = 1024
 
 # XLA:CPU's YNNPACK fusions made the step's matrix products slower than its default dot
 # emitter on the CPUs measured (bench/profile.py; docs/benchmarks.md): off by default there.
@@ -34,14 +41,16 @@ MAX_STEPS_PER_CALL = 16
 
 @dataclass(frozen=True)
 class StepSettings:
-    attention: str  # "xla" (jax.nn.dot_product_attention), "custom" (model/network/kernels.py) or "cudnn"
+    attention: (
+        str  # "xla" (jax.nn.dot_product_attention), "custom" (model/network/kernels.py), "cudnn", "splash", "flash"
+    )
     dense: str  # "xla" (x @ w + b) or "custom"
     precision: str  # the compute dtype: "float32" or "bfloat16"; parameters stay float32
     rows_per_pass: int  # rows of each device's batch per forward/backward pass
     xla_options: dict[str, Any] = field(default_factory=dict)  # compiler options of the step
     sharding: str = "replicated"  # train.sharding: replicated or fsdp (model/training/placement.py)
     remat: bool = False  # train.remat: each block's activations recomputed in the backward pass
-    attention_note: str | None = None  # on a GPU: why cuDNN's fused attention did not serve
+    attention_note: str | None = None  # on a GPU or TPU: why its fused attention did not serve
     steps_per_call: int = 1  # optimizer steps per compiled call (train.steps_per_call)
     unroll: bool = False  # those steps written out one after another (accelerators), or a loop
 
@@ -73,12 +82,14 @@ def resolve(
     choice: StepChoice | None = None,
     probe: AttentionProbe | None = None,
     processes: int = 1,
+    devices: int = 1,
 ) -> StepSettings:
     """The concrete settings for ``platform``: what the user set, and for each ``auto`` the
     platform's default — the hand-written kernels, float32, ~512 tokens per pass and YNNPACK
-    fusions off on a CPU; bfloat16, one pass, cuDNN's fused attention where it can serve
-    (``fused_attention_obstacle``; ``probe``: run it once on the device to be sure) and XLA's
-    kernels elsewhere — or, where given, the CPU step tuner's measured ``choice``
+    fusions off on a CPU; bfloat16, one pass, cuDNN's fused attention on a GPU where it can
+    serve (``fused_attention_obstacle``; ``probe``: run it once on the device to be sure),
+    Pallas's on a TPU where it can (``pallas_attention_obstacle``; ``devices``: the run's) and
+    XLA's kernels elsewhere — or, where given, the CPU step tuner's measured ``choice``
     (``model/training/cpu_tuning.py``)."""
     default_kernel = choice["kernels"] if choice else "custom" if platform == "cpu" else "xla"
     kernels = {
@@ -89,12 +100,23 @@ def resolve(
         train_cfg.precision if train_cfg.precision != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     )
     note = None
-    if model_cfg is not None and platform != "cpu" and model_cfg.attention in ("auto", "cudnn"):
+    asked = None if model_cfg is None else model_cfg.attention
+    if asked in PALLAS_KERNELS and platform != "tpu":
+        raise ConfigError(
+            f"model.attention={asked} is Pallas's attention for TPUs, and this run trains on {platform}; "
+            "set model.attention=auto"
+        )
+    if model_cfg is not None and platform == "tpu" and asked in ("auto", *PALLAS_KERNELS):
+        note = pallas_attention_obstacle(model_cfg, seq_len, devices)
+        if asked != "auto" and note:
+            raise ConfigError(f"model.attention={asked} cannot serve: {note}; set model.attention=auto")
+        kernels["attention"] = "xla" if note else (TPU_ATTENTION if asked == "auto" else asked)
+    elif model_cfg is not None and platform not in ("cpu", "tpu") and asked in ("auto", "cudnn"):
         note = fused_attention_obstacle(model_cfg, precision, seq_len, platform, probe)
         if model_cfg.attention == "cudnn" and note:
             raise ConfigError(f"model.attention=cudnn cannot serve: {note}; set model.attention=auto")
         kernels["attention"] = "xla" if note else "cudnn"
-    elif model_cfg is not None and model_cfg.attention == "cudnn":
+    elif asked == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn is cuDNN's attention for NVIDIA GPUs, and this run trains on {platform}; "
             "set model.attention=auto"
@@ -163,3 +185,23 @@ def fused_attention_obstacle(
             f"{FUSED_MAX_HEAD_DIM}, and model.d_model / model.num_heads = {head_dim}"
         )
     return probe(min(seq_len, model_cfg.max_seq_len), model_cfg.num_heads, head_dim, precision) if probe else None
+
+
+def pallas_attention_obstacle(model_cfg: ModelConfig, seq_len: int, devices: int = 1) -> str | None:
+    """Why Pallas's TPU attention does not serve this model's attention on a TPU, in one line;
+    None where it does."""
+    length = min(seq_len, model_cfg.max_seq_len)
+    if length % PALLAS_TILE:
+        return (
+            f"Pallas's TPU attention takes a context that is a multiple of {PALLAS_TILE} bytes, and this run's "
+            f"is {length} (data.seq_len)"
+        )
+    if length < PALLAS_MIN_CONTEXT:
+        return (
+            f"at a context under {PALLAS_MIN_CONTEXT} bytes XLA's attention is as fast as Pallas's, and this "
+            f"run's is {length}"
+        )
+    if devices > 1:
+        # XLA cannot split a Pallas kernel over devices: it would need the step's shard_map.
+        return f"Pallas's TPU attention runs on one device, and this run trains on {devices}"
+    return None

@@ -152,6 +152,7 @@ def run_training(
         tuning and tuning["chosen"],
         probe=fused_attention_problem,
         processes=request.processes,
+        devices=len(devices),
     )
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)

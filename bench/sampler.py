@@ -1,0 +1,121 @@
+"""``python -m bench.sampler [--presets gpt2,codelab] [--batches 1,64]``: the KV-cache sampler
+(``generate_batch``) on this machine's first device, in bytes/s, against what the memory
+bandwidth allows.
+
+A sampled byte is one position through the model: every weight and the cache's filled part
+are read once per step, so a step cannot be faster than those bytes over the device's
+bandwidth (``BANDWIDTH``; a CPU has no figure). Measured for float32 weights and for
+bfloat16 ones (the cache in the weights' dtype), with the largest difference of their logits
+on a probe, beside the verify stage's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from bench.run import RESULTS, machine
+
+BANDWIDTH = {"TPU v5 lite": 819e9, "H200": 4.8e12, "H100": 3.35e12}  # bytes/s, the makers' data sheets
+SMOKE = {"model.num_layers": 1, "model.d_model": 64, "model.num_heads": 2, "model.ffn_dim": 128}
+
+
+def bandwidth(device_kind: str) -> float | None:
+    return next((rate for name, rate in BANDWIDTH.items() if name.lower() in device_kind.lower()), None)
+
+
+def step_bytes(model, rows: int, prompt: int, new_bytes: int, window: int, width: int) -> float:
+    """Bytes one sampling step reads on average: the weights, and each layer's keys and values
+    up to the position (the whole window once it wraps)."""
+    from flax import nnx
+
+    weights = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param))) * width
+    attn = model.blocks[0].attn
+    positions = [min(p + 1, window) for p in range(prompt, prompt + new_bytes)]
+    cache = 2 * len(model.blocks) * rows * attn.num_heads * attn.head_dim * width * sum(positions) / len(positions)
+    return weights + cache
+
+
+def in_dtype(model, dtype):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.merge(
+        graphdef, jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params), rest
+    )
+
+
+def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bardflow.config.settings import VerifyConfig, build_config
+    from bardflow.model.inference.sampling import generate_batch
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.checkpoint import max_logit_diff
+
+    cfg = build_config(preset, SMOKE if smoke else {})
+    window = cfg.model.max_seq_len
+    device = jax.devices()[0]
+    rate = bandwidth(device.device_kind)
+    base = build_model(cfg.model, 0)
+    probe = np.random.default_rng(0).integers(0, 256, (4, window), dtype=np.int32)
+    found = {"preset": preset, "window": window, "new_bytes": new_bytes, "by_weights": {}}
+    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        model = in_dtype(base, dtype)
+        figures = {"logit_diff_to_float32": max_logit_diff(base, model, probe), "tolerance": VerifyConfig().tolerance}
+        for rows in batches:
+            seeds = list(range(rows))
+            generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window)  # compiled, then timed
+            started = time.perf_counter()
+            generate_batch(model, "ROMEO:", new_bytes, 0.8, seeds, window)
+            seconds = time.perf_counter() - started
+            per_s = rows * new_bytes / seconds
+            bound = None
+            if rate is not None:
+                bound = (
+                    rate / step_bytes(model, rows, len("ROMEO:"), new_bytes, window, jnp.dtype(dtype).itemsize) * rows
+                )
+            figures[f"batch_{rows}"] = {
+                "bytes_per_s": round(per_s, 1),
+                "bound_bytes_per_s": None if bound is None else round(bound, 1),
+                "bound_fraction": None if bound is None else round(per_s / bound, 3),
+            }
+            print(
+                f"{preset} {name} weights, batch {rows}: {per_s:,.0f} bytes/s"
+                + (f" ({per_s / bound:.2f} of the bound)" if bound else ""),
+                flush=True,
+            )
+        found["by_weights"][name] = figures
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--presets", default="gpt2,codelab")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--new-bytes", type=int, default=500)
+    parser.add_argument("--smoke", action="store_true", help="one small layer: every part runs, on a CPU too")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    report = {
+        "machine": machine(),
+        "presets": {p: measure(p, batches, args.new_bytes, args.smoke) for p in args.presets.split(",")},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"{report['machine']['date']}-{report['machine']['backend']}-sampler.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""The TPU check: everything a TPU changes, in one call of at most ``BUDGET_S`` seconds
+(``bench/tpu_check.sh`` installs what the host lacks, then runs this). One program at a
+time can hold the chip, so the parts run one after another, each in its own process with its
+own time limit, each reported passed / failed / skipped with the reason:
+
+  tests     the model, kernel, step, checkpoint and sampling tests, in one process on the chip
+  step      per preset (``bench/tpu_step.py``): the attention kernels and their tiles, the
+            step with each kernel (50 steps' losses against XLA's), steps per call, batch and
+            remat with XLA's memory against the estimate, a profile's slowest operations
+  quality   the ``quality`` preset on TinyShakespeare's real bytes, encoded by bardflow's
+            encode code, trained by the training stage's ``run_training`` (best state kept),
+            then checkpointed, restored, verified and sampled (``bench/quality.py --deliver``)
+  sampler   the KV-cache sampler for ``gpt2`` and ``codelab`` at batch 1 and 64, float32 and
+            bfloat16 weights, against the HBM bound (``bench/sampler.py``)
+  pipeline  ``bardflow run`` under Prefect where the host lets a server listen; where no socket
+            opens it says so in one line (the quality part has run the stages' work)
+
+``--dry-run`` runs the same commands on CPU with small shapes and a few steps. Writes
+``tpu-check.json`` (a top-level ``summary`` of the headline figures), ``tpu-check.txt`` (the
+table) and ``tpu-check.log`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.gpu_check import REPO, SHARED_CORPUS, Check, _last_line
+
+BUDGET_S = 540  # 9 minutes less a margin for the installs
+# The model's tests a device changes (the hand-written CPU kernels' are held to float32 digits
+# a TPU's products do not keep: tests/test_kernels.py's Pallas ones run here instead).
+TPU_TESTS = [
+    "tests/test_kernels.py::test_pallas_tpu_attention_matches_autodiff_of_dot_product_attention",
+    "tests/test_kernels.py::test_the_model_computes_the_same_with_either_kernel",
+    "tests/test_model.py",
+    "tests/test_checkpoint_and_sampling.py",
+    "tests/test_train.py::test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss",
+]
+# What the step part measures of each preset within its limit: gpt2's compilations take half a
+# minute each on a TPU v5e, so its kernels' 50-step losses are the quality preset's to show.
+PRESETS = {
+    "gpt2": ("attention", "calls", "profile"),
+    "quality": ("attention", "kernels", "calls", "profile"),
+    "codelab": ("attention", "calls", "profile"),
+}
+
+
+def sockets_open() -> str | None:
+    """Why no TCP socket opens on the loopback here, in one line; None where one does."""
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            probe.listen(1)
+    except OSError as error:
+        return f"no TCP socket opens on this host ({error.strerror or error})"
+    return None
+
+
+class TpuCheck(Check):
+    name = "tpu-check"
+
+    def __init__(self, out: Path, work: Path, dry_run: bool, budget_s: float, corpus: Path | None):
+        super().__init__(out, work, dry_run, budget_s)
+        self.given_corpus = corpus
+        self.figures: dict[str, dict] = {}  # each part's report, read back from its JSON
+        if dry_run:
+            self.env["JAX_PLATFORMS"] = "cpu"
+
+    def corpus(self) -> Path:
+        return self.given_corpus or super().corpus()
+
+    def report_of(self, folder: Path, pattern: str) -> dict:
+        found = sorted(folder.glob(pattern))
+        if not found:
+            raise RuntimeError(f"the part wrote no {pattern}")
+        return json.loads(found[-1].read_text())
+
+    # --- the parts ---
+
+    def tests(self, limit_s: float) -> dict:
+        # Float32 products at full precision: the tests hold kernels to float32 tolerances.
+        return self.pytest(TPU_TESTS, limit_s, env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"})
+
+    def step(self, limit_s: float) -> dict:
+        folder = self.work / "step"
+        shape = ["--smoke", "--steps", "2", "--loss-steps", "3"] if self.dry_run else ["--steps", "20"]
+        try:
+            done = self.sh(
+                "step",
+                sys.executable,
+                "-m",
+                "bench.tpu_step",
+                "--presets",
+                ",".join(PRESETS),
+                "--parts",
+                ";".join(f"{preset}:{','.join(parts)}" for preset, parts in PRESETS.items()),
+                *shape,
+                "--budget-s",
+                str(limit_s - 40),  # no part starts that would not end within the limit
+                "--out",
+                str(folder),
+                limit_s=limit_s,
+            )
+        finally:  # what it measured before a limit cut it short is kept
+            if list(folder.glob("*-tpu-step.json")):
+                self.figures["step"] = self.report_of(folder, "*-tpu-step.json")
+        return {"last": _last_line(done.stdout)}
+
+    def quality(self, limit_s: float) -> dict:
+        folder = self.work / "quality"
+        extra = []
+        if self.dry_run:
+            extra = [
+                arg
+                for item in (
+                    "train.steps=4",
+                    "train.warmup_steps=0",
+                    "train.single_device_steps=0",
+                    "train.log_every=2",
+                )
+                for arg in ("--set", item)
+            ] + ["--preset", "tiny", "--target", "100"]
+        else:
+            extra = ["--preset", "quality", "--target", "1.47"]
+        self.sh(
+            "quality",
+            sys.executable,
+            "-m",
+            "bench.quality",
+            "--corpus",
+            str(self.corpus()),
+            "--deliver",
+            "--out",
+            str(folder),
+            *extra,
+            limit_s=limit_s,
+        )
+        report = self.report_of(folder, "*-quality-*.json")
+        self.figures["quality"] = report
+        delivered = report["quality"]["delivered"]
+        if not delivered["verified"]:
+            raise RuntimeError(f"the restored model's logits differ by {delivered['max_abs_logit_diff']:.2e}")
+        return {"val_loss": report["quality"]["val_loss"], "training_s": report["quality"]["training_s"]}
+
+    def sampler(self, limit_s: float) -> dict:
+        folder = self.work / "sampler"
+        shape = ["--smoke", "--batches", "1,4", "--new-bytes", "40"] if self.dry_run else ["--new-bytes", "300"]
+        self.sh("sampler", sys.executable, "-m", "bench.sampler", *shape, "--out", str(folder), limit_s=limit_s)
+        self.figures["sampler"] = self.report_of(folder, "*-sampler.json")
+        return {}
+
+    def pipeline(self, limit_s: float) -> dict:
+        blocked = sockets_open()
+        if blocked:
+            print(
+                f"pipeline: {blocked}, so Prefect's server cannot listen: the quality part ran the stages' work "
+                "(encode, train, checkpoint, restore and verify, generate) without it",
+                flush=True,
+            )
+            return {"status": "skipped", "why": f"{blocked}: Prefect's server cannot listen"}  # over "passed"
+        if self.dry_run or __import__("importlib").util.find_spec("prefect") is not None:
+            return super().pipeline(limit_s)
+        return {"status": "skipped", "why": "Prefect is not installed here (carry it in the wheel kit)"}
+
+    def summary(self) -> dict:
+        """The headline figures of the parts that ran."""
+        found: dict = {}
+        step = self.figures.get("step", {}).get("presets", {})
+        chosen = {}
+        for preset, report in step.items():
+            calls = report.get("calls")
+            if isinstance(calls, list) and calls:
+                best = max((c for c in calls if "ms_per_step" in c), key=lambda c: c["tokens_per_s"], default=None)
+                if best:
+                    chosen[preset] = best
+        if "gpt2" in chosen:
+            found["gpt2_mfu"] = chosen["gpt2"]["mfu"]
+            found["gpt2_tokens_per_s"] = chosen["gpt2"]["tokens_per_s"]
+        if "codelab" in chosen:
+            found["codelab_tokens_per_s"] = chosen["codelab"]["tokens_per_s"]
+        if "quality" in chosen:
+            found["quality_step_mfu"] = chosen["quality"]["mfu"]
+        found["estimate_vs_xla"] = {p: c.get("estimate_vs_xla") for p, c in chosen.items()}
+        found["attention"] = {p: r.get("step_settings", {}).get("attention") for p, r in step.items()}
+        kernels = {
+            p: r["kernels"]
+            for p, r in step.items()
+            if isinstance(r.get("kernels"), dict) and "by_kernel" in r["kernels"]
+        }
+        found["kernel_losses_within_bound"] = {p: k["within"] for p, k in kernels.items()}
+        quality = self.figures.get("quality", {}).get("quality")
+        if quality:
+            found["quality_val_loss"] = quality["val_loss"]
+            found["quality_train_s"] = quality["training_s"]
+            found["quality_seconds_to_target"] = quality["seconds_to_target"]
+            found["quality_verified"] = (quality.get("delivered") or {}).get("verified")
+        sampler = self.figures.get("sampler", {}).get("presets", {})
+        found["sample_tokens_per_s"] = {}
+        found["sample_bound_fraction"] = {}
+        for preset, report in sampler.items():
+            for weights, figures in report["by_weights"].items():
+                for key, value in figures.items():
+                    if key.startswith("batch_"):
+                        name = f"{preset}.{weights}.{key}"
+                        found["sample_tokens_per_s"][name] = value["bytes_per_s"]
+                        found["sample_bound_fraction"][name] = value["bound_fraction"]
+        return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="on CPU: small shapes and a handful of steps")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "results")))
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S)
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=Path(os.environ["BARDFLOW_CORPUS"]) if os.environ.get("BARDFLOW_CORPUS") else None,
+        help=f"TinyShakespeare's bytes (default $BARDFLOW_CORPUS, else {SHARED_CORPUS}, else a generated play)",
+    )
+    parser.add_argument("--parts", type=lambda text: text.split(","), default=None, metavar="NAME,NAME")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    limits = {"tests": 70, "step": 250, "quality": 120, "sampler": 100, "pipeline": 150}
+    unknown = set(args.parts or ()) - set(limits)
+    if unknown:
+        parser.error(f"no part named {', '.join(sorted(unknown))}; the parts: {', '.join(limits)}")
+    with tempfile.TemporaryDirectory() as work:
+        check = TpuCheck(args.out, Path(work), args.dry_run, args.budget_s, args.corpus)
+        for name, limit_s in limits.items():
+            if args.parts is None or name in args.parts:
+                check.part(name, limit_s, getattr(check, name))
+        check.log.close()
+    import platform
+
+    report = {
+        "dry_run": args.dry_run,
+        "python": platform.python_version(),
+        "summary": check.summary(),
+        "parts": check.results,
+        "figures": check.figures,
+    }
+    try:
+        import jax
+
+        report["devices"] = [f"{d} ({d.device_kind})" for d in jax.devices()]
+    except Exception as error:  # noqa: BLE001 - the report says so
+        report["devices"] = f"jax: {error}"
+    (args.out / "tpu-check.json").write_text(json.dumps(report, indent=1, default=str))
+    table = [f"{'part':<9} {'status':<7} {'seconds':>7}  why"]
+    table += [
+        f"{name:<9} {r['status']:<7} {r.get('seconds', 0):>7.1f}  {r.get('why', '')}"
+        for name, r in check.results.items()
+    ]
+    table += ["", "summary:", json.dumps(report["summary"], indent=1)]
+    (args.out / "tpu-check.txt").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    return 0 if all(r["status"] in ("passed", "skipped") for r in check.results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
