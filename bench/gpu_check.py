@@ -403,19 +403,52 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_parser(prog: str, description: str | None, dry_run: str, budget_s: float) -> argparse.ArgumentParser:
+    """The options a one-call check takes (this one's and bench/tpu_check.py's)."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--dry-run", action="store_true", help="on CPU: the tiny preset and a handful of steps")
+    parser.add_argument("--dry-run", action="store_true", help=dry_run)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "results")))
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S)
+    parser.add_argument("--budget-s", type=float, default=budget_s)
     parser.add_argument(
         "--parts",
         type=lambda text: text.split(","),
         default=None,
         metavar="NAME,NAME",
         help="only these parts (e.g. to run again those that failed); default: all",
+    )
+    return parser
+
+
+def run_parts(check: Check, limits: dict[str, float], chosen: list[str] | None, parser) -> None:
+    """The parts ``chosen`` (None: all) in the order of ``limits``, each within its limit."""
+    unknown = set(chosen or ()) - set(limits)
+    if unknown:
+        parser.error(f"no part named {', '.join(sorted(unknown))}; the parts: {', '.join(limits)}")
+    for name, limit_s in limits.items():
+        if chosen is None or name in chosen:
+            check.part(name, limit_s, getattr(check, name))
+    check.log.close()
+
+
+def where_it_ran(describe=str) -> dict:
+    """The Python and the devices a check ran on, for its report."""
+    import platform
+
+    found: dict = {"python": platform.python_version()}
+    try:
+        import jax
+
+        found["devices"] = [describe(d) for d in jax.devices()]
+    except Exception as error:  # noqa: BLE001 - the report says so
+        found["devices"] = f"jax: {error}"
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = check_parser(
+        "python -m bench.gpu_check", __doc__, "on CPU: the tiny preset and a handful of steps", BUDGET_S
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -433,22 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             "bench": 180,
             "vllm": 120,
         }
-        unknown = set(args.parts or ()) - set(limits)
-        if unknown:
-            parser.error(f"no part named {', '.join(sorted(unknown))}; the parts: {', '.join(limits)}")
-        for name, limit_s in limits.items():
-            if args.parts is None or name in args.parts:
-                check.part(name, limit_s, getattr(check, name))
-        check.log.close()
-    import platform
-
-    report = {"dry_run": args.dry_run, "python": platform.python_version(), "parts": check.results}
-    try:
-        import jax
-
-        report["devices"] = [str(d) for d in jax.devices()]
-    except Exception as error:  # noqa: BLE001 - the report says so
-        report["devices"] = f"jax: {error}"
+        run_parts(check, limits, args.parts, parser)
+    report = {"dry_run": args.dry_run, "parts": check.results, **where_it_ran()}
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1))
     table = [f"{'part':<11} {'status':<7} {'seconds':>7}  {'peak MiB':>8}  why"]
     table += [

@@ -12,11 +12,10 @@ on a probe, beside the verify stage's tolerance.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine
+from bench.run import RESULTS, machine, write_report
 
 BANDWIDTH = {"TPU v5 lite": 819e9, "H200": 4.8e12, "H100": 3.35e12}  # bytes/s, the makers' data sheets
 SMOKE = {"model.num_layers": 1, "model.d_model": 64, "model.num_heads": 2, "model.ffn_dim": 128}
@@ -29,24 +28,12 @@ def bandwidth(device_kind: str) -> float | None:
 def step_bytes(model, rows: int, prompt: int, new_bytes: int, window: int, width: int) -> float:
     """Bytes one sampling step reads on average: the weights, and each layer's keys and values
     up to the position (the whole window once it wraps)."""
-    from flax import nnx
+    from bardflow.model.network.transformer import count_params
 
-    weights = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param))) * width
     attn = model.blocks[0].attn
     positions = [min(p + 1, window) for p in range(prompt, prompt + new_bytes)]
     cache = 2 * len(model.blocks) * rows * attn.num_heads * attn.head_dim * width * sum(positions) / len(positions)
-    return weights + cache
-
-
-def in_dtype(model, dtype):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return nnx.merge(
-        graphdef, jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params), rest
-    )
+    return count_params(model) * width + cache
 
 
 def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool) -> dict:
@@ -58,6 +45,7 @@ def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool) -> dic
     from bardflow.model.inference.sampling import generate_batch
     from bardflow.model.network.transformer import build_model
     from bardflow.model.training.checkpoint import max_logit_diff
+    from bardflow.model.training.step import in_dtype
 
     cfg = build_config(preset, SMOKE if smoke else {})
     window = cfg.model.max_seq_len
@@ -106,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    report = {
-        "machine": machine(),
-        "presets": {p: measure(p, batches, args.new_bytes, args.smoke) for p in args.presets.split(",")},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"{report['machine']['date']}-{report['machine']['backend']}-sampler.json"
-    out.write_text(json.dumps(report, indent=1))
-    print(f"written to {out}")
+    report, flat = {"machine": machine(), "presets": {}}, {}
+    for preset in args.presets.split(","):
+        found = report["presets"][preset] = measure(preset, batches, args.new_bytes, args.smoke)
+        for weights, figures in found["by_weights"].items():
+            for key, value in figures.items():
+                if key.startswith("batch_"):
+                    flat[f"{preset}.{weights}.{key}.bytes_per_s"] = value["bytes_per_s"]
+    print(f"written to {write_report(report, flat, args.out, 'sampler')}")
     return 0
 
 

@@ -22,7 +22,7 @@ table) and ``tpu-check.log`` under ``--out``.
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.gpu_check import REPO, SHARED_CORPUS, Check, _last_line
+from bench.gpu_check import SHARED_CORPUS, Check, _last_line, check_parser, run_parts, where_it_ran
 
 BUDGET_S = 540  # 9 minutes less a margin for the installs
 # The model's tests a device changes (the hand-written CPU kernels' are held to float32 digits
@@ -164,7 +164,7 @@ class TpuCheck(Check):
                 flush=True,
             )
             return {"status": "skipped", "why": f"{blocked}: Prefect's server cannot listen"}  # over "passed"
-        if self.dry_run or __import__("importlib").util.find_spec("prefect") is not None:
+        if self.dry_run or importlib.util.find_spec("prefect") is not None:
             return super().pipeline(limit_s)
         return {"status": "skipped", "why": "Prefect is not installed here (carry it in the wheel kit)"}
 
@@ -214,46 +214,26 @@ class TpuCheck(Check):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--dry-run", action="store_true", help="on CPU: small shapes and a handful of steps")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "results")))
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S)
+    parser = check_parser("python -m bench.tpu_check", __doc__, "on CPU: small shapes and a handful of steps", BUDGET_S)
     parser.add_argument(
         "--corpus",
         type=Path,
         default=Path(os.environ["BARDFLOW_CORPUS"]) if os.environ.get("BARDFLOW_CORPUS") else None,
         help=f"TinyShakespeare's bytes (default $BARDFLOW_CORPUS, else {SHARED_CORPUS}, else a generated play)",
     )
-    parser.add_argument("--parts", type=lambda text: text.split(","), default=None, metavar="NAME,NAME")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     limits = {"tests": 70, "step": 250, "quality": 120, "sampler": 100, "pipeline": 150}
-    unknown = set(args.parts or ()) - set(limits)
-    if unknown:
-        parser.error(f"no part named {', '.join(sorted(unknown))}; the parts: {', '.join(limits)}")
     with tempfile.TemporaryDirectory() as work:
         check = TpuCheck(args.out, Path(work), args.dry_run, args.budget_s, args.corpus)
-        for name, limit_s in limits.items():
-            if args.parts is None or name in args.parts:
-                check.part(name, limit_s, getattr(check, name))
-        check.log.close()
-    import platform
-
+        run_parts(check, limits, args.parts, parser)
     report = {
         "dry_run": args.dry_run,
-        "python": platform.python_version(),
         "summary": check.summary(),
         "parts": check.results,
         "figures": check.figures,
+        **where_it_ran(lambda device: f"{device} ({device.device_kind})"),
     }
-    try:
-        import jax
-
-        report["devices"] = [f"{d} ({d.device_kind})" for d in jax.devices()]
-    except Exception as error:  # noqa: BLE001 - the report says so
-        report["devices"] = f"jax: {error}"
     (args.out / "tpu-check.json").write_text(json.dumps(report, indent=1, default=str))
     table = [f"{'part':<9} {'status':<7} {'seconds':>7}  why"]
     table += [

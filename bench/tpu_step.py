@@ -246,11 +246,11 @@ def batches_and_remat(preset: str, smoke: bool, base_cfg, steps: int, platform: 
 
 
 def profiled(cfg, step, steps: int) -> dict:
+    import numpy as np
+
     from bench.profile import profile
 
     compiled, _, (_, state), example = build_step(cfg, step, 1)
-    import numpy as np
-
     stream = np.stack([example] * (steps + 1))
     figures = profile(compiled, state, stream, steps)
     figures.pop("state")

@@ -9,6 +9,7 @@ XLA:CPU a backward pass that it compiles well (the figures: docs/benchmarks.md, 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from typing import cast
 
@@ -171,21 +172,16 @@ def pallas_attention(query, key, value, kernel: str, block: int | None = None):
     else:
         from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
-        sizes = tpu_flash.BlockSizes(
-            block_q=block,
-            block_k_major=block,
-            block_k=block,
-            block_b=1,
-            block_q_major_dkv=block,
-            block_k_major_dkv=block,
-            block_k_dkv=block,
-            block_q_dkv=block,
-            block_k_major_dq=block,
-            block_k_dq=block,
-            block_q_dq=block,
-        )
+        sizes = _every_tile(tpu_flash.BlockSizes, block, block_b=1)  # one row at a time
         out = tpu_flash.flash_attention(q, k, v, causal=True, sm_scale=head_dim**-0.5, block_sizes=sizes)
     return cast(jax.Array, out).transpose(0, 2, 1, 3)  # one array: no residuals were asked for
+
+
+def _every_tile(block_sizes, block: int, **others):
+    """A kernel's ``BlockSizes`` dataclass with every tile field (``block_*``) ``block`` long,
+    but those ``others`` set."""
+    tiles = {field.name: block for field in dataclasses.fields(block_sizes) if field.name.startswith("block_")}
+    return block_sizes(**{**tiles, **others})
 
 
 def _splash(length: int, heads: int, block: int, interpret: bool):
@@ -194,14 +190,7 @@ def _splash(length: int, heads: int, block: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        use_fused_bwd_kernel=True,
-    )
+    # The fused backward kernel computes dq with dk and dv: it takes no tiles of its own for it.
+    sizes = _every_tile(splash.BlockSizes, block, block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True)
     mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
     return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
