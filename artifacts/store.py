@@ -31,7 +31,7 @@ from typing import Any, NotRequired, cast
 from pydantic import JsonValue
 from typing_extensions import TypedDict
 
-from ..model.errors import BardflowError
+from ..model.errors import NOT_WRITABLE_FIX, BardflowError
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -543,15 +543,15 @@ class Store(VersionStore):
             handle = open(stage_dir / f".lock-{key}", "a+")
         except OSError as error:
             raise StoreError(
-                f"cannot write to the store at {self.root} ({error.strerror}); "
-                "make it writable or pick another with --store / BARDFLOW_STORE"
+                f"cannot write to the store at {self.root} ({error.strerror}); {NOT_WRITABLE_FIX}"
             ) from error
         path = stage_dir / f".lock-{key}"
         mine = [handle]
 
         def let_go() -> None:  # a forced end (model/training/stopping.py) skips the finally below
-            if os.stat(path).st_ino == os.fstat(mine[0].fileno()).st_ino:
-                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a store turned read-only: the next builder removes it
+                if os.stat(path).st_ino == os.fstat(mine[0].fileno()).st_ino:
+                    path.unlink(missing_ok=True)
 
         while True:  # the holder before us may have removed the file we waited on: lock a fresh one
             fcntl.flock(handle, fcntl.LOCK_EX)
@@ -567,7 +567,8 @@ class Store(VersionStore):
             with _unfinished(let_go):
                 yield
         finally:
-            path.unlink(missing_ok=True)  # no lock file outlives its holder
+            with contextlib.suppress(OSError):  # no lock file outlives its holder, but in a read-only store
+                path.unlink(missing_ok=True)
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
 
@@ -614,8 +615,7 @@ class Store(VersionStore):
             scratch.mkdir(parents=True)
         except OSError as error:
             raise StoreError(
-                f"cannot write to the store at {self.root} ({error.strerror}); "
-                "make it writable or pick another with --store / BARDFLOW_STORE"
+                f"cannot write to the store at {self.root} ({error.strerror}); {NOT_WRITABLE_FIX}"
             ) from error
         builder = Builder(stage, key, scratch, resume or self.resume(stage, key))
         try:

@@ -253,6 +253,7 @@ class Progress:
         if total is not None and total != self.total:  # a download's size comes with its answer
             self.total = max(1, total)
             self._update(total=self.total)
+        done = min(done, self.total)  # an archive's raw bytes overrun its member's size by its directory
         self._update(completed=done)
         now = self._clock()
         seconds = max(now - self._started, 1e-9)

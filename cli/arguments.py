@@ -230,10 +230,11 @@ def _pool_commands(commands) -> None:
         description="start: the kept Prefect server, bound to 127.0.0.1, which `run` and `sweep` use while it "
         "runs (unless PREFECT_API_URL names another; a run that finds none starts it); started here it is "
         "kept until stopped, unless --idle-minutes; stop: stop it; status: its address, pid, uptime and the "
-        "idle time left (exit 3 if it is not running). One per Prefect home (PREFECT_HOME) and cache folder "
+        "idle time left (exit 3 if it is not running); env: the shell line that points Prefect's commands at it "
+        '(eval "$(bardflow server env)"). One per Prefect home (PREFECT_HOME) and cache folder '
         "(BARDFLOW_CACHE_DIR).",
     )
-    server.add_argument("action", choices=("start", "stop", "status"))
+    server.add_argument("action", choices=("start", "stop", "status", "env"))
     server.add_argument("--port", type=int, help="start: this port (default 4200, or a free one if it is taken)")
     server.add_argument(
         "--idle-minutes",

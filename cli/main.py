@@ -30,6 +30,7 @@ from ..flows.environment import (
 from ..flows.tracking import check_installed, track_settings
 from ..model.errors import BardflowError
 from ..model.training import stopping
+from ..model.training.distributed import MAX_CPU_DEVICES, requested_cpu_devices
 from ..server.process import (
     SERVER_MODE,
     PrefectServer,
@@ -117,8 +118,11 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     the --set overrides; the environment (devices, a background server) for Prefect and JAX.
     Then the run's own server starts, unless the caller has more to check first (every
     refusal comes before that server's start-up line)."""
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise UsageError("--cpu-devices must be at least 1")
+    if args.cpu_devices is not None and not 1 <= args.cpu_devices <= MAX_CPU_DEVICES:
+        raise UsageError(
+            f"--cpu-devices must be 1 to {MAX_CPU_DEVICES} (emulated devices share this machine's cores; "
+            f"{os.cpu_count()} here)"
+        )
     if args.processes < 1:
         raise UsageError("--processes must be at least 1")
     if args.corpus is not None and not args.corpus.strip():
@@ -126,7 +130,9 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     root = store_location(args.store)
     check_resource_limits()
     prepare_environment(args.cpu_devices)
-    server = chosen_server()
+    if (requested_cpu_devices(os.environ["XLA_FLAGS"]) or 0) > MAX_CPU_DEVICES:
+        raise UsageError(f"XLA_FLAGS asks for more than {MAX_CPU_DEVICES} emulated CPU devices; ask for fewer")
+    server = _server_there(args)
     if server is not None:
         # A chosen server answers at once: JAX's device count comes from a process of its own
         # while Prefect loads here. (The run's own server takes seconds to start; JAX loads
@@ -162,6 +168,23 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
     if start_server:
         server = server or _start(args)  # comes up while Prefect and JAX load
     return Prepared(root, overrides, configs, server)
+
+
+def _server_there(args: argparse.Namespace) -> PrefectServer | None:
+    """The server already there that the run reports to: none where it asks for one of its
+    own (``--server embedded`` wins over PREFECT_API_URL and a kept server, and says so over
+    the first; BARDFLOW_SERVER=embedded only where PREFECT_API_URL names no server)."""
+    if args.server == "embedded":
+        if os.environ.get("PREFECT_API_URL"):
+            print(
+                f"bardflow: --server embedded: this run reports to a server of its own, not to PREFECT_API_URL "
+                f"({os.environ['PREFECT_API_URL']})",
+                file=sys.stderr,
+            )
+        return None
+    if os.environ.get(SERVER_MODE) == "embedded" and not os.environ.get("PREFECT_API_URL"):
+        return None
+    return chosen_server()
 
 
 def _start(args: argparse.Namespace) -> PrefectServer:
@@ -512,7 +535,18 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code[0])
+    if code[0] != 0 and _writers_stuck():
+        # A checkpoint's background writers that failed leave the others waiting on them for
+        # Orbax's coordination timeout, and the interpreter joins them before any exit
+        # handler: run the handlers now, and end without the join.
+        atexit._run_exitfuncs()
     sys.exit(code[0])
+
+
+def _writers_stuck() -> bool:
+    import threading
+
+    return any(type(t).__name__ == "_SignalingThread" and t.is_alive() for t in threading.enumerate())
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ long they are. A key given twice is refused rather than the last one silently wi
 from __future__ import annotations
 
 import json
+import os
 import reprlib
+import stat
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+from ..model.errors import file_kind
 from .settings import PRESETS, ConfigError, Overrides, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)
@@ -31,20 +34,40 @@ _short.maxlist = _short.maxdict = 4
 def read(path: str | Path) -> tuple[str | None, Overrides]:
     """The preset named in the file (or None) and its settings as ``section.field`` overrides."""
     path = Path(path).expanduser()
+    text = _text_of(path)
+    content = parse_json(text, str(path)) if path.suffix.lower() == ".json" else parse(text, str(path))
+    return settings(content if content is not None else {}, str(path))
+
+
+def _text_of(path: Path) -> str:
+    """A regular file's text, read no further than ``MAX_BYTES``: a device reports size 0 and
+    reads for ever (``/dev/zero``), and a FIFO blocks its reader until a writer comes, so the
+    kind is checked on the file opened without blocking, and the read is bounded whatever
+    the size said."""
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise ConfigError(
-                f"config file {path} has {size:,} bytes; a config file holds at most {MAX_BYTES:,} "
-                "(a whole preset is about 2,000): check --config"
-            )
-        text = path.read_text()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
-        raise ConfigError(f"config file {path} cannot be read ({error.__class__.__name__}); check --config") from None
-    content = parse(text, str(path))
-    return settings(content if content is not None else {}, str(path))
+    except OSError as error:  # a folder opens; a socket cannot (ENXIO)
+        raise ConfigError(f"config file {path} cannot be read ({error.strerror}); check --config") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise ConfigError(
+            f"config file {path} is a {file_kind(mode)}, not a regular file; write the settings to a "
+            "file and pass its path with --config"
+        )
+    with os.fdopen(descriptor, "rb") as handle:
+        data = handle.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(
+            f"config file {path} has {max(len(data), os.stat(path).st_size):,} bytes; a config file holds at most "
+            f"{MAX_BYTES:,} (a whole preset is about 2,000): check --config"
+        )
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} cannot be read (UnicodeDecodeError); check --config") from None
 
 
 def parse(text: str, source: str) -> Any:
@@ -74,6 +97,37 @@ def parse(text: str, source: str) -> Any:
         ) from None
     finally:
         loader.dispose()
+
+
+def parse_json(text: str, source: str) -> Any:
+    """JSON as JSON (``1e1`` is the number 10; YAML 1.1 reads it as a string), within the
+    same bounds as YAML and, as there, without duplicate keys."""
+
+    def mapping(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"config file {source}: the key {key!r} is given twice; keep one")
+            seen[key] = value
+        return seen
+
+    too_deep = ConfigError(
+        f"config file {source} nests deeper than {MAX_DEPTH} levels; a config file has sections of settings"
+    )
+    try:
+        content = json.loads(text, object_pairs_hook=mapping)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config file {source} is not valid JSON at line {error.lineno}: {error.msg}") from None
+    except RecursionError:
+        raise too_deep from None
+    if _depth(content) > MAX_DEPTH:
+        raise too_deep
+    return content
+
+
+def _depth(value: Any) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return 1 + max((_depth(child) for child in children), default=0)
 
 
 def _loader_class():

@@ -342,6 +342,17 @@ class TrackConfig(_Section, frozen=True):
         description="MLflow experiment (default bardflow; a sweep's children: the sweep's own)",
     )
 
+    @field_validator("mlflow")
+    @classmethod
+    def _a_database_or_server(cls, value: str | None) -> str | None:
+        scheme = value.partition("://")[0].lower() if value is not None and "://" in value else "file"
+        if value is not None and scheme == "file":
+            raise ValueError(
+                f"{value!r} is a folder; MLflow no longer keeps runs in a folder (its file store is refused), "
+                "give a database: --track mlflow=sqlite:///PATH/mlflow.db (or an http:// tracking server)"
+            )
+        return value
+
     @field_validator("tensorboard")
     @classmethod
     def _local_folder(cls, value: str | None) -> str | None:
@@ -473,7 +484,7 @@ def _describe(error: ValidationError) -> str:
         if item["type"] == "too_short" and any(other[: len(loc)] == loc and other != loc for other in locations):
             continue
         where = ".".join(str(p) for p in loc) or "config"
-        parts.append(f"{where}: {item['msg']}")
+        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
 
 

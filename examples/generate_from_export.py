@@ -41,16 +41,27 @@ def export_folder(path: Path) -> Path:
 def checksums(folder: Path) -> dict:
     """The sha256 of each file: the folder's checksums.json, or (an export written before it
     had one) the version's manifest one level up."""
-    own = folder / "checksums.json"
-    if own.is_file():
-        return json.loads(own.read_text())["sha256"]
-    manifest = folder.parent / "manifest.json"
-    if manifest.is_file():
-        files = json.loads(manifest.read_text()).get("files", {})
-        return {name: files[f"{folder.name}/{name}"]["sha256"] for name in FILES if f"{folder.name}/{name}" in files}
-    raise ExportError(
-        f"{folder} has no checksums.json: it cannot be checked; export it again (bardflow run --refresh export)"
-    )
+    own, manifest = folder / "checksums.json", folder.parent / "manifest.json"
+    if not own.is_file() and not manifest.is_file():
+        raise ExportError(
+            f"{folder} has no checksums.json: it cannot be checked; export it again (bardflow run --refresh export)"
+        )
+    try:
+        if own.is_file():
+            sums = json.loads(own.read_text())["sha256"]
+        else:
+            files = json.loads(manifest.read_text())["files"]
+            sums = {
+                name: files[f"{folder.name}/{name}"]["sha256"] for name in FILES if f"{folder.name}/{name}" in files
+            }
+        if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in sums.items()):
+            raise TypeError("a checksum that is not text")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ExportError(
+            f"{own if own.is_file() else manifest} is damaged ({type(error).__name__}: not the export's "
+            "checksums); export it again (bardflow run --refresh export) or copy the whole folder"
+        ) from None
+    return sums
 
 
 def verified(folder: Path):

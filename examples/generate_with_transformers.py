@@ -44,9 +44,15 @@ def check(folder: Path) -> None:
             f"generate_with_transformers: {folder} has no checksums.json beside it, so its files cannot "
             "be checked; pass the whole export folder (STORE/export/KEY), as bardflow wrote it"
         )
-    sums = json.loads(sums_file.read_text())["sha256"]
     prefix = f"{folder.name}/"
-    expected = {name[len(prefix) :]: digest for name, digest in sums.items() if name.startswith(prefix)}
+    try:
+        sums = json.loads(sums_file.read_text())["sha256"]
+        expected = {name[len(prefix) :]: str(digest) for name, digest in sums.items() if name.startswith(prefix)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SystemExit(
+            f"generate_with_transformers: {sums_file} is damaged ({type(error).__name__}: not the export's "
+            "checksums); export it again (bardflow run --refresh export) or copy the whole folder"
+        ) from None
     found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     if not expected:
         raise SystemExit(

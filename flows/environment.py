@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import cast
 
 from ..config.machine import cache_dir, install_hint
-from ..config.settings import PRESETS
+from ..config.settings import PRESETS, ConfigError
 from ..model.errors import BardflowError
 from ..model.training.distributed import CPU_DEVICE_FLAG
 
@@ -19,6 +19,10 @@ DEBUG = "BARDFLOW_DEBUG"
 
 def store_location(store: str | None = None) -> str:
     """The store a run uses: a local folder (made absolute) or an object store URL (s3://…)."""
+    if store is not None and not store.strip():
+        raise ConfigError(
+            "--store is empty; give a folder or an s3:// URL, or leave it out for ./store (or BARDFLOW_STORE)"
+        )
     location = store or os.environ.get("BARDFLOW_STORE") or DEFAULT_STORE
     if "://" in location:
         return location.rstrip("/")
@@ -140,3 +144,18 @@ def store_credentials() -> str | None:
     }
     os.environ.update({name: str(value) for name, value in values.items() if value})
     return named
+
+
+def label_flow_run() -> None:
+    """Labels the flow run in progress with this process (``server/keeper.py``'s
+    ``PROCESS_LABEL``), so that a server can end it as Crashed once the process is gone
+    without a word (a ``kill -9`` leaves it Running for good, counted as activity)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    from ..server.keeper import PROCESS_LABEL, process_identity
+
+    if flow_run.id is None:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(flow_run.id, {PROCESS_LABEL: process_identity()})

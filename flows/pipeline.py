@@ -38,6 +38,7 @@ from ..tasks.registry import HISTORY, STAGES
 from ..tasks.stage import RunPlan, Stage, produce
 from .environment import (
     STORE_CREDENTIALS,
+    label_flow_run,
     prepare_environment,
     store_credentials,
     store_location,
@@ -236,6 +237,7 @@ def pipeline(
     """
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
     quiet_explained_errors()
+    label_flow_run()
     chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
     return run_stages(chosen, preset == "auto", config, store, list(refresh), processes)
 
@@ -256,6 +258,7 @@ def samples(
     keeps the preset's value."""
     prepare_environment()  # first: JAX reads it when it starts (a deployment's run comes in here)
     quiet_explained_errors()
+    label_flow_run()
     chosen, base = resolve_run_config(preset, corpus=corpus)
     changes: dict[str, Any] = {}
     if prompts is not None:

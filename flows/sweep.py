@@ -29,7 +29,7 @@ from ..model.training import stopping
 from ..model.training.run_records import HistoryEntry
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
-from .environment import pick_preset, store_location
+from .environment import label_flow_run, pick_preset, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
 from .records import RunSummary, StageRow, Trial
 from .sweep_configs import SearchSpec, run_configuration
@@ -132,6 +132,7 @@ def sweep(
     sweep --search`` makes), Optuna proposes the configurations instead, ``parallel`` at a
     time on the pool, ``configurations`` tried first (flows/search.py)."""
     quiet_explained_errors()
+    label_flow_run()
     chosen, root = pick_preset(preset), store_location(store)
     opened(root)
     where = f" on work pool {pool}" if pool else ""

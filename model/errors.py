@@ -7,6 +7,8 @@ run's log keeps it without a traceback. Anything else is a bug and keeps its tra
 
 from __future__ import annotations
 
+import errno
+
 
 class BardflowError(Exception):
     """An explained error: its message says what is wrong and what to do."""
@@ -20,17 +22,54 @@ class DiskFullError(BardflowError, OSError):
     """The disk under the store (or a checkpoint folder) has no room for what must be written."""
 
 
+class NotWritableError(BardflowError, OSError):
+    """The store (or a checkpoint folder in it) refuses writes: permissions, a read-only
+    filesystem or an immutable flag."""
+
+
 FREE_SPACE_FIX = (
     "free some space or put the store on a larger disk, then rerun the same command: finished stages "
     "and saved checkpoints are kept"
 )
 
 
+NOT_WRITABLE_FIX = (
+    "make it writable or pick another with --store / BARDFLOW_STORE, then rerun the same command: finished "
+    "stages and saved checkpoints are kept"
+)
+
+_REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def is_not_writable(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it) is a write the filesystem refused."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _REFUSED:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def require_writable(folder, what: str) -> None:
+    """Refuses, before writing, a write into ``folder`` that the filesystem would refuse:
+    Orbax's background writers meeting a read-only folder fail one by one while the others
+    wait for them for the coordination timeout, and the process cannot exit meanwhile."""
+    import uuid
+    from pathlib import Path
+
+    probe = Path(folder) / f".bardflow-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as error:
+        if error.errno not in _REFUSED:
+            raise
+        raise NotWritableError(f"cannot write {what} to {folder} ({error.strerror}); {NOT_WRITABLE_FIX}") from error
+
+
 def is_disk_full(error: BaseException | None) -> bool:
     """Whether ``error`` (or what caused it) is a write that found the disk full: an OSError
     ENOSPC or EDQUOT, or TensorStore's RESOURCE_EXHAUSTED from Orbax's writers."""
-    import errno
-
     while error is not None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -58,3 +97,19 @@ def require_space(folder, nbytes: int, what: str, overhead: int = 1 << 18) -> No
             f"no room for {what} in {folder}: it needs about {needed / 2**20:.1f} MiB and "
             f"{free / 2**20:.1f} MiB are free; {FREE_SPACE_FIX}"
         )
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words (for a refusal)."""
+    import stat
+
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "folder"),
+    ):
+        if test(mode):
+            return name
+    return "special file"

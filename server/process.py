@@ -82,21 +82,25 @@ def _record() -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _ours(pid: object) -> bool:
-    """Whether ``pid`` is alive and a bardflow process (a pid reused by another program is not)."""
+def _ours(record: dict) -> bool:
+    """Whether the process ``record`` names is alive and is the kept server it started: the
+    same pid with the same start time (a pid reused after a reboot, by any program, is not),
+    and the leader of its own process group (what ``stop`` may signal whole)."""
+    pid = record.get("pid")
     if not isinstance(pid, int):
         return False
     try:
         os.kill(pid, 0)
+        if os.getpgid(pid) != pid:
+            return False
     except OSError:
         return False
     try:
         if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
             return False  # exited, not yet reaped
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return not Path("/proc/self").exists()  # no /proc: its being alive must do
-    return not command or b"bardflow" in command  # empty for a moment while it starts (exec)
+    return keeper.process_identity(pid) == record.get("process")
 
 
 def _health(api: str, timeout_s: float) -> bool:
@@ -117,7 +121,7 @@ def running(wait_s: float = 0.0) -> dict | None:
     deadline = time.monotonic() + wait_s
     while True:
         record = _record()
-        if record is None or record.get("state", "running") == "stopped" or not _ours(record.get("pid")):
+        if record is None or record.get("state", "running") == "stopped" or not _ours(record):
             return None
         if healthy(record["url"]):
             return record
@@ -379,7 +383,10 @@ def start(
             stop()
         elif (old := _record()) is not None and old.get("state", "running") != "stopped":
             earlier = f"the kept server (pid {old.get('pid')}) had stopped without a word: started another"
-        chosen = DEFAULT_PORT if port is None else port
+        # Without a port asked for: the one it had (the links printed before stay live), else 4200.
+        previous = _record() or {}
+        had = str(previous.get("url", "")).rpartition(":")[2]
+        chosen = port if port is not None else int(had) if had.isdigit() else DEFAULT_PORT
         if not _port_free(chosen) or healthy(f"http://127.0.0.1:{chosen}"):
             if port is not None:
                 raise ServerError(
@@ -387,7 +394,7 @@ def start(
                 )
             from ..model.training.launch import free_port
 
-            chosen = free_port()
+            chosen = DEFAULT_PORT if chosen != DEFAULT_PORT and _port_free(DEFAULT_PORT) else free_port()
         path = state_file()
         log = path.with_suffix(".log")
         env = dict(os.environ)
@@ -407,6 +414,7 @@ def start(
             )
         record = {
             "pid": process.pid,
+            "process": keeper.process_identity(process.pid),
             "url": f"http://127.0.0.1:{chosen}",
             "log": str(log),
             "database": _shown(env.get(DATABASE) or f"sqlite (in {prefect_home()})"),
@@ -426,9 +434,11 @@ def wait_until_up(record: dict, timeout_s: float = 180.0) -> None:
     does not."""
     deadline = time.monotonic() + timeout_s
     while not healthy(record["url"], timeout_s=1.0):
-        if not _ours(record["pid"]) or time.monotonic() > deadline:
-            with contextlib.suppress(OSError):
-                os.killpg(record["pid"], signal.SIGTERM)
+        alive = _ours(record)
+        if not alive or time.monotonic() > deadline:
+            if alive:
+                with contextlib.suppress(OSError):
+                    os.killpg(record["pid"], signal.SIGTERM)
             raise ServerError(
                 f"the Prefect server did not come up at {record['url']} within {timeout_s:.0f} s; see its log "
                 f"{record['log']}, or run with --server embedded"
@@ -442,16 +452,16 @@ def wait_until_up(record: dict, timeout_s: float = 180.0) -> None:
 def stop() -> bool:
     """Stops the kept server; False if none was running. Its record then says it stopped."""
     record = _record()
-    if record is None or record.get("state") == "stopped" or not _ours(record.get("pid")):
+    if record is None or record.get("state") == "stopped" or not _ours(record):
         return False
     try:
         os.kill(record["pid"], signal.SIGTERM)  # the keeper stops its server, then itself
     except OSError:
         return False
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and _ours(record["pid"]):
+    while time.monotonic() < deadline and _ours(record):
         time.sleep(0.2)
-    if _ours(record["pid"]):
+    if _ours(record):
         with contextlib.suppress(OSError):
             os.killpg(record["pid"], signal.SIGKILL)
     now = _record()
@@ -488,6 +498,14 @@ def command(
         record, started, earlier = start(port, database=database, idle_s=idle_s)
         if started:
             wait_until_up(record)
+        elif float(record.get("idle_s") or 0) != idle_s:  # a run's, which would stop when idle: kept now
+            record = {**record, "idle_s": idle_s, "by": "command"}
+            _write(record)  # its keeper reads its idle stretch from the record at each look
+            earlier = earlier or (
+                "the server a run started is kept until `bardflow server stop`"
+                if not idle_s
+                else f"the server now stops after {idle_minutes_given:g} min idle"
+            )
         if earlier:
             print(f"bardflow: {earlier}", file=sys.stderr)
         if not started and port is not None and not record["url"].endswith(f":{port}"):
@@ -504,6 +522,12 @@ def command(
         )
     elif action == "stop":
         print("stopped" if stop() else "no background server was running")
+    elif action == "env":
+        record = running()
+        if record is None:
+            print("bardflow: no kept server is running; start it with `bardflow server start`", file=sys.stderr)
+            raise SystemExit(3)
+        print(f"export PREFECT_API_URL={record['url']}/api")
     else:
         record = running()
         print(status_line(record) if record else "not running")

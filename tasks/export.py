@@ -11,7 +11,6 @@ transformers (``pip install 'bardflow[hf]'``), ``hf/`` is written and said to be
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,13 +26,19 @@ from ..artifacts.store import Builder, Version, file_digest
 from ..config.machine import install_hint
 from ..config.settings import ModelConfig
 from ..model.errors import BardflowError
-from ..model.inference.export import PLATFORMS, export_forward, flat_params, forward_of, portable_config
+from ..model.inference.export import (
+    PLATFORMS,
+    export_forward,
+    flat_params,
+    forward_of,
+    portable_config,
+)
 from ..model.inference.hf import byte_alphabet, hf_config, hf_tensors, unmappable
 from ..model.inference.sampling import generate
 from ..model.network.transformer import Transformer
 from ..model.training.checkpoint import load_config, load_model
 from .checkpoint import MODEL
-from .registry import EXPORT
+from .registry import EXPORT, HF_CHECKING, hf_check_tools
 
 (FOLDER,) = EXPORT.builds
 TOLERANCE = 1e-5
@@ -48,17 +53,14 @@ HF = "hf"  # the transformers folder, inside the export
 HF_RECORD = "hf_check.json"
 HF_CHECK = Path(__file__).with_name("hf_check.py")
 HF_TOLERANCE = 1e-4
-HF_CHECKING = "BARDFLOW_HF_CHECK"  # off: hf/ is written but not loaded with transformers
 PROMPT, GREEDY_BYTES = b"ROMEO:", 200  # the greedy continuation both must agree on
 
 
 def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str, int]:
     """The export folder: weights, config and the serialized forward; returns what it holds."""
-    from safetensors.numpy import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     params = flat_params(model)
-    save_file(params, str(folder / WEIGHTS), metadata={"format": "bardflow", "vocab": "bytes"})
+    (folder / WEIGHTS).write_bytes(safetensors_bytes(params, {"format": "bardflow", "vocab": "bytes"}))
     portable = portable_config(cfg)
     (folder / CONFIG).write_text(
         json.dumps(
@@ -73,6 +75,19 @@ def write_export(folder: Path, model: Transformer, cfg: ModelConfig) -> dict[str
     (folder / FORWARD).write_bytes(export_forward(model, portable))
     write_checksums(folder)
     return {"parameters": int(sum(v.size for v in params.values())), "tensors": len(params)}
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A safetensors file whose bytes follow from its tensors and metadata alone: the library
+    writes its metadata map in an order that changes from process to process, so its header
+    is written again with sorted keys (padded with spaces to 8 bytes, as the format allows)."""
+    from safetensors.numpy import save
+
+    raw = save(tensors, metadata=metadata)
+    size = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + raw[8 + size :]
 
 
 def write_checksums(folder: Path) -> None:
@@ -90,11 +105,10 @@ def write_checksums(folder: Path) -> None:
 def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     """``hf/``: config, weights under the architecture's names, the byte-level tokenizer and
     the generation settings, as ``from_pretrained`` reads them."""
-    from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(params, cfg), str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / WEIGHTS).write_bytes(safetensors_bytes(hf_tensors(params, cfg), {"format": "pt"}))
     (folder / CONFIG).write_text(json.dumps(hf_config(cfg), indent=1))
     tokenizer = Tokenizer(models.BPE(vocab={char: byte for byte, char in enumerate(byte_alphabet())}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -117,14 +131,12 @@ def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> N
     )
 
 
-def hf_checking() -> str | None:
-    """Why ``hf/`` cannot be checked here, or None."""
-    from importlib.util import find_spec
-
-    if os.environ.get(HF_CHECKING, "").lower() == "off":
+def hf_checking(tools: str) -> str | None:
+    """Why ``hf/`` is not checked with ``tools`` (``hf_check_tools``'s answer), or None."""
+    if tools == "off":
         return f"not checked ({HF_CHECKING}=off)"
-    if find_spec("torch") is None or find_spec("transformers") is None:
-        return f"not checked: torch and transformers are not installed ({install_hint('hf')}, then --refresh export)"
+    if tools == "not installed":
+        return f"not checked: torch and transformers are not installed ({install_hint('hf')}, then rerun)"
     return None
 
 
@@ -160,7 +172,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
             f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
             f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export"
         )
-    hf = _hf(folder / HF, model, cfg, params)
+    hf = _hf(folder / HF, model, cfg, params, settings.get("hf_check") or hf_check_tools())
     if (folder / HF).is_dir():
         kept = {name: value for name, value in hf.items() if name not in ("check_s", "greedy_ids")}  # no timings
         (folder / HF_RECORD).write_text(json.dumps(kept, indent=1, sort_keys=True))
@@ -185,15 +197,15 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
 HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")
 
 
-def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params) -> dict:
-    """Writes and checks ``hf/``; what became of it, for the manifest and the UI."""
+def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, tools: str) -> dict:
+    """Writes and checks ``hf/`` with ``tools``; what became of it, for the manifest and the UI."""
     why = unmappable(cfg)
     if why is not None:
         return {"status": f"not written: {why}", "checked": False}
     write_hf(folder, params, cfg)
     # The weights are the float32 values training kept, whatever precision it computed in.
     found = {"architecture": hf_config(cfg)["architectures"][0], "weights": "float32", "checked": False}
-    unchecked = hf_checking()
+    unchecked = hf_checking(tools)
     if unchecked is not None:
         return {**found, "status": unchecked}
     started = time.perf_counter()

@@ -85,14 +85,33 @@ CHECKPOINT = Stage(
     builds=("model",),
     headline=("parameters", "bytes"),
 )
-# "5": hf_check.json records the transformers check beside hf/. "4": checksums.json covers the
+# "6": the safetensors files' headers in sorted order (the same bytes in any process). "5":
+# hf_check.json records the transformers check beside hf/. "4": checksums.json covers the
 # transformers folder's files too. "2": the folder holds checksums.json, the sha256 of its
 # other files.
+HF_CHECKING = "BARDFLOW_HF_CHECK"  # off: hf/ is written but not loaded with transformers
+
+
+def hf_check_tools() -> str:
+    """What checks the export's ``hf/`` here: "transformers X, torch Y", "off" or "not
+    installed". Part of the export's key, so that installing (or upgrading) them makes a new
+    version, never another content under the same key."""
+    import os
+    from importlib import metadata
+
+    if os.environ.get(HF_CHECKING, "").lower() == "off":
+        return "off"
+    try:
+        return f"transformers {metadata.version('transformers')}, torch {metadata.version('torch')}"
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 EXPORT = Stage(
     "export",
-    "5",
+    "6",
     reads=("checkpoint",),
-    settings=lambda run: {},
+    settings=lambda run: {"hf_check": hf_check_tools()},
     builds=("export",),
     headline=("bytes", "max_abs_diff", "hf_checked"),
 )

@@ -20,7 +20,15 @@ from typing import Any
 
 from ..artifacts.store import Builder, Version, VersionStore, version_key
 from ..config.settings import ConfigError, PipelineConfig, TrainingRequest
-from ..model.errors import FREE_SPACE_FIX, BardflowError, DiskFullError, is_disk_full
+from ..model.errors import (
+    FREE_SPACE_FIX,
+    NOT_WRITABLE_FIX,
+    BardflowError,
+    DiskFullError,
+    NotWritableError,
+    is_disk_full,
+    is_not_writable,
+)
 from ..model.training.distributed import ProcessGroup, free_bytes_per_device
 from ..model.training.memory import check_fits
 
@@ -173,5 +181,10 @@ def produce(
             raise DiskFullError(
                 f"the disk is full: {stage.name} could not write to the store {store.location} "
                 f"({error.__class__.__name__}: {str(error)[:160]}); {FREE_SPACE_FIX}"
+            ) from error
+        if is_not_writable(error):  # the store's permissions changed under a running stage
+            raise NotWritableError(
+                f"cannot write to the store at {store.location}: {stage.name} was refused "
+                f"({error.__class__.__name__}: {str(error)[:160]}); {NOT_WRITABLE_FIX}"
             ) from error
         raise

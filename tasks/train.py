@@ -201,19 +201,27 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
                     train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings), on_note=ui.say
                 )
     except (ProcessFailure, stopping.Stopped) as failure:
-        kept = TrainingCheckpoints.steps(files.resume)
-        resume = (
-            f"rerun the same command to resume from the checkpoint of step {kept[-1]}"
-            if kept
-            else "no checkpoint was written yet, so a rerun starts from step 0"
+        raise parallel_failure(failure, TrainingCheckpoints.steps(files.resume), settings.platform, processes) from (
+            None if isinstance(failure, stopping.Stopped) else failure
         )
-        if isinstance(failure, stopping.Stopped):
-            raise stopping.Stopped(failure.exit_code - 128, f"{failure} during train_parallel; {resume}") from None
-        if settings.platform == "cpu" and processes == 1:
-            resume += ", or pass --cpu-devices 1 to train without collectives between emulated devices"
-        separator = "; " if "\n" not in str(failure) else "\n"  # a log's last lines stay below the message
-        raise TrainingError(f"train_parallel failed: {failure}{separator}{resume}") from failure
     _finish(TRAIN_PARALLEL.name, out, TrainingResult.from_json((launch / RESULT).read_text()))
+
+
+def parallel_failure(
+    failure: ProcessFailure | stopping.Stopped, kept: list[int], platform: str, processes: int
+) -> TrainingError | stopping.Stopped:
+    """What train_parallel's end says: how it ended, and where a rerun goes on from."""
+    resume = (
+        f"rerun the same command to resume from the checkpoint of step {kept[-1]}"
+        if kept
+        else "no checkpoint was written yet, so a rerun starts from step 0"
+    )
+    if isinstance(failure, stopping.Stopped):
+        return stopping.Stopped(failure.exit_code - 128, f"{failure} during train_parallel; {resume}")
+    if platform == "cpu" and processes == 1 and failure.signalled:  # an abort in a collective between devices
+        resume += ", or pass --cpu-devices 1 to train without collectives between emulated devices"
+    separator = "; " if "\n" not in str(failure) else "\n"  # a log's last lines stay below the message
+    return TrainingError(f"train_parallel failed: {failure}{separator}{resume}")
 
 
 def _relay(settings: TrainingRequest):

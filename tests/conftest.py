@@ -87,6 +87,9 @@ for name, value in {
     # Two workers share the cores: torch's OpenMP threads (the transformers checks) spin while
     # they wait, and beside the other worker's XLA threads took five times as long.
     "OMP_NUM_THREADS": "1",
+    # Tests read the progress and stage lines a run sends at INFO: a shell quieted with
+    # PREFECT_LOGGING_LEVEL=WARNING would send none.
+    "PREFECT_LOGGING_LEVEL": "INFO",
 }.items():
     os.environ[name] = value
 os.environ.pop("PREFECT_API_URL", None)

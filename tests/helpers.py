@@ -15,7 +15,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
-SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+# A copy of TinyShakespeare for the tests that need its very bytes (BARDFLOW_TEST_CORPUS, or
+# beside the clone); the others generate their text.
+SHARED_CORPUS = Path(
+    os.environ.get("BARDFLOW_TEST_CORPUS") or REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+).expanduser()
 
 
 def play_text(n_bytes: int, seed: int = 0) -> bytes:

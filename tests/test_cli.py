@@ -108,9 +108,12 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
         (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
         (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
         (["--corpus", ""], ["--corpus is empty"]),
+        (["--store", ""], ["--store is empty"]),  # it used to fall back to ./store silently
         (["--set", "data.corpus=/dev/zero"], ["corpus /dev/zero is a character device, not a regular file"]),
         (["--set", 'generate.prompts=[{"text": "A", "temperature": 1e308}]'], ["temperature", "less than or equal to"]),
         (["--processes", "0"], ["--processes must be at least 1"]),
+        (["--track", "mlflow=file:///tmp/mlruns"], ["track.mlflow", "sqlite:///"]),
+        (["--cpu-devices", "100000"], ["--cpu-devices must be 1 to 512"]),  # the device probe hung for minutes
     ],
 )
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):
@@ -132,6 +135,22 @@ def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, t
     line = done.stderr.strip()
     assert line.startswith("bardflow: error:") and "\n" not in line and all(w in line for w in words), line
     assert not (tmp_path / "store").exists()
+
+
+def test_a_device_probe_that_does_not_answer_is_one_line_after_its_timeout():
+    """JAX asked for far too many devices, or a driver that hangs: the probe is bounded."""
+    code = (
+        "import time; from bardflow.model.training import distributed as d\n"
+        "d._PROBE, d.PROBE_TIMEOUT_S = 'import time; time.sleep(60)', 1\n"
+        "d.probe_devices(); started = time.monotonic()\n"
+        "try:\n"
+        "    d.hardware()\n"
+        "except d.DistributedError as error:\n"
+        "    print(round(time.monotonic() - started), error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    seconds, _, line = done.stdout.strip().partition(" ")
+    assert int(seconds) <= 3 and line.startswith("JAX did not list this host's devices within 1 s"), done
 
 
 def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypatch):
@@ -559,10 +578,17 @@ def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not
 
     server = healthy_server()
     url = f"http://127.0.0.1:{server.server_port}"
-    # A process that is bardflow's by its command line (a pid of another program is not taken).
-    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bardflow-keeper-stand-in"])
+    from bardflow.server.keeper import process_identity
+
+    # The kept server's process as its record names it: the leader of its own process group,
+    # with the start time recorded for it (a pid of another program is not taken).
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     record = tmp_path / "server.json"
-    record.write_text(json.dumps({"pid": keeper.pid, "url": url, "log": str(tmp_path / "server.log")}))
+    record.write_text(
+        json.dumps(
+            {"pid": keeper.pid, "process": process_identity(keeper.pid), "url": url, "log": str(tmp_path / "x.log")}
+        )
+    )
     env = {**os.environ, "BARDFLOW_SERVER_FILE": str(record)}
     try:
         other, same = (
@@ -602,3 +628,21 @@ def test_prefect_s_drain_notice_after_a_failed_run_stays_off_the_terminal(caplog
             logging.getLogger(service).warning("Still processing items: 5 items remaining...")
             logging.getLogger(service).warning("Failed to send events")  # anything else still shows
     assert [record.getMessage() for record in caplog.records] == ["Failed to send events"] * 2
+
+
+def test_server_embedded_typed_wins_over_a_server_already_there(monkeypatch, capsys):
+    """It used to be ignored while a kept server ran: the run reported there."""
+    from argparse import Namespace
+
+    from bardflow.cli.main import _server_there
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    monkeypatch.delenv("BARDFLOW_SERVER", raising=False)
+    assert _server_there(Namespace(server="embedded")) is None
+    assert "reports to a server of its own, not to PREFECT_API_URL (http://127.0.0.1:9/api)" in capsys.readouterr().err
+    chosen = _server_there(Namespace(server=None))
+    assert chosen is not None and chosen.api_url == "http://127.0.0.1:9/api"
+    monkeypatch.setenv("BARDFLOW_SERVER", "embedded")  # the environment's choice yields to PREFECT_API_URL's
+    assert _server_there(Namespace(server=None)) is not None
+    monkeypatch.delenv("PREFECT_API_URL")
+    assert _server_there(Namespace(server=None)) is None  # and is the run's own server otherwise

@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -205,6 +206,48 @@ def test_a_config_file_holds_any_sections_and_a_preset_and_refuses_in_one_line(t
     # Naming no preset, a setting is refused only if no preset would accept it.
     run_yaml.write_text("data:\n  seq_len: 256\n")
     assert config_file.read(run_yaml) == (None, {"data.seq_len": 256})
+
+
+def test_a_config_file_is_read_only_from_a_regular_file_and_no_further_than_its_limit(tmp_path):
+    """``/dev/zero`` reports 0 bytes and used to be read until the kernel killed the run; a
+    FIFO blocked its reader for good: each is one line at once, as for a corpus."""
+    import os
+
+    from bardflow.config import config_file
+
+    fifo = tmp_path / "settings.fifo"
+    os.mkfifo(fifo)
+    for path, words in [
+        ("/dev/zero", "is a character device, not a regular file"),
+        (fifo, "is a FIFO (named pipe), not a regular file"),
+        (tmp_path, "is a folder, not a regular file"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(f"config file {path} {words}; write the settings to a file")):
+            config_file.read(path)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * config_file.MAX_BYTES + "\n")
+    with pytest.raises(ConfigError, match="has 1,048,579 bytes; a config file holds at most 1,048,576"):
+        config_file.read(big)
+
+
+def test_a_json_config_file_is_read_as_json(tmp_path):
+    """YAML 1.1 reads ``1e1`` as a string, so a JSON file's number was refused as one."""
+    from bardflow.config import config_file
+
+    as_json = tmp_path / "run.json"
+    as_json.write_text('{"preset": "tiny", "train": {"steps": 1e1, "learning_rate": 3E-3}}')
+    preset, overrides = config_file.read(as_json)
+    assert build_config(preset, overrides).train.steps == 10
+    assert build_config(preset, overrides).train.learning_rate == 0.003
+    for text, words in [
+        ('{"train": {"steps": 1, "steps": 2}}', "the key 'steps' is given twice; keep one"),
+        ('{"train": {"steps": 1,}}', "is not valid JSON at line 1"),
+        ("[" * 40 + "]" * 40, "nests deeper than 32 levels"),
+        ('{"train": {"steps": 1.5}}', "train.steps"),
+    ]:
+        as_json.write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            build_config(*config_file.read(as_json))
 
 
 def _laughs(levels: int = 9, under: str = "data:\n  corpus") -> str:

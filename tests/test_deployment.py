@@ -20,7 +20,7 @@ import pytest
 
 from bardflow.tasks.registry import NAMES
 from tests.cdp import Browser, chromium_binary
-from tests.helpers import OUTPUT, SHARED_CORPUS, Webhook, call
+from tests.helpers import OUTPUT, SHARED_CORPUS, Webhook, call, play_text
 from tests.servers import Server
 
 pytestmark = pytest.mark.flow
@@ -29,11 +29,20 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server: Server, object_server, tmp_path_factory):
+def worker_corpus(tmp_path_factory) -> str:
+    """The offline corpus a worker's host keeps (BARDFLOW_CORPUS): TinyShakespeare where a copy
+    is at hand, else play-shaped text of its own."""
+    if SHARED_CORPUS.exists():
+        return SHARED_CORPUS.as_uri()
+    generated = tmp_path_factory.mktemp("worker-corpus") / "corpus.txt"
+    generated.write_bytes(play_text(300_000))
+    return generated.as_uri()
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server: Server, object_server, tmp_path_factory, worker_corpus):
     """The README's commands against the session's server: the `gpu` process pool, every
     deployment of prefect.yaml, and a worker (stopped when the module is done)."""
-    if not SHARED_CORPUS.exists():
-        pytest.skip(f"needs the offline TinyShakespeare copy at {SHARED_CORPUS}")
     store = object_server.prefix("deployed")
     with prefect_server.deployments():
         for command in (
@@ -55,7 +64,7 @@ def deployed(prefect_server: Server, object_server, tmp_path_factory):
         env={
             **prefect_server.env,
             **object_server.env,
-            "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri(),
+            "BARDFLOW_CORPUS": worker_corpus,
             "BARDFLOW_WORKDIR": str(tmp_path_factory.mktemp("worker-workdir")),
         },
     )
@@ -123,7 +132,7 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     (OUTPUT / "deployment" / "timings.json").write_text(json.dumps(timings, indent=1))
 
 
-def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_deployment_run):
+def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_deployment_run, worker_corpus):
     """prefect.yaml's `pipeline-tpu`: the pool `tpu`, the TPU's environment, and a run through a
     worker of that pool. Here, with no TPU, the run's environment says the CPU instead."""
     server, store, object_server = deployed
@@ -138,7 +147,7 @@ def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_dep
         "start",
         "--pool",
         "tpu",
-        env={**server.env, **object_server.env, "BARDFLOW_CORPUS": SHARED_CORPUS.as_uri()},
+        env={**server.env, **object_server.env, "BARDFLOW_CORPUS": worker_corpus},
     )
     try:
         run_id, _ = deployment_run(

@@ -280,7 +280,12 @@ def test_the_export_example_refuses_a_damaged_or_mixed_up_export_in_one_line(fir
         sums["sha256"]["forward.jax"] = hashlib.sha256((folder / "forward.jax").read_bytes()).hexdigest()
         (folder / "checksums.json").write_text(json.dumps(sums))
 
+    def truncated_checksums(folder: Path) -> None:  # each used to end in a traceback
+        (folder / "checksums.json").write_text((folder / "checksums.json").read_text()[:30])
+
     for folder, words in (
+        (damaged("checksums-truncated", truncated_checksums), "checksums.json is damaged (JSONDecodeError"),
+        (damaged("checksums-list", lambda f: (f / "checksums.json").write_text("[]")), "is damaged (TypeError"),
         (damaged("model.safetensors", flip("model.safetensors")), "model.safetensors does not match"),
         (damaged("forward.jax", flip("forward.jax")), "forward.jax does not match its checksum"),
         (damaged("other", other_configuration), "the two files come from different exports"),

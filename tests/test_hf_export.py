@@ -175,6 +175,10 @@ def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_fo
     refused(tmp_path / "good", r"hf/config.json does not match its checksum")
     export.write_checksums(tmp_path / "good")  # the checksums rewritten to match: still refused
     refused(tmp_path / "good", r"hf/config.json asks for code from elsewhere \(auto_map, trust_remote_code\)")
+    sums = tmp_path / "good" / "checksums.json"
+    for damage, error in ((sums.read_bytes()[:40], "JSONDecodeError"), (b"[]", "TypeError")):
+        sums.write_bytes(damage)  # each used to end in a traceback
+        refused(tmp_path / "good", rf"good/checksums.json is damaged \({error}: not the export's checksums\)")
     (tmp_path / "bare").mkdir()
     shutil.copytree(tmp_path / "other" / "hf", tmp_path / "bare" / "hf")
     refused(tmp_path / "bare" / "hf", r"bare/hf has no checksums.json beside it, so its files cannot be checked")
@@ -183,24 +187,60 @@ def test_the_transformers_example_refuses_a_folder_its_checksums_do_not_vouch_fo
 def test_a_model_transformers_cannot_compute_gets_no_folder_and_one_line_why(tmp_path, monkeypatch):
     cfg = build_config("tiny", {"model.qk_norm": True}).model
     assert "model.qk_norm" in unmappable(cfg)
-    found = export._hf(tmp_path / "hf", build_model(cfg, 0), cfg, {})
+    found = export._hf(tmp_path / "hf", build_model(cfg, 0), cfg, {}, "off")
     assert found == {"status": f"not written: {unmappable(cfg)}", "checked": False}
     assert not (tmp_path / "hf").exists()
 
     # A mappable model where transformers is missing: written, and said to be unchecked.
     cfg = build_config("tiny").model
-    import importlib.util
+    import importlib.metadata
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *rest: None if name == "transformers" else real(name, *rest)
-    )
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "transformers":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
     monkeypatch.delenv(export.HF_CHECKING, raising=False)
+    assert export.hf_check_tools() == "not installed"
     model = build_model(cfg, 0)
-    found = export._hf(tmp_path / "hf", model, cfg, flat_params(model))
+    found = export._hf(tmp_path / "hf", model, cfg, flat_params(model), "not installed")
     # The install hint fits where bardflow is: this clone's editable install takes its extra from here.
     from bardflow.config.machine import install_hint
 
     assert install_hint("hf").startswith("pip install -e '") and install_hint("hf").endswith("[hf]'")
-    assert found["checked"] is False and f"({install_hint('hf')}, then --refresh export)" in found["status"]
+    assert found["checked"] is False and f"({install_hint('hf')}, then rerun)" in found["status"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+WRITE_EXPORT = (
+    "import sys; from pathlib import Path\n"
+    "from bardflow.config.settings import build_config\n"
+    "from bardflow.model.inference.export import flat_params\n"
+    "from bardflow.model.network.transformer import build_model\n"
+    "from bardflow.tasks import export\n"
+    "cfg = build_config('tiny').model; model = build_model(cfg, 0); folder = Path(sys.argv[1])\n"
+    "export.write_export(folder, model, cfg)\n"
+    "export.write_hf(folder / 'hf', flat_params(model), cfg)\n"
+)
+
+
+def test_the_export_is_the_same_bytes_in_any_process(tmp_path):
+    """safetensors writes its metadata map in an order of the process's own: the same model
+    gave two files, so a refresh was never "unchanged" and replaced the version each time."""
+    folders = [tmp_path / name for name in ("a", "b")]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITE_EXPORT, str(folder)], cwd=REPO, stderr=subprocess.PIPE)
+        for folder in folders
+    ]
+    for writer in writers:
+        assert writer.wait(timeout=300) == 0, writer.stderr.read().decode()[-2000:] if writer.stderr else ""
+    files = [{p.relative_to(f).as_posix(): p.read_bytes() for p in f.rglob("*") if p.is_file()} for f in folders]
+    assert files[0].keys() == files[1].keys() and "hf/model.safetensors" in files[0]
+    assert [name for name in files[0] if files[0][name] != files[1][name]] == []
+    from safetensors import safe_open
+
+    with safe_open(folders[0] / "model.safetensors", "np") as weights:
+        assert weights.metadata() == {"format": "bardflow", "vocab": "bytes"}

@@ -55,6 +55,19 @@ A_FLOW_RUN = (  # a run on the server Prefect's settings name, as a pipeline run
     "print(shortest(return_state=True).state_details.flow_run_id)\n"
 )
 
+A_KILLED_RUN = (  # a pipeline's flow run whose process is killed mid-run: no final state is ever sent
+    "import os, signal\n"
+    "from prefect import flow\n"
+    "from prefect.runtime import flow_run\n"
+    "from bardflow.flows.environment import label_flow_run\n"
+    "@flow\n"
+    "def killed():\n"
+    "    label_flow_run()\n"
+    "    print(flow_run.id, flush=True)\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "killed()\n"
+)
+
 
 def _post(url: str, path: str, body: dict) -> dict:
     request = urllib.request.Request(
@@ -129,6 +142,17 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     )
     assert status.returncode == 0 and status.stdout.startswith(f"running at {record['url']} (pid {record['pid']}, up ")
     assert "stops after 59 min" in status.stdout or "stops after 60 min" in status.stdout, status.stdout
+    # `server start` on the server a run started: kept until stopped from now on, and said so;
+    # `server env` is the line that points Prefect's own commands at it.
+    kept = subprocess.run(
+        [sys.executable, "-m", "bardflow", "server", "start"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert kept.returncode == 0 and "the server a run started is kept until `bardflow server stop`" in kept.stderr
+    assert _record(tmp_path)["idle_s"] == 0 and _record(tmp_path)["by"] == "command"
+    line = subprocess.run(
+        [sys.executable, "-m", "bardflow", "server", "env"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert line.returncode == 0 and line.stdout == f"export PREFECT_API_URL={url}/api\n", line
 
     # A run's record answers after its command has returned (its UI link's page reads it).
     ran = subprocess.run(
@@ -142,6 +166,19 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     assert ran.returncode == 0, ran.stderr[-2000:]
     flow_run = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{ran.stdout.strip()}", timeout=10).read())
     assert flow_run["state"]["type"] == "COMPLETED"
+    # A run killed with kill -9 stays Running in the database: the server ends it as Crashed
+    # (below, once it has a short idle stretch: it could not go idle while the run counted).
+    killed = subprocess.run(
+        [sys.executable, "-c", A_KILLED_RUN],
+        cwd=REPO,
+        env={**env, "PREFECT_API_URL": f"{url}/api"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    orphan = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{killed.stdout.strip()}", timeout=10).read())
+    assert orphan["state"]["type"] == "RUNNING"
 
     # kill -9 while flow runs are being written: the Prefect server goes with it, and the next
     # start replaces it, saying so, on the same database.
@@ -192,7 +229,51 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     assert stopped["state"] == "stopped" and stopped["why"] == "idle for 3 s", stopped
     with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as database:
         assert database.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        (ended,) = database.execute("SELECT state_type, state_name FROM flow_run WHERE id = ?", (orphan["id"],))
+    assert ended == ("CRASHED", "Crashed")
     status = subprocess.run(
         [sys.executable, "-m", "bardflow", "server", "status"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert status.returncode == 3 and status.stdout.strip() == "not running"
+    # The next start comes back on the port it had: the links printed before stay live.
+    back = _start(idle)
+    out, err = back.communicate(timeout=240)
+    assert back.returncode == 0 and out.strip() == f"{renewed['url']}/api", err
+
+
+def test_server_stop_never_signals_a_process_it_did_not_start(tmp_path):
+    """After a reboot or pid reuse the record's pid may be any program's, one whose command
+    line says "bardflow" among them (a checkout's venv): neither it nor its process group is
+    signalled, and the server is not running."""
+    env = _env(tmp_path, "60")
+    where = subprocess.run(
+        [sys.executable, "-c", "from bardflow.server.process import state_file; print(state_file())"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    state = Path(where.stdout.strip())
+    state.parent.mkdir(parents=True, exist_ok=True)
+    stranger = subprocess.Popen(  # the leader of its own group, as the kept server is
+        [sys.executable, "-c", "import time; time.sleep(120)", "/home/me/bardflow/.venv"], start_new_session=True
+    )
+    try:
+        for process in (None, "another-host/1/1", f"{socket.gethostname()}/{stranger.pid}/1"):
+            record = {"pid": stranger.pid, "url": "http://127.0.0.1:9", "state": "running", "started": time.time()}
+            state.write_text(json.dumps({**record, **({"process": process} if process else {})}))
+            for action, code, said in (("status", 3, "not running"), ("stop", 0, "no background server was running")):
+                done = subprocess.run(
+                    [sys.executable, "-m", "bardflow", "server", action],
+                    cwd=REPO,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert done.returncode == code and said in done.stdout, (process, action, done.stdout, done.stderr)
+                assert stranger.poll() is None, (process, action)
+    finally:
+        stranger.kill()
+        stranger.wait()

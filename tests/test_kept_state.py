@@ -5,6 +5,8 @@ lowest validation loss, from its own checkpoint when the run was resumed."""
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,3 +112,22 @@ def test_keep_best_delivers_the_evaluated_step_of_lowest_validation_loss_also_af
     # Dropout drew the same masks after the resume: the same history and the same parameters.
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history]
     assert params_digest(model_from_state(graphdef, resumed.state)) == params_digest(delivered)
+
+    # A best folder that holds an older best than the run's record names (its save of the
+    # newer one never finished): not delivered as that step's state, said instead.
+    checkpoints, best = TrainingCheckpoints(tmp_path / "again", 2), TrainingCheckpoints(tmp_path / "again/best", 1)
+    with pytest.raises(Interrupted):
+        _run(split, checkpoints, best, [Hook(interrupt, lambda info: info.done == 32)])
+    checkpoints.close(), best.close()
+    kept = TrainingCheckpoints(tmp_path / "again/best", 1)
+    state, record = kept.latest(init_state(MODEL, TRAIN)[1])  # the best of step 10, saved after it
+    kept.close()
+    shutil.rmtree(tmp_path / "again/best")
+    older = TrainingCheckpoints(tmp_path / "again/best", 1)
+    older.save(6, state, {**record, "step": 6, "best": {**record["best"], "step": 5}})
+    older.close()
+    checkpoints, best = TrainingCheckpoints(tmp_path / "again", 2), TrainingCheckpoints(tmp_path / "again/best", 1)
+    _, stale_best = _run(split, checkpoints, best)
+    checkpoints.close(), best.close()
+    assert stale_best.kept is not None and stale_best.kept["step"] == stale_best.steps - 1
+    assert "the state of step 10 was not found" in stale_best.kept["why"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +17,7 @@ from bardflow.artifacts.store import Store
 from bardflow.config.settings import DataConfig
 from bardflow.tasks.registry import FETCH
 from bardflow.tasks.stage import produce
-from tests.helpers import bardflow, base_args, call, checkpoint_steps, finish, md5_bytes, play_text, start
+from tests.helpers import REPO, bardflow, base_args, call, checkpoint_steps, cli, finish, md5_bytes, play_text, start
 
 pytestmark = pytest.mark.flow
 
@@ -268,3 +270,46 @@ def test_a_training_process_that_aborts_in_a_collective_is_one_line_and_a_failed
     recent = prefect_server.api("/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 50})  # the server is shared
     (ours,) = [run for run in recent if run["parameters"].get("store") == str(store)]
     assert ours["state"]["type"] in ("FAILED", "CRASHED"), ours["state"]
+
+
+def _bound_by_permissions(command: list[str]) -> list[str]:
+    """``command`` as a process that file permissions bind: root keeps its uid but drops the
+    capabilities that let it write into a folder without write permission."""
+    if os.geteuid() != 0:
+        return command
+    if shutil.which("capsh") is None:
+        pytest.skip("root here, and no capsh to drop the capabilities that override file permissions")
+    return ["capsh", "--drop=cap_dac_override,cap_dac_read_search,cap_fowner", "--", "-c", shlex.join(command)]
+
+
+@pytest.mark.flow
+def test_a_store_that_turns_read_only_mid_run_ends_in_one_line_and_the_rerun_resumes(tmp_path, corpus, run_env):
+    """Orbax's background writers meeting a read-only folder used to fail one by one while
+    the others waited on them: ~750 lines, then a process that never exited."""
+    store = tmp_path / "store"
+    args = base_args(corpus, store, "--set", "train.steps=600", "--set", "train.checkpoint_every=100", devices=1)
+    log = tmp_path / "run.log"
+    run = subprocess.Popen(
+        _bound_by_permissions(cli(*args)), cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=open(log, "w")
+    )
+    deadline = time.monotonic() + 300
+    while not [s for s in checkpoint_steps(store, "train_single") if s >= 100]:
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+    subprocess.run(["find", str(store), "-type", "d", "-exec", "chmod", "a-w", "{}", "+"], check=True)
+    refused = time.monotonic()
+    run.communicate(timeout=60)
+    ended_s, stderr = time.monotonic() - refused, log.read_text()
+    assert run.returncode == 1, stderr[-3000:]
+    assert ended_s < 20, f"{ended_s:.1f} s from the refusal to the exit"
+    (line,) = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert line.startswith("bardflow: error: cannot write the checkpoint of step "), line
+    assert "(Permission denied); make it writable or pick another with --store" in line
+    assert "Traceback" not in stderr
+    subprocess.run(["find", str(store), "-type", "d", "-exec", "chmod", "u+w", "{}", "+"], check=True)
+    saved = max(checkpoint_steps(store, "train_single"))
+    summary = json.loads(call(*args, env=run_env).stdout)
+    assert summary["stages"]["train_single"]["state"] == "ran"
+    (version,) = Store(store).versions("train_single")
+    assert version.manifest["resumed_from_step"] == saved
+    assert not list(store.glob("*/.lock-*")) and not list(store.glob("*/.build-*"))

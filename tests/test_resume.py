@@ -135,3 +135,25 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_an_int
         f"the training checkpoint of step {kept[-1]} in {tmp_path / 'ckpt'} is damaged (Orbax cannot read it: "
     ) and heard[-1].endswith("resuming from the start")
     assert without_seconds(again.history) == without_seconds(reference.history)
+
+
+def test_a_save_cut_off_by_a_kill_leaves_nothing_the_rerun_trips_on(tmp_path, batches, caplog):
+    """``kill -9`` during a save leaves Orbax's temporary folder of that step; the rerun's
+    save of the same step used to meet it ("Attempted to create temporary directory …
+    already exists")."""
+    import logging
+
+    checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+    with pytest.raises(Preempted):
+        run(batches, checkpoints, stop_at=13)
+    checkpoints.close()
+    leftover = tmp_path / "ckpt" / "15.orbax-checkpoint-tmp"
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "half-written").write_bytes(b"\0" * 100)
+    with caplog.at_level(logging.INFO):
+        checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
+        resumed = run(batches, checkpoints)
+        checkpoints.close()
+    assert resumed.resumed_from == 10 and not leftover.exists()
+    assert "already exists" not in caplog.text
+    assert TrainingCheckpoints.steps(tmp_path / "ckpt")[-1] > 15

@@ -157,7 +157,7 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     from bardflow.model.inference.export import flat_params
     from bardflow.tasks import export
 
-    exported, _ = make(EXPORT, {}, store, checkpoint=saved)
+    exported, _ = make(EXPORT, {"hf_check": "off"}, store, checkpoint=saved)
     folder = exported.file("export")
     assert sorted(p.name for p in folder.iterdir()) == [
         "checksums.json",
@@ -190,18 +190,17 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     assert exported.metrics["max_abs_diff"] <= 1e-5 and exported.metrics["platforms"] == "cpu,cuda"
     assert json.loads((folder / "config.json").read_text())["max_seq_len"] == cfg.model.max_seq_len
 
-    # A refresh whose transformers check comes out otherwise (here: transformers missing, where
-    # the first had the check switched off; after `pip install`, checked) is a new version whose
-    # record says so, not "the same output" with the stored record kept.
-    import importlib.util
-
-    real = importlib.util.find_spec
-    with monkeypatch.context() as patched:
-        patched.delenv(export.HF_CHECKING)
-        patched.setattr(importlib.util, "find_spec", lambda n, *r: None if n == "transformers" else real(n, *r))
-        refreshed, built = produce(EXPORT, {}, {"checkpoint": saved}, Store(store), force=True)
-    assert built and not refreshed.same_as_stored and refreshed.key == exported.key
-    assert "pip install" in Store(store).require(refreshed).manifest["hf"]["status"]
+    # The same settings again: the same bytes, so the stored version stays as it is. Another
+    # check (here: transformers missing, where the first had the check off; after `pip
+    # install`, checked) is another key: a new version beside the first, which is untouched.
+    again, built = produce(EXPORT, {"hf_check": "off"}, {"checkpoint": saved}, Store(store), force=True)
+    assert built and again.same_as_stored and again.key == exported.key
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    missing, built = produce(EXPORT, {"hf_check": "not installed"}, {"checkpoint": saved}, Store(store))
+    assert built and missing.key != exported.key
+    assert "pip install" in Store(store).require(missing).manifest["hf"]["status"]
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    assert Store(store).lookup("export", exported.key) is not None
 
     def nudged(folder, model, cfg):  # an export whose weights are not the checkpoint's
         held = write(folder, model, cfg)
@@ -215,8 +214,8 @@ def test_verify_and_export_pass_on_the_real_checkpoint_and_fail_on_a_perturbed_o
     write = export.write_export
     monkeypatch.setattr(export, "write_export", nudged)
     with pytest.raises(export.ExportError, match=r"differ from the checkpoint's by .* --refresh export"):
-        produce(EXPORT, {}, {"checkpoint": saved}, Store(store), force=True)
-    assert len(Store(store).versions("export")) == 1  # nothing half-written was published
+        produce(EXPORT, {"hf_check": "off"}, {"checkpoint": saved}, Store(store), force=True)
+    assert len(Store(store).versions("export")) == 2  # the two above: nothing half-written was published
 
 
 def test_with_one_device_train_parallel_takes_over_train_single_instead_of_training_again(tmp_path, small_corpus):

@@ -59,6 +59,18 @@ def test_track_options_name_a_destination_or_take_the_default(monkeypatch, tmp_p
         track_settings(["wandb"])
 
 
+@pytest.mark.parametrize("where", ["file:///tmp/mlruns", "mlruns", "/tmp/mlruns"])
+def test_an_mlflow_folder_is_refused_naming_the_database_form(where):
+    """MLflow 3 refuses its file store with a 120-line traceback, after the run began."""
+    from bardflow.config.settings import build_config
+
+    with pytest.raises(ConfigError) as refused:
+        build_config("tiny", track_settings([f"mlflow={where}"]))
+    message = str(refused.value)
+    assert message.startswith(f"invalid configuration: track.mlflow: {where!r} is a folder; MLflow no longer")
+    assert "--track mlflow=sqlite:///PATH/mlflow.db" in message and "Value error" not in message
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory, mlflow_db):
     """``mlflow server`` on a free loopback port, started with the module (it takes a while)

@@ -569,3 +569,19 @@ def test_a_tpu_takes_pallas_attention_where_it_can_and_says_why_not_where_it_can
     # Neither CPU nor GPU choices move.
     assert resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "cpu").attention == "custom"
     assert resolve(gpt2.model, gpt2.train, gpt2.data.seq_len, "gpu", probe=lambda *shape: None).attention == "cudnn"
+
+
+def test_a_training_process_s_failure_names_the_fix_that_fits_it(tmp_path):
+    """Only an abort between emulated devices is helped by --cpu-devices 1; a full disk in
+    the training process used to be told to pass it too."""
+    from bardflow.model.training.launch import _failure
+    from bardflow.tasks.train import parallel_failure
+
+    log = tmp_path / "process-0.log"
+    log.write_text("Traceback …\nbardflow.model.errors.DiskFullError: no room for the checkpoint of step 20\n")
+    full = parallel_failure(_failure(0, 1, 1, log, (20, 40)), [10], "cpu", 1)
+    assert "no room for the checkpoint of step 20" in str(full) and "--cpu-devices" not in str(full)
+    assert "resume from the checkpoint of step 10" in str(full)
+    aborted = parallel_failure(_failure(0, 1, -6, log, (20, 40)), [], "cpu", 1)
+    assert "killed by signal 6" in str(aborted) and "pass --cpu-devices 1" in str(aborted)
+    assert "rerun starts from step 0" in str(aborted)

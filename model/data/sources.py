@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...config.settings import TINYSHAKESPEARE_URL, CorpusFigures
-from ..errors import BardflowError
+from ..errors import BardflowError, file_kind
 from .splits import ThreadedDigest
 
 
@@ -42,20 +42,6 @@ def local_path(source: str) -> Path | None:
     if parsed.scheme == "" or len(parsed.scheme) == 1:  # a path (or a Windows drive letter)
         return Path(source).expanduser()
     return None
-
-
-def _kind(mode: int) -> str:
-    """What a file that is not a regular one is, in words."""
-    for test, name in (
-        (stat.S_ISFIFO, "FIFO (named pipe)"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISDIR, "folder"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
 
 
 COMPRESSED = (".gz", ".xz", ".zst")  # and .zip, an archive of members
@@ -90,7 +76,7 @@ def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
     if not stat.S_ISDIR(mode):
         if not stat.S_ISREG(mode):
             raise FetchError(
-                f"corpus {path} is a {_kind(mode)}, not a regular file; point --corpus at a text file "
+                f"corpus {path} is a {file_kind(mode)}, not a regular file; point --corpus at a text file "
                 "or a folder of .txt files"
             )
         return [path]
@@ -120,7 +106,8 @@ def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
                 ) from None
             if not stat.S_ISREG(mode):
                 raise FetchError(
-                    f"corpus folder {path}: {shown} is a {_kind(mode)}, not a regular file; remove it from the folder"
+                    f"corpus folder {path}: {shown} is a {file_kind(mode)}, not a regular file; "
+                    "remove it from the folder"
                 )
             files.append(file)
     if not files:
@@ -149,7 +136,7 @@ def open_regular(file: Path):
     if not stat.S_ISREG(mode):
         os.close(descriptor)
         raise FetchError(
-            f"corpus {file} is a {_kind(mode)}, not a regular file; point --corpus at a text file or "
+            f"corpus {file} is a {file_kind(mode)}, not a regular file; point --corpus at a text file or "
             "a folder of .txt files"
         )
     return os.fdopen(descriptor, "rb")

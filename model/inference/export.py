@@ -66,7 +66,14 @@ def export_forward(model: Transformer, cfg: ModelConfig, platforms: tuple[str, .
         for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()
     }
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-    exported = export.export(jax.jit(forward_of(model)), platforms=platforms)(params, tokens)
+    # Without the Python frames in its locations: they name the caller, and the same model
+    # exported from two places gave two files.
+    frames = jax.config.values["jax_traceback_in_locations_limit"]
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        exported = export.export(jax.jit(forward_of(model)), platforms=platforms)(params, tokens)
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", frames)
     return bytes(exported.serialize())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ...config.settings import ModelConfig
-from ..errors import BardflowError, require_space
+from ..errors import BardflowError, require_space, require_writable
 from ..network.transformer import Transformer, build_model
 
 
@@ -240,6 +241,8 @@ class TrainingCheckpoints:
         self._sealers: list[threading.Thread] = []
         if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for unfinished in self.directory.glob("*.orbax-checkpoint-tmp*"):  # a writer killed mid-save
+                shutil.rmtree(unfinished, ignore_errors=True)
             for step in reversed(self.steps(self.directory)):  # the newest that is intact stops the search
                 damage = checkpoint_damage(self.directory / str(step))
                 if not damage:
@@ -311,6 +314,7 @@ class TrainingCheckpoints:
         if self.manager is None:
             return
         if jax.process_index() == 0:
+            require_writable(self.directory, f"the checkpoint of step {step}")
             require_space(self.directory, _nbytes(pure), f"the checkpoint of step {step}")
         self._committing.append(step)
         self.manager.save(

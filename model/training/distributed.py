@@ -93,6 +93,8 @@ def requested_cpu_devices(flags: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+MAX_CPU_DEVICES = 512  # emulated ones; each is a thread pool and a copy of the parameters
+PROBE_TIMEOUT_S = 120  # a first start of an accelerator's runtime takes seconds, not minutes
 _probe: subprocess.Popen | None = None
 _probed_answer: tuple[int, str] | None = None
 _probed_free: int | None = None  # an accelerator's free bytes (device 0), as the probe saw them
@@ -124,7 +126,16 @@ def _probed() -> tuple[int, str] | None:
     if "jax" in sys.modules:  # JAX is here already: its own answer is the one
         return None
     if _probe is not None:
-        out, _ = _probe.communicate()
+        try:
+            out, _ = _probe.communicate(timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _probe.kill()
+            _probe.communicate()
+            _probe = None
+            raise DistributedError(
+                f"JAX did not list this host's devices within {PROBE_TIMEOUT_S} s (XLA_FLAGS="
+                f"{os.environ.get('XLA_FLAGS', '')!r}); check XLA_FLAGS and --cpu-devices, or the accelerator's driver"
+            ) from None
         words = out.split()
         if _probe.returncode == 0 and len(words) == 3 and words[0].isdigit():
             _probed_answer, _probed_free = (int(words[0]), words[1]), int(words[2])

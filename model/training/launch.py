@@ -34,7 +34,11 @@ LAUNCHER_POLL_S = 0.5
 class ProcessFailure(BardflowError, RuntimeError):
     """A process of the run failed; the message names it, how, the step it had reached and
     its log (a native abort is summed up in its fatal line; any other failure shows the
-    log's last lines)."""
+    log's last lines). ``signalled``: it was killed by a signal, not ended by an error of its own."""
+
+    def __init__(self, message: str, signalled: bool = False):
+        super().__init__(message)
+        self.signalled = signalled
 
 
 def free_port() -> int:
@@ -180,7 +184,7 @@ def _failure(index: int, processes: int, code: int, log: Path, reached: tuple[in
     if code < 0:
         fatal = _fatal_line(log)
         said = f" (XLA: {fatal})" if fatal else ""
-        return ProcessFailure(f"{who} {_how(code)}{where}{said}{others}; its log is {log}")
+        return ProcessFailure(f"{who} {_how(code)}{where}{said}{others}; its log is {log}", signalled=True)
     return ProcessFailure(f"{who} {_how(code)}{where}{others}. Last lines of {log}:\n{_tail(log)}")
 
 

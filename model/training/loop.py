@@ -469,7 +469,10 @@ def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptSta
     if best is None:
         return record.best_state, found
     restored = best.latest(state)
-    if restored is None:  # set aside as damaged (said through the checkpoints' note), or never copied here
+    # None: set aside as damaged (said through the checkpoints' note), or never copied here; a
+    # record of another step: an older best left by a save that did not finish.
+    held = (restored[1].get("best") or {}).get("step") if restored is not None else None
+    if restored is None or held != found["step"]:
         last_val = record.history[-1]["val_loss"]
         why = f"train.keep=best, but the state of step {found['step']} was not found: the last step's delivered"
         return state, {"step": last - 1, "val_loss": _or_nan(last_val), "why": why}
