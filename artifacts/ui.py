@@ -259,6 +259,11 @@ class Progress:
         seconds = max(now - self._started, 1e-9)
         if self._first is None:
             self._first = (now, done)
+            if not self.in_bytes:
+                # Steps done before the first report are a resumed run's earlier ones: no pace
+                # to tell a time left from yet (it said "ETA 4 s", then "ETA 42 s"); the next
+                # tenth's line has one.
+                self._logged = max(self._logged, done)
         if (
             not self._live
             and done * 10 // self.total > self._logged * 10 // self.total

@@ -74,8 +74,8 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
         choices=("kept", "embedded"),
-        help="where the run reports when PREFECT_API_URL names no server: kept (the default, or "
-        "$BARDFLOW_SERVER): the background server, started by the first run and kept for later ones until "
+        help="where the run reports: kept (the default, or $BARDFLOW_SERVER where PREFECT_API_URL names no "
+        "server): the background server, started by the first run and kept for later ones until "
         "$BARDFLOW_SERVER_IDLE_MINUTES (30) pass without a run; embedded: a server of the run's own, gone "
         "when it ends",
     )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..config import config_file
 from ..config.config_file import parse_assignment
+from ..config.line_width import fit
 from ..config.machine import install_hint
 from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..flows import cluster, preflight
@@ -171,18 +172,19 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
 
 
 def _server_there(args: argparse.Namespace) -> PrefectServer | None:
-    """The server already there that the run reports to: none where it asks for one of its
-    own (``--server embedded`` wins over PREFECT_API_URL and a kept server, and says so over
-    the first; BARDFLOW_SERVER=embedded only where PREFECT_API_URL names no server)."""
+    """The server already there that the run reports to: none where the command line asks for
+    one of its own (``--server embedded`` wins over PREFECT_API_URL, which it says, and over a
+    kept server); BARDFLOW_SERVER=embedded, a standing default, starts one only where no
+    server is there."""
     if args.server == "embedded":
         if os.environ.get("PREFECT_API_URL"):
             print(
-                f"bardflow: --server embedded: this run reports to a server of its own, not to PREFECT_API_URL "
-                f"({os.environ['PREFECT_API_URL']})",
+                fit(
+                    f"bardflow: --server embedded: this run reports to a server of its own, not to "
+                    f"PREFECT_API_URL ({os.environ['PREFECT_API_URL']})"
+                ),
                 file=sys.stderr,
             )
-        return None
-    if os.environ.get(SERVER_MODE) == "embedded" and not os.environ.get("PREFECT_API_URL"):
         return None
     return chosen_server()
 
@@ -452,9 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except stopping.Stopped as stop:
         if stopping.failure():
-            print(f"bardflow: error: {stopping.failure()}", file=sys.stderr)
+            print(fit(f"bardflow: error: {stopping.failure()}"), file=sys.stderr)
             return 1
-        print(f"bardflow: {stop}", file=sys.stderr)
+        print(fit(f"bardflow: {stop}"), file=sys.stderr)
         return stop.exit_code
     except BardflowError as error:
         if debugging():
@@ -462,21 +464,21 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         settle_reports()
-        print(f"bardflow: error: {error}", file=sys.stderr)
+        print(fit(f"bardflow: error: {error}"), file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     except Exception as error:
         signum = stopping.requested()
         if _out_of_resources(error) and not debugging():
-            print(f"bardflow: error: {_out_of_resources(error)}", file=sys.stderr)
+            print(fit(f"bardflow: error: {_out_of_resources(error)}"), file=sys.stderr)
             return 1
         if signum is None or debugging():
             raise
         if stopping.failure():
-            print(f"bardflow: error: {stopping.failure()}", file=sys.stderr)
+            print(fit(f"bardflow: error: {stopping.failure()}"), file=sys.stderr)
             return 1
         # What a stop breaks on its way out (a client call cut short) is not news.
         print(
-            f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on",
+            fit(f"bardflow: stopped by {stopping.name(signum)} {stopping.where()}; rerun the same command to go on"),
             file=sys.stderr,
         )
         return 128 + signum

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts.store import Metrics
+from ..config.line_width import fit
 from ..tasks.registry import BY_NAME
 from .tables import Column, fitted, short_time
 
@@ -68,9 +69,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("ui"):
         console.print()
         later = "" if summary.get("ui_served") else " (its server was this run's own: `bardflow ui` serves it there)"
-        console.print(
-            f"This run in the Prefect UI: {summary['ui']}{later}", soft_wrap=True, highlight=False, markup=False
-        )
+        link = f"This run in the Prefect UI: {summary['ui']}{later}"
+        console.print(fit(link, sys.stdout), soft_wrap=True, highlight=False, markup=False)  # the link whole
 
 
 def print_sweep(result: dict[str, Any]) -> None:

@@ -91,7 +91,8 @@ def trained_versions(root: str) -> tuple[list[Version], dict[tuple[str, str], Ma
     """The trained versions, and every manifest of the store (to follow their inputs)."""
     store = readable_store(root)
     manifests = manifests_of(store)
-    return [v for stage in TRAINED for v in store.versions(stage)], manifests
+    found = [v for stage in TRAINED for v in store.versions(stage)]
+    return sorted(found, key=lambda v: v.manifest.get("created", ""), reverse=True), manifests  # newest first
 
 
 def find(versions: list[Version], prefix: str) -> Version:

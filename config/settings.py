@@ -513,7 +513,7 @@ def build_config(preset: str, overrides: Overrides | None = None) -> PipelineCon
         if not field or field not in fields:
             raise ConfigError(
                 f"unknown setting {dotted!r}{_did_you_mean(dotted)}; settings are section.field with section in "
-                f"{', '.join(PipelineConfig.model_fields)} (see `bardflow presets {preset} --json`)"
+                f"{', '.join(PipelineConfig.model_fields)} (see `bardflow presets --json`)"
             )
         tree.setdefault(section, {})[field] = value
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+from ..config.line_width import fit
 from ..model.errors import BardflowError
 from .environment import debugging
 
@@ -57,7 +58,8 @@ class TerminalFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
-        return line if record.levelno == logging.INFO else line.replace(" ", f" {record.levelname.lower()}: ", 1)
+        line = line if record.levelno == logging.INFO else line.replace(" ", f" {record.levelname.lower()}: ", 1)
+        return fit(line)  # the terminal handler writes to stderr
 
 
 # Prefect's services that send logs and events say, when the process ends with some still

@@ -81,7 +81,7 @@ def _post(url: str, body: dict) -> bytes:
     return urllib.request.urlopen(request, timeout=10).read()
 
 
-ORPHAN_GRACE_S = 10.0  # a worker reports its own flow run's end (Cancelled, Crashed) within seconds
+ORPHAN_GRACE_S = 5.0  # a worker reports its own flow run's end (Crashed) within a second or two
 
 
 def end_orphaned_runs(api: str, gone_since: dict[str, float]) -> list[str]:

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.line_width import fit
 from ..config.machine import cache_dir
 from ..model.errors import BardflowError
 from . import keeper
@@ -205,12 +206,12 @@ def start_kept(port: int | None = None) -> PrefectServer:
     poll_s = max(0.5, min(15.0, idle_s / 4)) if idle_s else 15.0
     record, started, earlier = start(port=port, idle_s=idle_s, poll_s=poll_s, by="run")
     if earlier:
-        print(f"bardflow: {earlier}", file=sys.stderr, flush=True)
+        print(fit(f"bardflow: {earlier}"), file=sys.stderr, flush=True)
     if started:
         minutes = record["idle_s"] / 60
         stays = f"stops after {minutes:g} min idle" if minutes else "kept until stopped"
         print(
-            f"bardflow: Prefect server at {record['url']} — kept for later runs, {stays} (bardflow server stop)",
+            fit(f"bardflow: Prefect server at {record['url']} — kept for later runs, {stays} (bardflow server stop)"),
             file=sys.stderr,
             flush=True,
         )
@@ -507,19 +508,19 @@ def command(
                 else f"the server now stops after {idle_minutes_given:g} min idle"
             )
         if earlier:
-            print(f"bardflow: {earlier}", file=sys.stderr)
+            print(fit(f"bardflow: {earlier}"), file=sys.stderr)
         if not started and port is not None and not record["url"].endswith(f":{port}"):
             raise ServerError(
                 f"a background Prefect server already runs at {record['url']} (pid {record['pid']}), "
                 f"so --port {port} was not used; `bardflow server stop`, then start again to move it "
                 f"to port {port}"
             )
-        print(
+        said = (
             f"{'' if started else 'already running: '}Prefect server: {record['url']} (pid {record['pid']}, "
-            f"log {record['log']}, "
-            f"database {record.get('database')})\n"
-            f"`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it."
+            f"log {record['log']}, database {record.get('database')})\n"
+            "`bardflow run` and `bardflow sweep` use it while it runs; `bardflow server stop` stops it."
         )
+        print(fit(said, sys.stdout))
     elif action == "stop":
         print("stopped" if stop() else "no background server was running")
     elif action == "env":
@@ -527,10 +528,11 @@ def command(
         if record is None:
             print("bardflow: no kept server is running; start it with `bardflow server start`", file=sys.stderr)
             raise SystemExit(3)
-        print(f"export PREFECT_API_URL={record['url']}/api")
+        # DO_NOT_TRACK: Prefect's own commands then send no telemetry, as bardflow's servers do not.
+        print(f"export PREFECT_API_URL={record['url']}/api DO_NOT_TRACK=1")
     else:
         record = running()
-        print(status_line(record) if record else "not running")
+        print(fit(status_line(record), sys.stdout) if record else "not running")
         if record is None:
             raise SystemExit(3)
 
@@ -684,8 +686,10 @@ def start_embedded() -> PrefectServer:
     # afterwards: `bardflow ui` serves this Prefect home's runs there; this server is gone.
     os.environ.setdefault("PREFECT_UI_URL", LATER_UI)
     print(
-        f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running with "
-        "`bardflow server start` to skip this)",
+        fit(
+            f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running "
+            "with `bardflow server start` to skip this)"
+        ),
         file=sys.stderr,
         flush=True,
     )

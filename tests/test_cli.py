@@ -108,7 +108,11 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
         (["--set", "model.vocab_size=300"], ["vocab_size=256"]),
         (["--set", 'generate.prompts=[{"text": "A", "temperature": Infinity}]'], ["finite number"]),
         (["--corpus", ""], ["--corpus is empty"]),
-        (["--store", ""], ["--store is empty"]),  # it used to fall back to ./store silently
+        (["--store", ""], ["--store is empty"]),
+        (
+            ["--set", "train.stepz=3"],
+            ["unknown setting 'train.stepz'", "(see `bardflow presets --json`)"],
+        ),  # it used to fall back to ./store silently
         (["--set", "data.corpus=/dev/zero"], ["corpus /dev/zero is a character device, not a regular file"]),
         (["--set", 'generate.prompts=[{"text": "A", "temperature": 1e308}]'], ["temperature", "less than or equal to"]),
         (["--processes", "0"], ["--processes must be at least 1"]),
@@ -642,7 +646,44 @@ def test_server_embedded_typed_wins_over_a_server_already_there(monkeypatch, cap
     assert "reports to a server of its own, not to PREFECT_API_URL (http://127.0.0.1:9/api)" in capsys.readouterr().err
     chosen = _server_there(Namespace(server=None))
     assert chosen is not None and chosen.api_url == "http://127.0.0.1:9/api"
-    monkeypatch.setenv("BARDFLOW_SERVER", "embedded")  # the environment's choice yields to PREFECT_API_URL's
+    monkeypatch.setenv("BARDFLOW_SERVER", "embedded")  # a standing default yields to a server that is there
     assert _server_there(Namespace(server=None)) is not None
-    monkeypatch.delenv("PREFECT_API_URL")
-    assert _server_there(Namespace(server=None)) is None  # and is the run's own server otherwise
+
+
+def test_lines_break_at_words_on_an_80_column_terminal():
+    """A terminal breaks a long line wherever its width ends ("karpathy/c" / "har-rnn"): on a
+    terminal, bardflow's lines break at spaces, and a link longer than what is left of a line
+    moves whole to the next; elsewhere one line stays one line."""
+    import io
+    import os
+    import pty
+
+    from bardflow.config.line_width import fit
+
+    link = "http://127.0.0.1:4200/runs/flow-run/0193b5f1-2c4e-7a3b-9f00-1234567890ab"
+    text = f"This run in the Prefect UI: {link} (its server was this run's own: `bardflow ui` serves it there)"
+    assert fit(text, io.StringIO()) == text  # not a terminal
+    leader, follower = pty.openpty()
+    with os.fdopen(follower, "w", closefd=False) as terminal:
+        os.environ["COLUMNS"] = "80"
+        try:
+            lines = fit(text, terminal).split("\n")
+        finally:
+            del os.environ["COLUMNS"]
+    assert any(line.startswith(link) for line in lines) and all(len(line) <= 80 for line in lines)
+    assert " ".join(lines) == text
+    # A refusal, as the command prints it on a terminal.
+    done = subprocess.run(
+        [sys.executable, "-m", "bardflow", "run", "--corpus", ""],
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "80"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        timeout=60,
+    )
+    os.close(follower)
+    said = os.read(leader, 65536).decode().replace("\r\n", "\n").strip().split("\n")
+    os.close(leader)
+    assert done.returncode == 2 and len(said) > 1 and all(len(line) <= 80 for line in said), said
+    assert " ".join(said).startswith("bardflow: error: --corpus is empty; give an https URL, a file:// URL")

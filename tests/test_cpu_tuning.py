@@ -34,7 +34,7 @@ def test_the_fastest_measured_setting_is_chosen_once_and_kept(measuring):
     # The user is told before the seconds of measuring and what was kept after, once: a later
     # run finds the choice kept.
     assert len(said) == 2 and said[0].startswith("measuring 4 training step settings on this CPU")
-    assert said[1].startswith("measured 4 of 4: kept kernels "), said
+    assert said[1].startswith("measured 4 of 4 step settings on one batch: kept kernels "), said
     default, fastest = first["measured"][0], min(first["measured"], key=lambda m: m["ms_per_step"])
     winner = fastest if fastest["ms_per_step"] <= 0.95 * default["ms_per_step"] else default  # a clear win only
     assert first["chosen"] == {k: v for k, v in winner.items() if k != "ms_per_step"}

@@ -152,7 +152,7 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     line = subprocess.run(
         [sys.executable, "-m", "bardflow", "server", "env"], cwd=REPO, env=env, capture_output=True, text=True
     )
-    assert line.returncode == 0 and line.stdout == f"export PREFECT_API_URL={url}/api\n", line
+    assert line.returncode == 0 and line.stdout == f"export PREFECT_API_URL={url}/api DO_NOT_TRACK=1\n", line
 
     # A run's record answers after its command has returned (its UI link's page reads it).
     ran = subprocess.run(

@@ -503,3 +503,51 @@ def test_redirects_stay_within_the_scheme_and_host_and_a_loop_is_one_line(tmp_pa
     finally:
         for server in servers:
             server.close()
+
+
+def test_a_resumed_training_s_first_progress_line_has_a_measured_pace():
+    """Resumed at step 500 of 1,000, its first report used to say "ETA 4 s" (the time since
+    the bar began over every step done, earlier sessions' too), then "ETA 42 s"."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("bardflow")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    now = [100.0]
+    try:
+        with ui.Progress("train_single", 1000, "train_single", clock=lambda: now[0]) as progress:
+            for done, seconds in ((501, 100.2), (550, 105.0), (600, 110.0)):
+                now[0] = seconds
+                progress(done)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines == ["train_single: 600/1000 (60%), ETA 40 s"]  # 99 steps in 9.8 s since the first report
+
+
+def test_progress_never_says_more_than_the_whole():
+    """An archive's raw bytes overrun its member's size by its directory: Prefect refused the
+    progress artifact's value ("Progress: 100.0033%"), and a line said more than 100 %."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("bardflow")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    now = [0.0]
+    try:
+        with ui.Progress("fetch", 100_000_000, "fetch", in_bytes=True, clock=lambda: now[0]) as progress:
+            for done, seconds in ((95_000_000, 4.0), (110_000_000, 5.0)):
+                now[0] = seconds
+                progress(done)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines[-1].startswith("fetch: 100.0 of 100.0 MB (100%)"), lines

@@ -257,3 +257,19 @@ def test_a_resume_folder_has_one_writer_and_the_next_waits_for_it(tmp_path):
     ]
     folder.drop_if_empty()  # its lock file is no reason to keep the folder
     assert not folder.path.exists()
+
+
+def test_runs_lists_trained_versions_newest_first_whatever_their_stage(tmp_path):
+    """It listed every single-device version before any data-parallel one."""
+    import time
+
+    from bardflow.cli.runs import trained_versions
+
+    store = Store(tmp_path / "store")
+    made = []
+    for stage in ("train_single", "train_parallel"):
+        version, _ = store.produce(stage, "0" * 19 + str(len(made)), {}, {}, lambda out: None)
+        made.append(version.key)
+        time.sleep(1.1)  # a manifest's time is to the second
+    found, _ = trained_versions(str(tmp_path / "store"))
+    assert [v.key for v in found] == made[::-1]

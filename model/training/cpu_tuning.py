@@ -132,8 +132,8 @@ def _kept_line(measured: list[MeasuredChoice], tried: int, best: MeasuredChoice,
     """What the measurement kept, for the terminal."""
     gain = 100 * (1 - best["ms_per_step"] / default["ms_per_step"])
     return (
-        f"measured {len(measured)} of {tried}: kept kernels {best['kernels']}, {best['rows_per_pass']} rows a "
-        f"pass, XLA options {best['xla']} ({best['ms_per_step']:.1f} ms a step"
+        f"measured {len(measured)} of {tried} step settings on one batch: kept kernels {best['kernels']}, "
+        f"{best['rows_per_pass']} rows a pass, XLA options {best['xla']} ({best['ms_per_step']:.1f} ms a step"
         + (f", {gain:.0f} % less time a step than the defaults" if best is not default else ", the defaults")
         + ")"
     )

@@ -130,18 +130,16 @@ class RunRecord:
                 f"{self.last_saved} is kept; lower train.learning_rate"
             )
         # A copy of the history: the save is asynchronous and the loop keeps appending to it.
-        self.checkpoints.save(
-            info.done,
-            info.state,
-            {
-                "step": info.done,
-                "history": list(self.history),
-                "elapsed_s": self.trained_s(),
-                "data_position": info.done,
-                "layout": self.layout,
-                "best": self.best,
-            },
-        )
+        saved = {
+            "step": info.done,
+            "history": list(self.history),
+            "elapsed_s": self.trained_s(),
+            "data_position": info.done,
+            "layout": self.layout,
+            "best": self.best,
+        }
+        with self.paused():  # its wait (the copy off the devices) is not a step's time, as evaluation is not
+            self.checkpoints.save(info.done, info.state, saved)
         self.last_saved = info.done
         return self.last_saved
 
