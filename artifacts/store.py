@@ -31,7 +31,7 @@ from typing import Any, NotRequired, cast
 from pydantic import JsonValue
 from typing_extensions import TypedDict
 
-from ..model.errors import NOT_WRITABLE_FIX, BardflowError
+from ..errors import NOT_WRITABLE_FIX, BardflowError
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")

@@ -1,6 +1,6 @@
 """bardflow: a byte-level transformer trained on TinyShakespeare as a Prefect flow of cached,
 versioned stages. Its parts are the repository's top-level folders, imported as
-``bardflow.config``, ``bardflow.model``, ``bardflow.tasks``, ``bardflow.artifacts``,
+``bardflow.errors``, ``bardflow.config``, ``bardflow.model``, ``bardflow.tasks``, ``bardflow.artifacts``,
 ``bardflow.server``, ``bardflow.flows`` and ``bardflow.cli``: an installed wheel holds them
 under ``bardflow/`` (pyproject.toml's ``package-dir``), and a checkout on ``PYTHONPATH`` finds
 them beside this folder."""
@@ -9,6 +9,6 @@ from pathlib import Path as _Path
 
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "model" / "__init__.py").is_file():
-    __path__.append(str(_checkout))  # noqa: F821 - a package's own search path
+    __path__.append(str(_checkout))
 
 __version__ = "0.1.0"

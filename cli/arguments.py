@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import BardflowError
 from ..flows.environment import DEBUG, PRESET_NAMES
-from ..model.errors import BardflowError
 from ..tasks.registry import NAMES
 
 

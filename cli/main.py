@@ -16,6 +16,7 @@ from ..config.config_file import parse_assignment
 from ..config.line_width import fit
 from ..config.machine import install_hint
 from ..config.settings import ConfigError, Overrides, PipelineConfig
+from ..errors import BardflowError
 from ..flows import cluster, preflight
 from ..flows.environment import (
     AUTO_CHOICES,
@@ -29,7 +30,6 @@ from ..flows.environment import (
     store_location,
 )
 from ..flows.tracking import check_installed, track_settings
-from ..model.errors import BardflowError
 from ..model.training import stopping
 from ..model.training.distributed import MAX_CPU_DEVICES, requested_cpu_devices
 from ..server.process import (

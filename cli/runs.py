@@ -9,8 +9,8 @@ from typing import Any
 
 from ..artifacts.objects import is_remote, open_store
 from ..artifacts.store import Manifest, Version
+from ..errors import BardflowError
 from ..model.data.sources import corpus_name
-from ..model.errors import BardflowError
 
 TRAINED = ("train_single", "train_parallel")
 FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")

@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from ..model.errors import file_kind
+from ..errors import file_kind
 from .settings import PRESETS, ConfigError, Overrides, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)

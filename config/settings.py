@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 
 # Settings by dotted name (``train.learning_rate``) and their values as JSON gives them: what
 # --set, a config file, a deployment's ``settings`` and a sweep's runs hand to ``build_config``.

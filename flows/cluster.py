@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from ..model.training.distributed import ProcessGroup
 from .environment import prepare_environment
 

@@ -9,7 +9,7 @@ from typing import cast
 
 from ..config.machine import cache_dir, install_hint
 from ..config.settings import PRESETS, ConfigError
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from ..model.training.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored

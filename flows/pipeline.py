@@ -27,7 +27,7 @@ from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
 from ..config.settings import ConfigError, GenerateConfig, Overrides, PipelineConfig, Prompt, TrainingRequest
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from ..model.training import stopping
 from ..model.training.distributed import hardware
 from ..server import notify

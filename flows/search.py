@@ -19,7 +19,7 @@ from typing import Any
 from ..artifacts.objects import ObjectStore, checked_store
 from ..config.machine import install_hint
 from ..config.settings import Overrides
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from .records import StageRow, Trial
 from .sweep_configs import Dimension, SearchSpec
 

@@ -8,7 +8,7 @@ import logging
 from typing import ClassVar
 
 from ..config.line_width import fit
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from .environment import debugging
 
 

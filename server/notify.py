@@ -17,7 +17,7 @@ import re
 from typing import Any, cast
 from uuid import UUID
 
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 
 RUN_FAILED = "bardflow.run.failed"
 SWEEP_FINISHED = "bardflow.sweep.finished"

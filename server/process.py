@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..config.line_width import fit
 from ..config.machine import cache_dir
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from . import keeper
 from .prefect_private import ephemeral_server_command
 

@@ -176,7 +176,7 @@ class _Holding:
     def withdraw(self, client) -> None:
         try:
             client.delete_variable_by_name(self.variable)
-        except Exception:  # noqa: BLE001, S110 - a waiter drops a gone holder's record
+        except Exception:  # noqa: BLE001 - a waiter drops a gone holder's record
             pass
 
     def hold(self, lease: str) -> None:
@@ -204,7 +204,7 @@ class _Holding:
                 try:
                     self.holder["renewed"] = time.time()
                     self.record()  # also puts it back if a restarted server's variables lost it
-                except Exception:  # noqa: BLE001, S110 - as above
+                except Exception:  # noqa: BLE001 - as above
                     pass
 
     def release(self, client) -> bool:
@@ -295,11 +295,11 @@ class _Wait:
         if holder.get("lease"):
             try:
                 client.release_concurrency_slots_with_lease(holder["lease"])
-            except Exception:  # noqa: BLE001, S110 - released by another waiter, or lapsed; the count is settled anyway
+            except Exception:  # noqa: BLE001 - released by another waiter, or lapsed; the count is settled anyway
                 pass
         try:
             client.delete_variable_by_name(variable)
-        except Exception:  # noqa: BLE001, S110 - another waiter dropped it first
+        except Exception:  # noqa: BLE001 - another waiter dropped it first
             pass
         self.tell(
             f"the training slot {self.name} was held by process {holder.get('pid')} on {holder.get('host')} "

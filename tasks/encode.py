@@ -13,8 +13,8 @@ import numpy as np
 from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import BYTE_VALUES, DataConfig
+from ..errors import require_space
 from ..model.data.splits import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
-from ..model.errors import require_space
 from .fetch import CORPUS
 from .registry import ENCODE
 

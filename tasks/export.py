@@ -25,7 +25,7 @@ from ..artifacts import ui
 from ..artifacts.store import Builder, Version, file_digest
 from ..config.machine import install_hint
 from ..config.settings import ModelConfig
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from ..model.inference.export import (
     PLATFORMS,
     export_forward,

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..artifacts.store import Builder, Version, VersionStore, version_key
 from ..config.settings import ConfigError, PipelineConfig, TrainingRequest
-from ..model.errors import (
+from ..errors import (
     FREE_SPACE_FIX,
     NOT_WRITABLE_FIX,
     BardflowError,

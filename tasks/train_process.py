@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..artifacts.objects import RemoteResumeFolder, is_remote, open_store
 from ..artifacts.store import ResumeFolder, StoreError
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from .registry import ENCODE
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ import json
 
 from ..artifacts.store import Builder, Version
 from ..config.settings import VerifyConfig
-from ..model.errors import BardflowError
+from ..errors import BardflowError
 from ..model.training.checkpoint import load_model, max_logit_diff
 from .checkpoint import MODEL
 from .encode import VAL, split_rows

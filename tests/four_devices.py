@@ -13,23 +13,23 @@ import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-from bardflow.config.settings import build_config  # noqa: E402
-from bardflow.model.data.splits import Batches, encode  # noqa: E402
-from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_state, save_train_state  # noqa: E402
-from bardflow.model.training.loop import train  # noqa: E402
-from bardflow.model.training.memory import estimate, step_memory  # noqa: E402
-from bardflow.model.training.placement import Placement  # noqa: E402
-from bardflow.model.training.step import init_state, make_train_step  # noqa: E402
-from tests.helpers import play_text  # noqa: E402
+from bardflow.config.settings import build_config
+from bardflow.model.data.splits import Batches, encode
+from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_state, save_train_state
+from bardflow.model.training.loop import train
+from bardflow.model.training.memory import estimate, step_memory
+from bardflow.model.training.placement import Placement
+from bardflow.model.training.step import init_state, make_train_step
+from tests.helpers import play_text
 
 STEPS = 8
 # The cpu and codelab shapes' widths (every array FSDP splits has a block's shape), with fewer

@@ -578,7 +578,7 @@ def test_a_training_process_s_failure_names_the_fix_that_fits_it(tmp_path):
     from bardflow.tasks.train import parallel_failure
 
     log = tmp_path / "process-0.log"
-    log.write_text("Traceback …\nbardflow.model.errors.DiskFullError: no room for the checkpoint of step 20\n")
+    log.write_text("Traceback …\nbardflow.errors.DiskFullError: no room for the checkpoint of step 20\n")
     full = parallel_failure(_failure(0, 1, 1, log, (20, 40)), [10], "cpu", 1)
     assert "no room for the checkpoint of step 20" in str(full) and "--cpu-devices" not in str(full)
     assert "resume from the checkpoint of step 10" in str(full)

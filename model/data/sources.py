@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...config.settings import TINYSHAKESPEARE_URL, CorpusFigures
-from ..errors import BardflowError, file_kind
+from ...errors import BardflowError, file_kind
 from .splits import ThreadedDigest
 
 

@@ -27,7 +27,7 @@ from typing import TypeVar
 import numpy as np
 import pyarrow as pa
 
-from ..errors import BardflowError
+from ...errors import BardflowError
 
 COLUMN = "tokens"
 SHARD_BYTES = 256 << 20  # a shard file, at most: a worker reads or fetches the shards it needs

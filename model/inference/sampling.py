@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..errors import BardflowError
+from ...errors import BardflowError
 from ..network.transformer import Transformer
 
 

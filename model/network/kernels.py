@@ -135,7 +135,7 @@ def fused_attention_problem(length: int, heads: int, head_dim: int, dtype: str) 
     try:
         q = jnp.ones(shape, dtype)
         jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
-    except Exception as error:  # any failure of the kernel is a reason to take XLA's path
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel is a reason to take XLA's path
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"cuDNN's fused attention failed on {jax.devices()[0].device_kind}: {first[:200]}"
     return None

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ...config.settings import ModelConfig
-from ..errors import BardflowError, require_space, require_writable
+from ...errors import BardflowError, require_space, require_writable
 from ..network.transformer import Transformer, build_model
 
 

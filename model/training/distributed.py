@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import DistributedError
+from ...errors import DistributedError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
 HEARTBEAT = "BARDFLOW_HEARTBEAT_TIMEOUT_S"
@@ -198,7 +198,7 @@ def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
             # the group lives on this machine, keep it on loopback.
             coordinator_bind_address=group.coordinator if host in LOOPBACK else None,
         )
-    except Exception as error:  # noqa: BLE001 - JAX raises XlaRuntimeError and plain RuntimeError
+    except Exception as error:
         raise DistributedError(
             f"process {group.process_id} of {group.num_processes} could not join the run at "
             f"{group.coordinator or 'the cluster-detected coordinator'} within {timeout_s} s: "

@@ -123,14 +123,7 @@ class RunRecord:
         loss and parameters are known to be finite. Returns the newest saved step."""
         if self.checkpoints is None or info.done <= (self.last_saved or 0):
             return self.last_saved
-        self.check_loss(info.step, info.loss)
-        if not bool(_all_finite(info.state)):
-            raise TrainingError(
-                f"parameters became non-finite at step {info.step}; the checkpoint of step "
-                f"{self.last_saved} is kept; lower train.learning_rate"
-            )
-        # A copy of the history: the save is asynchronous and the loop keeps appending to it.
-        saved = {
+        saved = {  # a copy of the history: the save is asynchronous and the loop keeps appending to it
             "step": info.done,
             "history": list(self.history),
             "elapsed_s": self.trained_s(),
@@ -138,7 +131,15 @@ class RunRecord:
             "layout": self.layout,
             "best": self.best,
         }
-        with self.paused():  # its wait (the copy off the devices) is not a step's time, as evaluation is not
+        # Not a step's time, as evaluation is not: the checks (a first one compiles) and the
+        # save's wait for the copy off the devices.
+        with self.paused():
+            self.check_loss(info.step, info.loss)
+            if not bool(_all_finite(info.state)):
+                raise TrainingError(
+                    f"parameters became non-finite at step {info.step}; the checkpoint of step "
+                    f"{self.last_saved} is kept; lower train.learning_rate"
+                )
             self.checkpoints.save(info.done, info.state, saved)
         self.last_saved = info.done
         return self.last_saved

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DistributedError
+from ...errors import DistributedError
 
 
 def broadcast_json(value: Any) -> Any:

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...config.settings import ModelConfig, TrainConfig
-from ..errors import BardflowError
+from ...errors import BardflowError
 from ..network.transformer import Transformer, build_model
 from .optimizer import make_optimizer
 from .placement import StateLayout

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from ..errors import BardflowError
+from ...errors import BardflowError
 
 GRACE_S = 8.0  # then the process ends itself: the promise is a stop within 10 s
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
