@@ -55,9 +55,8 @@ A_FLOW_RUN = (  # a run on the server Prefect's settings name, as a pipeline run
     "print(shortest(return_state=True).state_details.flow_run_id)\n"
 )
 
-A_KILLED_RUN = (  # a pipeline's flow run whose process is killed mid-run: no final state is ever sent
+THEN_A_KILLED_RUN = (  # then a pipeline's flow run whose process is killed mid-run: no final state is sent
     "import os, signal\n"
-    "from prefect import flow\n"
     "from prefect.runtime import flow_run\n"
     "from bardflow.flows.environment import label_flow_run\n"
     "@flow\n"
@@ -142,6 +141,15 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     )
     assert status.returncode == 0 and status.stdout.startswith(f"running at {record['url']} (pid {record['pid']}, up ")
     assert "stops after 59 min" in status.stdout or "stops after 60 min" in status.stdout, status.stdout
+    # Meanwhile, runs on it: one that ends, one killed with kill -9 (below).
+    runs = subprocess.Popen(
+        [sys.executable, "-c", A_FLOW_RUN + THEN_A_KILLED_RUN],
+        cwd=REPO,
+        env={**env, "PREFECT_API_URL": f"{url}/api"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # `server start` on the server a run started: kept until stopped from now on, and said so;
     # `server env` is the line that points Prefect's own commands at it.
     kept = subprocess.run(
@@ -155,29 +163,14 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     assert line.returncode == 0 and line.stdout == f"export PREFECT_API_URL={url}/api DO_NOT_TRACK=1\n", line
 
     # A run's record answers after its command has returned (its UI link's page reads it).
-    ran = subprocess.run(
-        [sys.executable, "-c", A_FLOW_RUN],
-        cwd=REPO,
-        env={**env, "PREFECT_API_URL": f"{url}/api"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    flow_run = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{ran.stdout.strip()}", timeout=10).read())
+    out, err = runs.communicate(timeout=120)
+    assert runs.returncode == -signal.SIGKILL, err[-2000:]
+    ended, orphan_id = out.split()
+    flow_run = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{ended}", timeout=10).read())
     assert flow_run["state"]["type"] == "COMPLETED"
-    # A run killed with kill -9 stays Running in the database: the server ends it as Crashed
-    # (below, once it has a short idle stretch: it could not go idle while the run counted).
-    killed = subprocess.run(
-        [sys.executable, "-c", A_KILLED_RUN],
-        cwd=REPO,
-        env={**env, "PREFECT_API_URL": f"{url}/api"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    orphan = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{killed.stdout.strip()}", timeout=10).read())
+    # The killed run stays Running in the database: the server ends it as Crashed (below, once
+    # it has a short idle stretch: it could not go idle while the run counted).
+    orphan = json.loads(urllib.request.urlopen(f"{url}/api/flow_runs/{orphan_id}", timeout=10).read())
     assert orphan["state"]["type"] == "RUNNING"
 
     # kill -9 while flow runs are being written: the Prefect server goes with it, and the next
@@ -218,7 +211,7 @@ def _story(tmp_path: Path, env: dict[str, str]) -> None:
     renewed = _record(tmp_path)
     assert renewed["pid"] != record["pid"] and renewed["by"] == "run" and _answers(renewed["url"])
     # What the killed server had committed is there: the run before the load, and the load's.
-    for earlier in (ran.stdout.strip(), made[0]):
+    for earlier in (ended, made[0]):
         read = json.loads(urllib.request.urlopen(f"{renewed['url']}/api/flow_runs/{earlier}", timeout=10).read())
         assert read["state"]["type"] == "COMPLETED"
 
