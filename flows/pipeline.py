@@ -23,7 +23,6 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import ValidationError
 
-from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
 from ..config.settings import ConfigError, GenerateConfig, Overrides, PipelineConfig, Prompt, TrainingRequest
@@ -33,9 +32,11 @@ from ..model.training.distributed import hardware
 from ..server import notify
 from ..server.process import full_database, server_gone, serving_this_process
 from ..server.slots import training_slot
+from ..tasks import report
 from ..tasks.compare import overfitting
 from ..tasks.registry import HISTORY, STAGES
 from ..tasks.stage import RunPlan, Stage, produce
+from . import ui
 from .environment import (
     STORE_CREDENTIALS,
     label_flow_run,
@@ -48,6 +49,8 @@ from .run_config import resolve_run_config
 from .stage_pages import publish
 from .terminal import one_line, quiet_explained_errors
 from .tracking import RunTracking
+
+report.use(ui)  # the stages of this process tell the run's log, the terminal's bars and the UI
 
 RUN_ARTIFACT = "run"  # key bardflow-run: one row per stage of each run
 SAME = "Unchanged"  # a task that built again what the store held already

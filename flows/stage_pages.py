@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from ..artifacts import ui
 from ..artifacts.store import Version
 from ..config.settings import BYTE_VALUES
 from ..model.data.sources import corpus_name
@@ -24,6 +23,7 @@ from ..tasks.registry import (
     TRAIN_SINGLE,
     VERIFY,
 )
+from . import ui
 
 SAMPLE_BYTES = 200
 

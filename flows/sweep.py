@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, cast
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from ..artifacts import ui
 from ..artifacts.objects import checked_store
 from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..model.training import stopping
 from ..model.training.run_records import HistoryEntry
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
+from . import ui
 from .environment import label_flow_run, pick_preset, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
 from .records import RunSummary, StageRow, Trial

@@ -8,9 +8,9 @@ from typing import cast
 
 from typing_extensions import TypedDict
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..model.training.run_records import HistoryEntry, TrainingMetrics
+from . import report
 from .registry import COMPARE, HISTORY
 
 TABLE, THROUGHPUT_PNG, CURVES_PNG = COMPARE.builds
@@ -261,7 +261,7 @@ def build(settings: dict, out: Builder, train_single: Version, train_parallel: V
     out.metrics.update({"speedup": result["speedup"], "devices": devices})
     window = result["window"]
     emulated = parallel.metrics.get("platform") == "cpu" and devices > 1
-    ui.say(
+    report.say(
         "compare: data-parallel on %d device(s) ran %.2fx the single device's tokens/s (%s); timed on %s",
         devices,
         result["speedup"],

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version
 from ..config.settings import BYTE_VALUES, DataConfig
 from ..errors import require_space
 from ..model.data.splits import SHARD_BYTES, Rows, read_split, split_point, train_order, windows, write_split
+from . import report
 from .fetch import CORPUS
 from .registry import ENCODE
 
@@ -38,7 +38,7 @@ def build(settings: DataConfig, out: Builder, fetch: Version) -> None:
     total = len(rows) * row_bytes
     # Before a byte is written; each shard adds its Arrow schema and footer, a few KB.
     require_space(out.dir, total, "the encoded splits (train/, val/)", overhead=(total // SHARD_BYTES + 2) << 13)
-    with ui.Progress(ENCODE.name, total, "encode", in_bytes=True) as progress:
+    with report.progress(ENCODE.name, total, "encode", in_bytes=True) as progress:
         train = write_split(
             out.path(TRAIN),
             rows[:num_train],

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, Version, file_digest
 from ..config.machine import install_hint
 from ..config.settings import ModelConfig
@@ -37,6 +36,7 @@ from ..model.inference.hf import byte_alphabet, hf_config, hf_tensors, unmappabl
 from ..model.inference.sampling import generate
 from ..model.network.transformer import Transformer
 from ..model.training.checkpoint import load_config, load_model
+from . import report
 from .checkpoint import MODEL
 from .registry import EXPORT, HF_CHECKING, hf_check_tools
 
@@ -177,7 +177,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
         kept = {name: value for name, value in hf.items() if name not in ("check_s", "greedy_ids")}  # no timings
         (folder / HF_RECORD).write_text(json.dumps(kept, indent=1, sort_keys=True))
     write_checksums(folder)  # now with hf/
-    ui.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
+    report.say("export: transformers folder %s/: %s", HF, hf["status"])  # unchecked or unwritten: the fix, in one line
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     out.metrics.update(
         {

@@ -26,7 +26,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
-from ..artifacts import ui
 from ..artifacts.objects import Bucket
 from ..artifacts.store import SETTLED_NS, Builder, Version, canonical_json, file_identity
 from ..config.machine import cache_dir
@@ -46,6 +45,7 @@ from ..model.data.sources import (
     source_mode,
 )
 from ..model.data.splits import write_all
+from . import report
 from .registry import FETCH
 
 (CORPUS,) = FETCH.builds
@@ -75,7 +75,7 @@ def pin(data: DataConfig, remembered: bool = True) -> DataConfig:
         return data
     if is_bucket(data.corpus):  # read once more, now: what the objects hold keys the version
         corpus = BucketCorpus(Bucket(data.corpus), data.corpus, data.glob)
-        ui.say(
+        report.say(
             "fetch: computing the md5 of %s (%d objects, %.1f MB); pass --set data.md5=<its md5> to skip this",
             data.corpus,
             len(corpus.objects),
@@ -305,7 +305,7 @@ def build(settings: DataConfig, out: Builder) -> None:
     path = local_path(settings.corpus)
     listed = corpus_files(path, settings.glob) if path is not None else None
     size_hint = sum(os.stat(f).st_size for f in listed) if listed is not None else KNOWN_SIZES.get(settings.md5, 1)
-    with ui.Progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
+    with report.progress(FETCH.name, size_hint, "fetch", in_bytes=True) as progress:
         known = settings.figures if path is not None else None
         files, corpus, redirected_to = fetch_to(settings.corpus, target, settings.glob, progress, listed, known)
         progress(progress.total)  # all of it: a compressed source's reader may stop short of its last bytes
@@ -344,7 +344,7 @@ def build(settings: DataConfig, out: Builder) -> None:
         ]
     text = "" if distinct > 100 or 0 in corpus.seen else "; text"  # ASCII text holds about 60 to 100 values
     read = f" from {len(files):,} files" if files is not None and len(files) > 1 else ""
-    ui.say(
+    report.say(
         "fetch: %s bytes%s, %d distinct byte values%s, %s",
         f"{size:,}",
         read,

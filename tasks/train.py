@@ -15,7 +15,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..artifacts import ui
 from ..artifacts.store import Builder, ResumeFolder, Version, canonical_json
 from ..config.settings import TrainingRequest
 from ..model.training import stopping
@@ -26,7 +25,7 @@ from ..model.training.launch import ProcessFailure, launch_leader, launch_local
 from ..model.training.memory import compiled_needs
 from ..model.training.step import TrainingError, init_state, model_from_state
 from ..model.training.training_run import RunFiles, TrainingResult, run_training
-from . import train_process
+from . import report, train_process
 from .encode import TRAIN, VAL
 from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE
 
@@ -90,14 +89,14 @@ def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None
     run that was killed stops first), the checkpoint of another layout taken where the run
     has none of its own (``adopt_checkpoints``), and which one it resumes from said (the
     resume itself is reported when it ends)."""
-    with out.resume.writing(say=lambda line: ui.say("%s: %s", stage, line)):
+    with out.resume.writing(say=lambda line: report.say("%s: %s", stage, line)):
         adopted = adopt_checkpoints(out.resume, request)
     if adopted is not None:
-        ui.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage, *adopted)
+        report.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage, *adopted)
         return
     kept = TrainingCheckpoints.steps(out.resume.path)
     if kept:
-        ui.say("%s: resuming from its checkpoint of step %d", stage, kept[-1])
+        report.say("%s: resuming from its checkpoint of step %d", stage, kept[-1])
 
 
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
@@ -106,9 +105,15 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
     if settings.steps < settings.train.steps:
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
     _resume_or_adopt(TRAIN_SINGLE.name, out, settings)
-    with out.resume.writing(), ui.Progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
+    with out.resume.writing(), report.progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(
-            settings, _files(encode, out), [device], parallel=False, on_step=progress, warn=ui.warning, note=ui.say
+            settings,
+            _files(encode, out),
+            [device],
+            parallel=False,
+            on_step=progress,
+            warn=report.warning,
+            note=report.say,
         )
     _finish(TRAIN_SINGLE.name, out, summary)
 
@@ -136,9 +141,15 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
         f"train_parallel ({visible} {platform} device{'s' if visible > 1 else ''}{_sharded(settings)}, "
         f"batch {settings.train.per_device_batch * visible})"
     )
-    with out.resume.writing(), ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
+    with out.resume.writing(), report.progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
         summary = run_training(
-            settings, files, jax.devices()[:visible], parallel=True, on_step=progress, warn=ui.warning, note=ui.say
+            settings,
+            files,
+            jax.devices()[:visible],
+            parallel=True,
+            on_step=progress,
+            warn=report.warning,
+            note=report.say,
         )
     _finish(TRAIN_PARALLEL.name, out, summary)
 
@@ -146,7 +157,7 @@ def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, tra
 def _reuse(train_single: Version, out: Builder) -> None:
     """One device, one process: data-parallel training would repeat train_single's
     computation step for step, so its version is taken over instead of trained again."""
-    ui.say(
+    report.say(
         "train_parallel: only one device is visible, so data-parallel training would repeat train_single "
         "exactly; reusing its version %s (on a CPU, emulate devices with --cpu-devices)",
         train_single.key,
@@ -184,7 +195,7 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
         f"batch {settings.train.per_device_batch * settings.devices})"
     )
     try:
-        with ui.Progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
+        with report.progress(TRAIN_PARALLEL.name, settings.steps, label) as progress:
             if group is None:
                 launch_local(
                     train_process,
@@ -194,11 +205,15 @@ def _build_in_processes(settings: TrainingRequest, files: RunFiles, out: Builder
                     settings.platform,
                     on_step=progress,
                     on_warning=_relay(settings),
-                    on_note=ui.say,
+                    on_note=report.say,
                 )
             else:
                 launch_leader(
-                    train_process, launch / "spec.json", on_step=progress, on_warning=_relay(settings), on_note=ui.say
+                    train_process,
+                    launch / "spec.json",
+                    on_step=progress,
+                    on_warning=_relay(settings),
+                    on_note=report.say,
                 )
     except (ProcessFailure, stopping.Stopped) as failure:
         raise parallel_failure(failure, TrainingCheckpoints.steps(files.resume), settings.platform, processes) from (
@@ -229,7 +244,7 @@ def _relay(settings: TrainingRequest):
     thing a training process warns of), which is then off here too: one warning, not two."""
 
     def relay(message: str) -> None:
-        ui.warning(message)
+        report.warning(message)
         tracking.turn_off(settings.report, message)
 
     return relay
@@ -258,14 +273,14 @@ def _finish(stage: str, out: Builder, summary: TrainingResult) -> None:
     memory = metrics.get("step_memory") or {}
     if metrics["layout"] == "fsdp" and "argument_bytes" in memory:
         held = memory["argument_bytes"] + (compiled_needs(memory) or 0)
-        ui.say(
+        report.say(
             "%s: fsdp over %d devices, %s a device (the compiled step's state, batch and temporaries; XLA's figure)",
             stage,
             metrics["devices"],
             f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB",
         )
     if metrics["resumed_from_step"] is not None:
-        ui.log(
+        report.log(
             "%s resumed from its checkpoint at step %d (restored in %.1f s)",
             stage,
             metrics["resumed_from_step"],

@@ -496,7 +496,7 @@ for name, handler in (("plain", plain), ("rich", through_rich)):
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     logging.getLogger(name).addHandler(handler)
     logging.getLogger(name).setLevel(logging.INFO)
-from bardflow.artifacts import ui
+from bardflow.flows import ui
 with ui.Progress("sweep", 2, "sweep of 2 runs, preset tiny") as sweep:
     for run in range(2):
         logging.getLogger("rich").info("preset tiny on 2 cpu device(s), run %d", run)

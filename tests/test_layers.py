@@ -216,3 +216,12 @@ def test_the_architecture_map_names_every_folder_and_only_folders_that_exist():
     }
     assert packages <= mapped, sorted(packages - mapped)
     assert all((REPO / folder).is_dir() for folder in mapped), sorted(f for f in mapped if not (REPO / f).is_dir())
+
+
+@pytest.mark.parametrize("room", ["tasks", "artifacts"])
+def test_the_stages_and_the_store_know_no_prefect(room):
+    """A stage tells its lines and progress through ``tasks/report.py``, whose reporter the
+    flows hand it (``flows/ui.py``: the run's log, the bars, the UI's artifacts); the store
+    is files and buckets. Neither imports Prefect, so either runs without it."""
+    for path in module_files(room):
+        assert not [name for name in imports(path) if name.split(".")[0] == "prefect"], path.relative_to(REPO)

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bardflow.artifacts import ui
 from bardflow.artifacts.store import Store
 from bardflow.config.settings import DataConfig, build_config
+from bardflow.flows import ui
 from bardflow.model.data.splits import encode, read_split
 from bardflow.tasks.fetch import CORPUS, FetchError, pin
 from bardflow.tasks.registry import ENCODE, FETCH
