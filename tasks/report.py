@@ -35,7 +35,18 @@ class _Logging:
         logging.getLogger("bardflow").warning(message)
 
     def Progress(self, stage: str, total: int, label: str, *, in_bytes: bool = False) -> AbstractContextManager[Any]:
-        return nullcontext(lambda done, total=None: None)
+        return nullcontext(_Count(total))
+
+
+class _Count:
+    """Progress told to no one: what it has been told, as a bar would hold it."""
+
+    def __init__(self, total: int):
+        self.total, self.done = max(1, total), 0
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        self.total = max(1, total) if total is not None else self.total
+        self.done = min(done, self.total)
 
 
 _reporter: Reporter = _Logging()
@@ -63,5 +74,6 @@ def warning(message: str) -> None:
 
 def progress(stage: str, total: int, label: str, in_bytes: bool = False) -> AbstractContextManager[Any]:
     """A progress bar and its artifact for a long step: ``with progress(...) as advance:``,
-    then ``advance(done)`` (or ``advance(done, total)``) as it goes."""
+    then ``advance(done)`` (or ``advance(done, total)``) as it goes; ``advance.total`` is the
+    total as last told."""
     return _reporter.Progress(stage, total, label, in_bytes=in_bytes)

@@ -82,6 +82,7 @@ def test_the_model_is_built_with_the_parameters_declared_once_and_placement_spli
     assert moments >= len(declared)  # every parameter's moments were matched to it
 
 
+@pytest.mark.slow  # four emulated devices, in a process of their own
 def test_fsdp_and_remat_train_to_the_same_losses_as_replicated_at_every_step(four):
     losses = four["losses"]
     for shape, optimizer, variants in (("cpu", "muon", ("fsdp", "fsdp remat")), ("codelab", "adamw", ("fsdp",))):
@@ -96,6 +97,7 @@ def test_fsdp_and_remat_train_to_the_same_losses_as_replicated_at_every_step(fou
     )  # it learned
 
 
+@pytest.mark.slow  # four emulated devices, in a process of their own
 def test_xla_measures_a_quarter_of_the_state_per_device_and_remat_cuts_the_temporaries(four):
     memory = four["memory"]
     replicated, fsdp = memory["replicated"], memory["fsdp"]

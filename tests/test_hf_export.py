@@ -67,6 +67,7 @@ def _written(folder, cfg, seed: int, model=None):
     return export.hf_reference(model, cfg)
 
 
+@pytest.mark.slow  # torch and transformers in an interpreter of their own
 def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_in_bardflow(tmp_path):
     from safetensors.numpy import load_file, save_file
 

@@ -19,7 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow  # Prefect servers of its own, started and killed
 
 START = (
     "from bardflow.server.process import start_kept, wait_until_up\n"

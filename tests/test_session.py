@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 SLOW_END = """
@@ -32,6 +34,7 @@ def test_one():
 """
 
 
+@pytest.mark.slow  # a pytest session of its own, with workers
 def test_a_worker_slow_to_end_ends_without_a_keyboard_interrupt(tmp_path):
     """execnet sends a worker still busy 5 s after the controller ends it a SIGINT; with the
     suite's plugin for a worker's end, one that takes longer over its end (here 6 s, collecting garbage
