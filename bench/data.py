@@ -105,7 +105,7 @@ def child(job: dict) -> dict:
 
     from bardflow.artifacts.store import Store
     from bardflow.config.settings import build_config
-    from bardflow.tasks.fetch import pin
+    from bardflow.tasks.corpus_identity import pin
 
     unpinned = build_config("tiny").data.model_copy(update={"corpus": job["corpus"]})
     started = time.perf_counter()

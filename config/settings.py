@@ -93,7 +93,7 @@ class DataConfig(_Section, frozen=True):
     )
     train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
     shuffle_seed: Seed = 0
-    # The figures a run took of a local corpus before its first stage (``tasks/fetch.pin``):
+    # The figures a run took of a local corpus before its first stage (``tasks/corpus_identity.pin``):
     # they travel with these settings to the fetch stage, which checks its copy and any stored
     # version against them. Never part of a key, a dump or a manifest.
     _figures: CorpusFigures | None = PrivateAttr(default=None)

@@ -68,6 +68,6 @@ def _with_inputs(
         config = config.model_copy(update={"data": config.data.model_copy(update={"corpus": corpus})})
     if not pin_corpus:
         return config
-    from ..tasks.fetch import pin  # with the stage's Prefect artifacts: loaded by the flow, not before it
+    from ..tasks.corpus_identity import pin  # with the stage's Prefect artifacts: loaded by the flow, not before it
 
     return config.model_copy(update={"data": pin(config.data)})

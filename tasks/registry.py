@@ -19,7 +19,7 @@ FETCH = Stage(
     recipe=lambda data: {"md5": data.md5},  # the same bytes from a mirror are the same corpus
     builds=("corpus.txt",),
     headline=("bytes", "md5", "distinct_bytes"),
-    accept="fetch:accept",
+    accept="corpus_identity:accept",
 )
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
 # as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a

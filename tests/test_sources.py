@@ -20,7 +20,9 @@ from bardflow.artifacts.store import Store
 from bardflow.config.settings import DataConfig, build_config
 from bardflow.flows import ui
 from bardflow.model.data.splits import encode, read_split
-from bardflow.tasks.fetch import CORPUS, FetchError, pin
+from bardflow.tasks import corpus_identity
+from bardflow.tasks.corpus_identity import pin
+from bardflow.tasks.fetch import CORPUS, FetchError
 from bardflow.tasks.registry import ENCODE, FETCH
 from tests.helpers import md5_bytes, play_text
 from tests.test_stages import make
@@ -221,7 +223,7 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     from bardflow.tasks import fetch as fetch_module
 
     monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)  # these files were written a moment ago
+    monkeypatch.setattr(corpus_identity, "SETTLED_NS", 0)  # these files were written a moment ago
     text = play_text(60_000)
     folder = tmp_path / "plays"
     folder.mkdir()
@@ -229,9 +231,10 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     (folder / "b.txt").write_bytes(text[20_000:])
     reads = []  # how many files each full read of the corpus took
     real = fetch_module.decoded_chunks
-    monkeypatch.setattr(
-        fetch_module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
-    )
+    for module in (fetch_module, corpus_identity):  # the stage's reads and the checksum's
+        monkeypatch.setattr(
+            module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
+        )
 
     def pinned(**options) -> DataConfig:
         return pin(DataConfig(corpus=str(folder)), **options)
@@ -252,23 +255,23 @@ def test_a_local_corpus_s_checksum_is_remembered_until_one_of_its_files_changes(
     assert changed.md5 == md5_bytes(text[:20_000] + text[20_000:].swapcase()) and reads == [2, 2, 2, 2]
     assert pinned() == changed and len(reads) == 4
 
-    monkeypatch.setattr(fetch_module, "SETTLED_NS", 60 * 10**9)  # written within the clock's tick
+    monkeypatch.setattr(corpus_identity, "SETTLED_NS", 60 * 10**9)  # written within the clock's tick
     (folder / "a.txt").write_bytes(text[:20_000].swapcase())
     assert pinned() == pinned() and len(reads) == 6  # not remembered: read each time
-    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)
+    monkeypatch.setattr(corpus_identity, "SETTLED_NS", 0)
 
     # A record that lies (a file system whose times did not move): fetch finds other bytes,
     # refuses in one line, and the record is gone; the next run reads the corpus again. (A
     # record edited by hand is not believed at all: see the next test.)
     truth = pinned()
-    record, _, key = fetch_module._figures_file(folder, None, sorted(folder.iterdir()))
+    record, _, key = corpus_identity._figures_file(folder, None, sorted(folder.iterdir()))
     lie = {**json.loads(record.read_text())["figures"], "md5": "0" * 32, "sha256": "0" * 64}
-    record.write_text(json.dumps({"figures": lie, "seal": fetch_module._seal(record.parent, key, lie)}))
+    record.write_text(json.dumps({"figures": lie, "seal": corpus_identity._seal(record.parent, key, lie)}))
     with pytest.raises(FetchError, match="changed since its md5 was taken"):
         make(FETCH, pinned(), tmp_path / "store")
     assert not record.exists() and pinned() == truth
 
-    monkeypatch.setattr(fetch_module, "KEPT_FIGURES", 2)  # the newest records are kept, no more
+    monkeypatch.setattr(corpus_identity, "KEPT_FIGURES", 2)  # the newest records are kept, no more
     for n in range(3):
         (folder / "a.txt").write_bytes(text[n:20_000])
         pinned()
@@ -329,7 +332,7 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
     from bardflow.tasks import fetch as fetch_module
 
     monkeypatch.setenv("BARDFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(fetch_module, "SETTLED_NS", 0)
+    monkeypatch.setattr(corpus_identity, "SETTLED_NS", 0)
     store = tmp_path / "store"
     y_text, x_text = play_text(70_000, seed=1), play_text(50_000, seed=2)
     (tmp_path / "y.txt").write_bytes(y_text)
@@ -353,7 +356,7 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
         return pin(DataConfig(corpus=x))
 
     assert pinned().md5 == md5_bytes(x_text)
-    record, _, key = fetch_module._figures_file(Path(x), None, [Path(x)])
+    record, _, key = corpus_identity._figures_file(Path(x), None, [Path(x)])
     y_figures = {
         "md5": y.md5,
         "sha256": hashlib.sha256(y_text).hexdigest(),
@@ -366,9 +369,10 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
     os.utime(record, ns=(times.st_atime_ns, times.st_mtime_ns))
     reads = []
     real = fetch_module.decoded_chunks
-    monkeypatch.setattr(
-        fetch_module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
-    )
+    for module in (fetch_module, corpus_identity):  # the stage's reads and the checksum's
+        monkeypatch.setattr(
+            module, "decoded_chunks", lambda files, progress=None: reads.append(len(files)) or real(files, progress)
+        )
     assert pinned().md5 == md5_bytes(x_text) and reads == [1]  # read again
     version, built = make(FETCH, pinned(), store)
     assert built and version.file(CORPUS).read_bytes() == x_text
@@ -377,7 +381,7 @@ def test_a_stated_md5_or_a_record_never_hands_a_run_another_corpus_s_bytes(tmp_p
     # whole is not X's size, so not believed; one with Y's md5 and X's other figures selects
     # the stored version of that md5, whose bytes are not X's: one line, and the record goes.
     def sealed_record(figures: dict) -> None:
-        record.write_text(json.dumps({"figures": figures, "seal": fetch_module._seal(record.parent, key, figures)}))
+        record.write_text(json.dumps({"figures": figures, "seal": corpus_identity._seal(record.parent, key, figures)}))
 
     sealed_record(y_figures)
     read_before = len(reads)

@@ -16,7 +16,8 @@ from bardflow.config.settings import ConfigError, DataConfig, TrainingRequest, V
 from bardflow.model.data.download import download
 from bardflow.model.training.checkpoint import save_model
 from bardflow.tasks.checkpoint import MODEL
-from bardflow.tasks.fetch import FetchError, pin
+from bardflow.tasks.corpus_identity import pin
+from bardflow.tasks.fetch import FetchError
 from bardflow.tasks.registry import CHECKPOINT, ENCODE, EXPORT, FETCH, TRAIN_PARALLEL, TRAIN_SINGLE, VERIFY
 from bardflow.tasks.stage import produce
 from bardflow.tasks.train import trained_model

@@ -188,7 +188,7 @@ def test_runs_tell_versions_apart_by_their_corpus(tmp_path):
     it names each corpus by its source, size and md5."""
     from bardflow.cli.runs import describe, listing, manifests_of
     from bardflow.config.settings import DataConfig
-    from bardflow.tasks.fetch import pin
+    from bardflow.tasks.corpus_identity import pin
     from bardflow.tasks.registry import ENCODE, FETCH
     from bardflow.tasks.stage import produce
     from tests.helpers import play_text
