@@ -1,26 +1,21 @@
 """The CPU training step's settings, chosen by measuring them on this CPU, once.
 
-What is fastest on one CPU is not on another (docs/benchmarks.md: passes of ~512 tokens,
-XLA's YNNPACK fusions off and the hand-written kernels were measured on a 2-core AVX2 AMD
-EPYC; an AVX-512 Xeon of the same size ranked them differently). So where the user left them
-to ``auto``, three choices are timed on the real shape, a few steps each:
+What is fastest on one CPU is not on another (docs/benchmarks.md has the measurements), so
+where the user left them to ``auto``, three choices are timed on the real shape:
 
   kernels         the hand-written gradients (custom) or XLA's own (xla)
   rows per pass   ~512 tokens per forward/backward pass, or the whole per-device batch
   XLA options     YNNPACK fusions off (tuned), or XLA's defaults
 
-The defaults and each single change of them are compiled, then timed in turns (three
-rounds of three steps each, the median round counts: a host whose speed drifts slows every
-candidate alike; 20–30 s for the `cpu` preset on 2 cores), and the fastest is used if it
-beats the defaults by 5 %; a shape whose defaults alone take over 12 s to compile and warm
-keeps them. The answer is kept per CPU model, instruction set, core count, JAX version,
-training shape and device count (emulated CPU devices share the cores: YNNPACK's fusions were
-measured level on one and 7 % faster on two; with one device's answer known, several devices
-try only the XLA options again, two compilations instead of four) in ``$BARDFLOW_CACHE_DIR`` (default
-``~/.cache/bardflow``)/cpu-step.json, so it is measured once. Every candidate computes the
-same step within float tolerance, and none enters a version key. ``BARDFLOW_CPU_TUNING=off``
-keeps the defaults without measuring; a run of several processes keeps them too (each
-process must compile the same program).
+The defaults and each single change of them are compiled, then timed in turns (the median
+round counts, so a host whose speed drifts slows every candidate alike), and the fastest is
+used if it beats the defaults by ``MARGIN``; a shape slow to compile keeps the defaults. The
+answer is kept per CPU model, instruction set, core count, JAX version, training shape and
+device count in ``$BARDFLOW_CACHE_DIR/cpu-step.json``, so it is measured once; with one
+device's answer known, several devices try only the XLA options again. Every candidate
+computes the same step within float tolerance, and none enters a version key.
+``BARDFLOW_CPU_TUNING=off`` keeps the defaults without measuring; a run of several processes
+keeps them too (each process must compile the same program).
 """
 
 from __future__ import annotations
