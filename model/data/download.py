@@ -25,8 +25,8 @@ from .splits import write_all
 
 ATTEMPTS = 4
 # No network, no such host, or nothing listening: asking again seconds later changes nothing, so
-# the one line comes at once (offline, four attempts took 21 s). Timeouts, resets, stalls and a
-# busy server's 5xx are retried.
+# the one line comes at once rather than after every attempt's wait. Timeouts, resets, stalls
+# and a busy server's 5xx are retried.
 NOT_RETRIED = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED)
 TIMEOUT_S = 30.0  # one read or connect
 STALL_S = 60.0  # the window a transfer's rate is judged over (as curl's --speed-time)
