@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import reprlib
-import stat
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from ..errors import file_kind
+from ..errors import NotRegularFile, open_regular
 from .settings import PRESETS, ConfigError, Overrides, PipelineConfig, build_config
 
 SECTIONS = tuple(PipelineConfig.model_fields)
@@ -45,20 +44,17 @@ def _text_of(path: Path) -> str:
     kind is checked on the file opened without blocking, and the read is bounded whatever
     the size said."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open_regular(path) as handle:
+            data = handle.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config") from None
-    except OSError as error:  # a folder opens; a socket cannot (ENXIO)
-        raise ConfigError(f"config file {path} cannot be read ({error.strerror}); check --config") from None
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
+    except NotRegularFile as refused:
         raise ConfigError(
-            f"config file {path} is a {file_kind(mode)}, not a regular file; write the settings to a "
-            "file and pass its path with --config"
-        )
-    with os.fdopen(descriptor, "rb") as handle:
-        data = handle.read(MAX_BYTES + 1)
+            f"config file {path} is a {refused.kind}, not a regular file; write the settings to a file "
+            "and pass its path with --config"
+        ) from None
+    except OSError as error:  # a socket cannot be opened (ENXIO)
+        raise ConfigError(f"config file {path} cannot be read ({error.strerror}); check --config") from None
     if len(data) > MAX_BYTES:
         raise ConfigError(
             f"config file {path} has {max(len(data), os.stat(path).st_size):,} bytes; a config file holds at most "

@@ -384,18 +384,7 @@ def start(
             stop()
         elif (old := _record()) is not None and old.get("state", "running") != "stopped":
             earlier = f"the kept server (pid {old.get('pid')}) had stopped without a word: started another"
-        # Without a port asked for: the one it had (the links printed before stay live), else 4200.
-        previous = _record() or {}
-        had = str(previous.get("url", "")).rpartition(":")[2]
-        chosen = port if port is not None else int(had) if had.isdigit() else DEFAULT_PORT
-        if not _port_free(chosen) or healthy(f"http://127.0.0.1:{chosen}"):
-            if port is not None:
-                raise ServerError(
-                    f"something already answers at http://127.0.0.1:{port}; stop it, or pick another port with --port"
-                )
-            from ..model.training.launch import free_port
-
-            chosen = DEFAULT_PORT if chosen != DEFAULT_PORT and _port_free(DEFAULT_PORT) else free_port()
+        chosen = _port_for(port)
         path = state_file()
         log = path.with_suffix(".log")
         env = dict(os.environ)
@@ -428,6 +417,22 @@ def start(
         }
         _write(record)
     return record, True, earlier
+
+
+def _port_for(port: int | None) -> int:
+    """The port asked for, or refused when taken; without one, the port the kept server had
+    (the links printed before stay live), else 4200, else a free one."""
+    had = str((_record() or {}).get("url", "")).rpartition(":")[2]
+    chosen = port if port is not None else int(had) if had.isdigit() else DEFAULT_PORT
+    if _port_free(chosen) and not healthy(f"http://127.0.0.1:{chosen}"):
+        return chosen
+    if port is not None:
+        raise ServerError(
+            f"something already answers at http://127.0.0.1:{port}; stop it, or pick another port with --port"
+        )
+    from ..model.training.launch import free_port
+
+    return DEFAULT_PORT if chosen != DEFAULT_PORT and _port_free(DEFAULT_PORT) else free_port()
 
 
 def wait_until_up(record: dict, timeout_s: float = 180.0) -> None:

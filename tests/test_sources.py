@@ -160,9 +160,11 @@ def test_compressed_files_are_their_text_and_a_filtered_folder_is_one_corpus(tmp
         make(FETCH, pin(DataConfig(corpus=str(tmp_path / "bad.txt.gz"))), store)
 
 
-def test_without_a_terminal_a_long_copy_logs_its_bytes_speed_and_time_left():
-    """A worker's log has no bar: fetch and encode say MB, MB/s and an ETA every 10 %, the
-    ETA at the pace since the first report (a slow start does not stretch it)."""
+def _logged_progress(
+    stage: str, total: int, reports: list[tuple[int, float]], in_bytes: bool = False, started: float | None = None
+) -> list[str]:
+    """The lines a bar made at second ``started`` (the first report's, by default) logs without
+    a terminal for ``reports`` (done, at that second)."""
     import logging
 
     lines: list[str] = []
@@ -172,15 +174,23 @@ def test_without_a_terminal_a_long_copy_logs_its_bytes_speed_and_time_left():
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)  # not .level: the logger keeps a cache of what it lets through
-    now = [0.0]
+    now = [reports[0][1] if started is None else started]
     try:
-        with ui.Progress("fetch", 100_000_000, "fetch", in_bytes=True, clock=lambda: now[0]) as progress:
-            for done, seconds in ((20_000_000, 4.0), (25_000_000, 5.0), (80_000_000, 10.0), (100_000_000, 12.0)):
+        with ui.Progress(stage, total, stage, in_bytes=in_bytes, clock=lambda: now[0]) as progress:
+            for done, seconds in reports:
                 now[0] = seconds
                 progress(done)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+    return lines
+
+
+def test_without_a_terminal_a_long_copy_logs_its_bytes_speed_and_time_left():
+    """A worker's log has no bar: fetch and encode say MB, MB/s and an ETA every 10 %, the
+    ETA at the pace since the first report (a slow start does not stretch it)."""
+    reports = [(20_000_000, 4.0), (25_000_000, 5.0), (80_000_000, 10.0), (100_000_000, 12.0)]
+    lines = _logged_progress("fetch", 100_000_000, reports, in_bytes=True, started=0.0)
     assert lines == [
         "fetch: 20.0 of 100.0 MB (20%), 5.0 MB/s, ETA 16 s",  # 25 MB: still 20 %, not said
         "fetch: 80.0 of 100.0 MB (80%), 8.0 MB/s, ETA 2 s",  # 60 MB in the 6 s since 20
@@ -512,46 +522,12 @@ def test_redirects_stay_within_the_scheme_and_host_and_a_loop_is_one_line(tmp_pa
 def test_a_resumed_training_s_first_progress_line_has_a_measured_pace():
     """Resumed at step 500 of 1,000, its first report used to say "ETA 4 s" (the time since
     the bar began over every step done, earlier sessions' too), then "ETA 42 s"."""
-    import logging
-
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("bardflow")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    now = [100.0]
-    try:
-        with ui.Progress("train_single", 1000, "train_single", clock=lambda: now[0]) as progress:
-            for done, seconds in ((501, 100.2), (550, 105.0), (600, 110.0)):
-                now[0] = seconds
-                progress(done)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    lines = _logged_progress("train_single", 1000, [(501, 100.2), (550, 105.0), (600, 110.0)])
     assert lines == ["train_single: 600/1000 (60%), ETA 40 s"]  # 99 steps in 9.8 s since the first report
 
 
 def test_progress_never_says_more_than_the_whole():
     """An archive's raw bytes overrun its member's size by its directory: Prefect refused the
     progress artifact's value ("Progress: 100.0033%"), and a line said more than 100 %."""
-    import logging
-
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("bardflow")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    now = [0.0]
-    try:
-        with ui.Progress("fetch", 100_000_000, "fetch", in_bytes=True, clock=lambda: now[0]) as progress:
-            for done, seconds in ((95_000_000, 4.0), (110_000_000, 5.0)):
-                now[0] = seconds
-                progress(done)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    lines = _logged_progress("fetch", 100_000_000, [(95_000_000, 4.0), (110_000_000, 5.0)], in_bytes=True, started=0.0)
     assert lines[-1].startswith("fetch: 100.0 of 100.0 MB (100%)"), lines

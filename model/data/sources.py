@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...config.settings import TINYSHAKESPEARE_URL, CorpusFigures
-from ...errors import BardflowError, file_kind
+from ...errors import BardflowError, NotRegularFile, file_kind, open_regular
 from .splits import ThreadedDigest
 
 
@@ -119,12 +119,16 @@ def corpus_files(path: Path, pattern: str | None = None) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
-def open_regular(file: Path):
-    """``file`` opened for reading, refused unless it is a regular file: checked on the open
-    file itself (a FIFO opened without O_NONBLOCK would block before any check could run),
-    so a file swapped for another kind after ``corpus_files`` looked is refused too."""
+def open_corpus_file(file: Path):
+    """``file`` opened for reading, refused unless it is a regular file (``open_regular``), so
+    a file swapped for another kind after ``corpus_files`` looked is refused too."""
     try:
-        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(file)
+    except NotRegularFile as refused:
+        raise FetchError(
+            f"corpus {file} is a {refused.kind}, not a regular file; point --corpus at a text file or "
+            "a folder of .txt files"
+        ) from None
     except PermissionError as error:
         raise FetchError(f"corpus file {file} is not readable; fix its permissions") from error
     except OSError as error:  # a socket cannot be opened (ENXIO)
@@ -132,14 +136,6 @@ def open_regular(file: Path):
             f"corpus {file} cannot be opened as a file ({error.strerror}); point --corpus at a text "
             "file or a folder of .txt files"
         ) from error
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
-        raise FetchError(
-            f"corpus {file} is a {file_kind(mode)}, not a regular file; point --corpus at a text file or "
-            "a folder of .txt files"
-        )
-    return os.fdopen(descriptor, "rb")
 
 
 class _Counting:
@@ -221,7 +217,7 @@ def decoded_chunks(files: list[Path], counted=None) -> Iterator[bytes]:
     how many of the files' own bytes have been read so far."""
     done = 0
     for file in files:
-        with open_regular(file) as handle:
+        with open_corpus_file(file) as handle:
             raw = _Counting(handle)
             for chunk in decompressed(file, raw):
                 if counted is not None:
