@@ -40,14 +40,14 @@ from typing import Any, cast
 
 from typing_extensions import TypedDict
 
+from ..errors import StoreError
+from .resume import ResumeFolder
 from .store import (
     MANIFEST,
     Builder,
     FileEntry,
     Manifest,
-    ResumeFolder,
     Store,
-    StoreError,
     Version,
     VersionStore,
     describe_files,

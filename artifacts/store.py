@@ -31,7 +31,8 @@ from typing import Any, NotRequired, cast
 from pydantic import JsonValue
 from typing_extensions import TypedDict
 
-from ..errors import NOT_WRITABLE_FIX, BardflowError
+from ..errors import NOT_WRITABLE_FIX, StoreError
+from .resume import ResumeFolder
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -59,10 +60,6 @@ def abandon_unfinished() -> None:
             cleanup()
         except OSError:
             pass
-
-
-class StoreError(BardflowError, RuntimeError):
-    """The store cannot be used as asked; the message names the path and the fix."""
 
 
 def valid_stage(stage: str) -> str:
@@ -282,78 +279,6 @@ class Version:
         fetches an ``on_demand`` file the first time a reader opens it."""
         if self.fetch is not None and not path.exists():
             self.fetch([path.relative_to(self.path).as_posix()])
-
-
-class ResumeFolder:
-    """Where an interrupted build keeps what it can pick up again (training checkpoints):
-    a local folder, stable across processes. On an object store, ``pull`` and ``push``
-    keep it in step with the bucket; here they have nothing to do."""
-
-    url = ""  # the copy on an object store, if any
-    # What the folder's build is (the training its checkpoints are of): no reason to keep it.
-    RECORD = "record.json"
-    # Held by whoever writes checkpoints here, for as long as it can write: one writer at a
-    # time. It names its holder's process id.
-    WRITER = ".writer.lock"
-    WRITER_WAIT_S = 60.0  # a training process of a run that is gone stops within its grace (8 s)
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def pull(self) -> int | None:
-        return None
-
-    def push(self) -> None:
-        pass
-
-    def clear(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def siblings(self) -> list[Path]:
-        """The resume folders of the same stage's other versions in this store: a training of
-        the same recipe on another layout may have left checkpoints there."""
-        return sorted(p for p in self.path.parent.glob(".resume-*") if p != self.path and p.is_dir())
-
-    def drop_if_empty(self) -> None:
-        """Removes the folder if no file but its record was written in it (a run that failed
-        before its first checkpoint); anything a rerun could resume from, or a log, stays."""
-        own = (self.path / self.RECORD, self.path / self.WRITER)
-        if self.path.is_dir() and not any(p.is_file() and p not in own for p in self.path.rglob("*")):
-            shutil.rmtree(self.path, ignore_errors=True)
-
-    @contextlib.contextmanager
-    def writing(self, say: Callable[[str], None] | None = None, wait_s: float | None = None) -> Iterator[None]:
-        """This process as the folder's one writer while the block runs. Another (a training
-        process whose run was killed, still stopping) is waited for up to ``wait_s``, ``say``
-        told once; past that, one line names it."""
-        wait_s = self.WRITER_WAIT_S if wait_s is None else wait_s
-        self.path.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path / self.WRITER, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            deadline, told = time.monotonic() + wait_s, False
-            while True:
-                try:
-                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "?"
-                    if time.monotonic() > deadline:
-                        raise StoreError(
-                            f"process {holder} still writes checkpoints into {self.path} (the training of an earlier "
-                            f"run); wait for it to end or stop it (kill {holder}), then rerun"
-                        ) from None
-                    if not told and say is not None:
-                        say(
-                            f"waiting for process {holder}, the training of an earlier run, to stop writing into "
-                            f"{self.path}"
-                        )
-                        told = True
-                    time.sleep(0.1)
-            os.ftruncate(descriptor, 0)
-            os.pwrite(descriptor, str(os.getpid()).encode(), 0)
-            yield
-        finally:
-            os.close(descriptor)
 
 
 class Builder:

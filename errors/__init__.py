@@ -18,6 +18,10 @@ class DistributedError(BardflowError, RuntimeError):
     """The processes cannot form one run; the message says which setting to fix."""
 
 
+class StoreError(BardflowError, RuntimeError):
+    """The store cannot be used as asked; the message names the path and the fix."""
+
+
 class DiskFullError(BardflowError, OSError):
     """The disk under the store (or a checkpoint folder) has no room for what must be written."""
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from typing import Any
 
 import jax
 from flax import nnx
 
-from ..artifacts.store import Builder, ResumeFolder, Version, canonical_json
+from ..artifacts.resume import resume_or_adopt
+from ..artifacts.store import Builder, Version, canonical_json
 from ..config.settings import TrainingRequest
 from ..model.training import stopping
 from ..model.training import trackers as tracking
@@ -46,65 +46,12 @@ def _files(encode: Version, out: Builder) -> RunFiles:
     )
 
 
-def same_training(request: TrainingRequest) -> dict[str, Any]:
-    """What a training checkpoint stands for on any device count: the recipe with the global
-    batch in place of the devices, processes and batch per device (and without how far a
-    stage runs: the schedule is the same)."""
-    recipe = request.recipe()
-    devices = recipe.pop("devices")
-    for layout_only in ("processes", "stop_after"):
-        recipe.pop(layout_only, None)
-    recipe["train"]["global_batch"] = recipe["train"].pop("per_device_batch") * devices
-    return recipe
-
-
-def adopt_checkpoints(resume: ResumeFolder, request: TrainingRequest) -> tuple[int, int] | None:
-    """With no checkpoint of its own, a training run takes the newest checkpoint of the same
-    training that another run of this stage left on another layout (say four devices, now
-    two: Orbax reads it onto this run's shardings), in the store's other resume folders.
-    Returns its step and device count."""
-    resume.path.mkdir(parents=True, exist_ok=True)
-    mine = same_training(request)
-    (resume.path / ResumeFolder.RECORD).write_text(json.dumps({"training": mine, "devices": request.devices}))
-    if TrainingCheckpoints.steps(resume.path):
-        return None
-    found = None
-    for other in resume.siblings():
-        try:
-            record = json.loads((other / ResumeFolder.RECORD).read_text())
-        except (OSError, ValueError):
-            continue
-        steps = TrainingCheckpoints.steps(other)
-        if record.get("training") == mine and steps and (found is None or steps[-1] > found[1]):
-            found = (other, steps[-1], record.get("devices"))
-    if found is None:
-        return None
-    other, step, devices = found
-    shutil.copytree(other / str(step), resume.path / str(step))
-    return step, devices
-
-
-def _resume_or_adopt(stage: str, out: Builder, request: TrainingRequest) -> None:
-    """Before training starts: the resume folder's last writer gone (a training process of a
-    run that was killed stops first), the checkpoint of another layout taken where the run
-    has none of its own (``adopt_checkpoints``), and which one it resumes from said (the
-    resume itself is reported when it ends)."""
-    with out.resume.writing(say=lambda line: report.say("%s: %s", stage, line)):
-        adopted = adopt_checkpoints(out.resume, request)
-    if adopted is not None:
-        report.say("%s: resuming from the checkpoint of step %d of the same training on %s device(s)", stage, *adopted)
-        return
-    kept = TrainingCheckpoints.steps(out.resume.path)
-    if kept:
-        report.say("%s: resuming from its checkpoint of step %d", stage, kept[-1])
-
-
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
     device = jax.devices()[0]
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
         label = label[:-1] + f"; {settings.steps} of {settings.train.steps} steps)"
-    _resume_or_adopt(TRAIN_SINGLE.name, out, settings)
+    resume_or_adopt(out.resume, settings, lambda line: report.say("%s: %s", TRAIN_SINGLE.name, line))
     with out.resume.writing(), report.progress(TRAIN_SINGLE.name, settings.steps, label) as progress:
         summary = run_training(
             settings,
@@ -121,7 +68,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
     if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
         return _reuse(train_single, out)
-    _resume_or_adopt(TRAIN_PARALLEL.name, out, settings)
+    resume_or_adopt(out.resume, settings, lambda line: report.say("%s: %s", TRAIN_PARALLEL.name, line))
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training
         return _build_in_processes(settings, files, out, encode)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.objects import RemoteResumeFolder, is_remote, open_store
-from ..artifacts.store import ResumeFolder, StoreError
-from ..errors import BardflowError
+from ..artifacts.resume import ResumeFolder
+from ..errors import BardflowError, StoreError
 from .registry import ENCODE
 
 if TYPE_CHECKING:

@@ -308,7 +308,8 @@ def test_a_training_process_stops_with_its_run_and_leaves_its_resume_folder_to_t
     session of its own, out of that group's reach) stops within seconds instead of training
     on, and leaves the resume folder to the rerun; while it ran, it was the folder's one
     writer."""
-    from bardflow.artifacts.store import ResumeFolder, StoreError
+    from bardflow.artifacts.resume import ResumeFolder
+    from bardflow.errors import StoreError
 
     describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 10, "log_every": 10}))
     spec = json.loads((tmp_path / "spec.json").read_text())

@@ -168,41 +168,6 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figure_and_the_fix():
         check_fits(wide.model, wide.train, 1, "cpu", wide.data.seq_len, 24 * GIB)
 
 
-def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training(tmp_path):
-    """Interrupted on four devices, rerun on two with the same global batch: the new version's
-    resume folder takes the newest checkpoint (Orbax reads it onto the new layout, as the
-    four-device tests show); another global batch is another training and is left alone."""
-    from bardflow.artifacts.store import ResumeFolder
-    from bardflow.config.settings import TrainingRequest
-    from bardflow.tasks.train import adopt_checkpoints, same_training
-
-    cfg = build_config("cpu", {"train.sharding": "fsdp"})
-
-    def request(devices: int, per_device_batch: int) -> TrainingRequest:
-        train = cfg.train.model_copy(update={"per_device_batch": per_device_batch})
-        return TrainingRequest(model=cfg.model, train=train, devices=devices, platform="cpu")
-
-    stage = tmp_path / "train_parallel"
-    on_four = stage / ".resume-four"
-    assert adopt_checkpoints(ResumeFolder(on_four), request(4, 4)) is None  # nothing to take: it trains, and stops
-    for step in (100, 200):
-        (on_four / str(step)).mkdir()
-        (on_four / str(step) / "state").write_text(f"step {step}")
-    other = stage / ".resume-other-batch"
-    adopt_checkpoints(ResumeFolder(other), request(4, 8))
-    (other / "300").mkdir()
-    assert same_training(request(2, 8)) == same_training(request(4, 4)) != same_training(request(4, 8))
-    on_two = ResumeFolder(stage / ".resume-two")
-    assert on_two.siblings() == sorted([on_four, other])  # the store's layout, known to the store alone
-    assert adopt_checkpoints(on_two, request(2, 8)) == (200, 4)
-    assert (on_two.path / "200" / "state").read_text() == "step 200" and not (on_two.path / "300").exists()
-    assert adopt_checkpoints(on_two, request(2, 8)) is None  # it has its own now
-    empty = ResumeFolder(stage / ".resume-fresh")
-    adopt_checkpoints(empty, request(8, 1))
-    empty.drop_if_empty()  # a run that failed before its first checkpoint leaves nothing
-    assert not empty.path.exists()
-
-
 def test_mfu_counts_nanogpt_s_flops_against_a_known_peak_and_none_for_an_unknown_one():
     from bardflow.model.training.utilization import flops_per_token, peak_flops, utilization
 

@@ -1,18 +1,26 @@
 """Resumable training: an interrupted run picks up from its last checkpoint and ends
-bitwise where an uninterrupted one does; a diverging loss stops at once."""
+bitwise where an uninterrupted one does; a diverging loss stops at once; the resume folder
+has one writer, and a run on another layout takes the checkpoint of the same training
+(``artifacts/resume.py``)."""
+
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from bardflow.artifacts.resume import ResumeFolder, adopt_checkpoints, same_training
 from bardflow.config.settings import build_config
+from bardflow.errors import StoreError
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.checkpoint import TrainingCheckpoints
 from bardflow.model.training.loop import train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import TrainingError, init_state
-from tests.helpers import play_text, without_seconds
+from tests.helpers import REPO, play_text, without_seconds
 
 TINY = build_config("tiny")
 CFG = TINY.train.model_copy(update={"steps": 30, "log_every": 4, "checkpoint_every": 5})
@@ -174,3 +182,76 @@ def test_a_step_s_time_leaves_the_checkpoints_out(tmp_path, batches):
     checkpoints.close()
     assert TrainingCheckpoints.steps(tmp_path / "ckpt") == [20, 25]  # five saves: a second of sleep
     assert result.elapsed_s < 1.0, result.elapsed_s
+
+
+def test_a_resume_folder_has_one_writer_and_the_next_waits_for_it(tmp_path):
+    """What a rerun does while a training process of a killed run still writes its resume
+    folder: waits (saying so once), then takes it; past its wait, one line names the writer."""
+    folder = ResumeFolder(tmp_path / ".resume-x")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from bardflow.artifacts.resume import ResumeFolder\n"
+            "with ResumeFolder(Path(sys.argv[1])).writing():\n"
+            "    print('held', flush=True); time.sleep(float(sys.argv[2]))",
+            str(folder.path),
+            "3",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(
+        StoreError,
+        match=rf"process {holder.pid} still writes checkpoints into {folder.path} \(the "
+        rf"training of an earlier run\); wait for it to end or stop it \(kill "
+        rf"{holder.pid}\), then rerun",
+    ):
+        with folder.writing(wait_s=0.2):
+            pass
+    heard = []
+    started = time.monotonic()
+    with folder.writing(say=heard.append, wait_s=30):
+        assert 0.5 < time.monotonic() - started < 15  # it waited for the holder's 3 s
+    assert holder.wait(timeout=10) == 0
+    assert heard == [
+        f"waiting for process {holder.pid}, the training of an earlier run, to stop writing into {folder.path}"
+    ]
+    folder.drop_if_empty()  # its lock file is no reason to keep the folder
+    assert not folder.path.exists()
+
+
+def test_a_run_on_another_device_count_takes_the_checkpoint_of_the_same_training(tmp_path):
+    """Interrupted on four devices, rerun on two with the same global batch: the new version's
+    resume folder takes the newest checkpoint (Orbax reads it onto the new layout, as the
+    four-device tests show); another global batch is another training and is left alone."""
+    from bardflow.config.settings import TrainingRequest
+
+    cfg = build_config("cpu", {"train.sharding": "fsdp"})
+
+    def request(devices: int, per_device_batch: int) -> TrainingRequest:
+        train = cfg.train.model_copy(update={"per_device_batch": per_device_batch})
+        return TrainingRequest(model=cfg.model, train=train, devices=devices, platform="cpu")
+
+    stage = tmp_path / "train_parallel"
+    on_four = stage / ".resume-four"
+    assert adopt_checkpoints(ResumeFolder(on_four), request(4, 4)) is None  # nothing to take: it trains, and stops
+    for step in (100, 200):
+        (on_four / str(step)).mkdir()
+        (on_four / str(step) / "state").write_text(f"step {step}")
+    other = stage / ".resume-other-batch"
+    adopt_checkpoints(ResumeFolder(other), request(4, 8))
+    (other / "300").mkdir()
+    assert same_training(request(2, 8)) == same_training(request(4, 4)) != same_training(request(4, 8))
+    on_two = ResumeFolder(stage / ".resume-two")
+    assert on_two.siblings() == sorted([on_four, other])  # the store's layout, known to the store alone
+    assert adopt_checkpoints(on_two, request(2, 8)) == (200, 4)
+    assert (on_two.path / "200" / "state").read_text() == "step 200" and not (on_two.path / "300").exists()
+    assert adopt_checkpoints(on_two, request(2, 8)) is None  # it has its own now
+    empty = ResumeFolder(stage / ".resume-fresh")
+    adopt_checkpoints(empty, request(8, 1))
+    empty.drop_if_empty()  # a run that failed before its first checkpoint leaves nothing
+    assert not empty.path.exists()

@@ -213,52 +213,6 @@ def test_runs_tell_versions_apart_by_their_corpus(tmp_path):
     assert [row["differs"]["corpus"].split(" ")[0] for row in rows] == ["plays.txt", "sonnets.txt"]
 
 
-def test_a_resume_folder_has_one_writer_and_the_next_waits_for_it(tmp_path):
-    """What a rerun does while a training process of a killed run still writes its resume
-    folder: waits (saying so once), then takes it; past its wait, one line names the writer."""
-    import subprocess
-    import sys
-
-    from bardflow.artifacts.store import ResumeFolder
-    from tests.helpers import REPO
-
-    folder = ResumeFolder(tmp_path / ".resume-x")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path; "
-            "from bardflow.artifacts.store import ResumeFolder\n"
-            "with ResumeFolder(Path(sys.argv[1])).writing():\n"
-            "    print('held', flush=True); time.sleep(float(sys.argv[2]))",
-            str(folder.path),
-            "3",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(
-        StoreError,
-        match=rf"process {holder.pid} still writes checkpoints into {folder.path} \(the "
-        rf"training of an earlier run\); wait for it to end or stop it \(kill "
-        rf"{holder.pid}\), then rerun",
-    ):
-        with folder.writing(wait_s=0.2):
-            pass
-    heard = []
-    started = time.monotonic()
-    with folder.writing(say=heard.append, wait_s=30):
-        assert 0.5 < time.monotonic() - started < 15  # it waited for the holder's 3 s
-    assert holder.wait(timeout=10) == 0
-    assert heard == [
-        f"waiting for process {holder.pid}, the training of an earlier run, to stop writing into {folder.path}"
-    ]
-    folder.drop_if_empty()  # its lock file is no reason to keep the folder
-    assert not folder.path.exists()
-
-
 def test_runs_lists_trained_versions_newest_first_whatever_their_stage(tmp_path):
     """It listed every single-device version before any data-parallel one."""
     import time
