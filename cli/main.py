@@ -12,24 +12,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..config import config_file
-from ..config.config_file import parse_assignment
 from ..config.line_width import fit
 from ..config.machine import install_hint
 from ..config.settings import ConfigError, Overrides, PipelineConfig
 from ..errors import BardflowError
 from ..flows import cluster, preflight
 from ..flows.environment import (
-    AUTO_CHOICES,
     DEBUG,
     STORE_CREDENTIALS,
     check_resource_limits,
     debugging,
     empty_corpus,
-    pick_preset,
     prepare_environment,
     store_location,
 )
-from ..flows.tracking import check_installed, track_settings
+from ..flows.run_config import candidate_configs, command_line_overrides, pick_preset
+from ..flows.tracking import check_installed
 from ..model.training import stopping
 from ..model.training.distributed import MAX_CPU_DEVICES, requested_cpu_devices
 from ..server.process import (
@@ -146,23 +144,9 @@ def _prepare(args: argparse.Namespace, start_server: bool = True) -> Prepared:
             f"--pool {args.pool} needs a Prefect server that its workers share: start one "
             "(`bardflow server start`) or set PREFECT_API_URL"
         )
-    from ..flows.run_config import resolve_run_config
-
-    named, overrides = config_file.read(args.config) if args.config else (None, {})
-    args.preset = args.preset or named or "auto"  # --preset, else the file's, else auto
-    overrides.update(parse_assignment(text) for text in args.settings)  # --set on top of the file
-    overrides.update(track_settings(args.track))
-    # A bad value is refused before JAX starts (picking `auto` asks JAX for a GPU): refused
-    # here when no preset `auto` may become accepts it, checked again once it is chosen.
-    configs: dict[str, PipelineConfig | ConfigError] = {}
-    for candidate in AUTO_CHOICES if args.preset == "auto" else (args.preset,):
-        try:
-            configs[candidate] = resolve_run_config(candidate, overrides, corpus=args.corpus, pin_corpus=False)[1]
-        except ConfigError as error:
-            configs[candidate] = error
-    accepted = [found for found in configs.values() if not isinstance(found, ConfigError)]
-    if not accepted:
-        raise next(found for found in configs.values() if isinstance(found, ConfigError))
+    args.preset, overrides = command_line_overrides(args.preset, args.config, args.settings, args.track)
+    configs = candidate_configs(args.preset, overrides, args.corpus)
+    accepted = [found for found in configs.values() if isinstance(found, PipelineConfig)]
     check_installed(accepted[0].track)  # --track mlflow without MLflow: refused now, not mid-run
     preflight.refuse_uneven_processes(accepted[0], args.processes)
     preflight.refuse_unreadable_corpus(accepted[0])

@@ -29,19 +29,6 @@ def store_location(store: str | None = None) -> str:
     return str(Path(location).expanduser().resolve())
 
 
-AUTO_CHOICES = ("codelab", "cpu")  # what ``auto`` becomes: on a GPU, elsewhere
-
-
-def pick_preset(preset: str) -> str:
-    """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
-    if preset != "auto":
-        return preset
-    from ..model.training.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
-
-    on_gpu, elsewhere = AUTO_CHOICES
-    return on_gpu if hardware()[1] == "gpu" else elsewhere
-
-
 def empty_corpus(name: str) -> str:
     """The refusal of an empty corpus source, named as the user gave it."""
     return (

@@ -29,9 +29,10 @@ from ..model.training.run_records import HistoryEntry
 from ..server import notify
 from ..tasks.compare import plot_validation_curves
 from . import ui
-from .environment import label_flow_run, pick_preset, store_location
+from .environment import label_flow_run, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
 from .records import RunSummary, StageRow, Trial
+from .run_config import pick_preset
 from .sweep_configs import SearchSpec, run_configuration
 from .terminal import quiet_explained_errors
 
