@@ -43,7 +43,7 @@ def train_once(steps: int, eval_every: int) -> dict:
 
     from bardflow.config.settings import build_config
     from bardflow.model.training.evaluation import val_batches
-    from bardflow.model.training.loop import train
+    from bardflow.model.training.loop import TrainingSetup, train
     from bardflow.model.training.placement import Placement
     from bardflow.model.training.step import init_state
     from bardflow.model.training.step_settings import CPU_TOKENS_PER_PASS, resolve
@@ -74,13 +74,15 @@ def train_once(steps: int, eval_every: int) -> dict:
     val = val_batches(val_rows, max(1, 2 * CPU_TOKENS_PER_PASS // seq) * len(devices), multiple=len(devices))
     started = time.perf_counter()
     result = train(
-        graphdef,
-        state,
-        lambda step: train_rows[(step * batch) % (len(train_rows) - batch) :][:batch].astype(np.int32),
-        val,
-        placement,
-        train_cfg,
-        step=step,
+        TrainingSetup(
+            graphdef,
+            state,
+            lambda step: train_rows[(step * batch) % (len(train_rows) - batch) :][:batch].astype(np.int32),
+            val,
+            placement,
+            train_cfg,
+            step=step,
+        )
     )
     return {
         "seconds": round(time.perf_counter() - started, 2),

@@ -134,7 +134,7 @@ def equality(steps: int, codelab_batch: int) -> dict:
     import numpy as np
 
     from bardflow.model.data.splits import Batches, encode
-    from bardflow.model.training.loop import train
+    from bardflow.model.training.loop import TrainingSetup, train
     from bardflow.model.training.placement import Placement
     from bardflow.model.training.step import init_state
     from bench.run import SHARED_CORPUS
@@ -166,7 +166,14 @@ def equality(steps: int, codelab_batch: int) -> dict:
                 placement = Placement.data_parallel(devices, fsdp=sharding == "fsdp")
                 started = time.perf_counter()
                 result = train(
-                    graphdef, state, Batches(rows, cfg.train.per_device_batch * len(devices)), [], placement, cfg.train
+                    TrainingSetup(
+                        graphdef,
+                        state,
+                        Batches(rows, cfg.train.per_device_batch * len(devices)),
+                        [],
+                        placement,
+                        cfg.train,
+                    )
                 )
                 histories[(sharding, remat)] = np.array([h["loss"] for h in result.history])
                 print(

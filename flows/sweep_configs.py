@@ -186,7 +186,7 @@ class SweepPlan:
     search: SearchSpec | None = None
 
 
-def plan(
+def plan(  # noqa: PLR0913 - the sweep command's options, one argument each
     preset: str,
     base: Overrides,
     grid: list[str],

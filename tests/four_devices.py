@@ -25,7 +25,7 @@ from flax import nnx
 from bardflow.config.settings import build_config
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_state, save_train_state
-from bardflow.model.training.loop import train
+from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.memory import estimate, step_memory
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import init_state, make_train_step
@@ -72,14 +72,16 @@ def losses(
     checkpoints = TrainingCheckpoints(resume, 2) if resume is not None else None
     try:
         result = train(
-            graphdef,
-            state,
-            Batches(rows, global_batch),
-            [],
-            placed(devices, sharding == "fsdp"),
-            train_cfg,
-            checkpoints=checkpoints,
-            stop_after=stop_after,
+            TrainingSetup(
+                graphdef,
+                state,
+                Batches(rows, global_batch),
+                [],
+                placed(devices, sharding == "fsdp"),
+                train_cfg,
+                checkpoints=checkpoints,
+                stop_after=stop_after,
+            )
         )
     finally:
         if checkpoints is not None:

@@ -23,7 +23,7 @@ from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_s
 from bardflow.model.training.distributed import DistributedError, ProcessGroup
 from bardflow.model.training.evaluation import val_batches
 from bardflow.model.training.launch import launch_local, process_command, process_env
-from bardflow.model.training.loop import train
+from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import init_state
 from bardflow.model.training.step_settings import resolve
@@ -144,13 +144,15 @@ def test_two_processes_train_exactly_like_one_process_with_two_devices(tmp_path)
     step = resolve(TINY.model, cfg, TINY.data.seq_len, "cpu")  # the settings a training run resolves here
     graphdef, state = init_state(step.model(TINY.model), cfg)
     one = train(
-        graphdef,
-        state,
-        Batches(split.train, 8),
-        val_batches(split.val, 8, multiple=2),
-        Placement.data_parallel(jax.devices()),
-        cfg,
-        step=step,
+        TrainingSetup(
+            graphdef,
+            state,
+            Batches(split.train, 8),
+            val_batches(split.val, 8, multiple=2),
+            Placement.data_parallel(jax.devices()),
+            cfg,
+            step=step,
+        )
     )
 
     result = json.loads((tmp_path / "result.json").read_text())
@@ -206,14 +208,16 @@ def test_two_processes_of_two_devices_resume_fsdp_training_and_end_like_one_proc
     graphdef, state = init_state(step.model(shape.model), here)
     checkpoints = TrainingCheckpoints(tmp_path / "resume", 8)
     one = train(
-        graphdef,
-        state,
-        Batches(split.train, 8),
-        [],
-        Placement.data_parallel(jax.devices(), fsdp=True),
-        here,
-        checkpoints=checkpoints,
-        step=step,
+        TrainingSetup(
+            graphdef,
+            state,
+            Batches(split.train, 8),
+            [],
+            Placement.data_parallel(jax.devices(), fsdp=True),
+            here,
+            checkpoints=checkpoints,
+            step=step,
+        )
     )
     checkpoints.close()
     for later in TrainingCheckpoints.steps(tmp_path / "resume")[1:]:  # from the checkpoint of step 2

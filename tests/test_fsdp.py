@@ -190,7 +190,7 @@ def test_the_compiled_step_is_held_against_the_free_memory_before_its_first_step
     import jax
 
     from bardflow.model.data.splits import Batches
-    from bardflow.model.training.loop import train
+    from bardflow.model.training.loop import TrainingSetup, train
     from bardflow.model.training.memory import check_compiled_fits, compiled_needs, free_bytes
     from bardflow.model.training.placement import Placement
     from bardflow.model.training.step import init_state
@@ -198,7 +198,11 @@ def test_the_compiled_step_is_held_against_the_free_memory_before_its_first_step
     tiny = build_config("tiny")
     rows = np.random.default_rng(0).integers(0, 256, (64, 32), dtype=np.int32)
     graphdef, state = init_state(tiny.model, tiny.train)
-    result = train(graphdef, state, Batches(rows, 4), [], Placement.single(jax.devices()[0]), tiny.train, stop_after=2)
+    result = train(
+        TrainingSetup(
+            graphdef, state, Batches(rows, 4), [], Placement.single(jax.devices()[0]), tiny.train, stop_after=2
+        )
+    )
     needed = compiled_needs(result.memory or {})
     assert needed and needed >= result.memory["temp_bytes"] > 0  # pyright: ignore[reportOptionalSubscript]
     assert (free_bytes(jax.devices()[0]) or 0) > needed  # this host's available memory

@@ -43,7 +43,7 @@ def _trained_in_bfloat16(cfg):
     """A ``tiny`` model trained a few steps computing in bfloat16 (its state stays float32)."""
     from bardflow.model.data.splits import Batches, encode
     from bardflow.model.training.evaluation import val_batches
-    from bardflow.model.training.loop import train
+    from bardflow.model.training.loop import TrainingSetup, train
     from bardflow.model.training.placement import Placement
     from bardflow.model.training.step import init_state, model_from_state
     from tests.helpers import play_text
@@ -51,12 +51,14 @@ def _trained_in_bfloat16(cfg):
     split = encode(play_text(20_000), cfg.data.seq_len, 0.9, 0)
     graphdef, state = init_state(cfg.model, cfg.train)
     result = train(
-        graphdef,
-        state,
-        Batches(split.train, 8),
-        val_batches(split.val, 8),
-        Placement.single(jax.devices()[0]),
-        cfg.train,
+        TrainingSetup(
+            graphdef,
+            state,
+            Batches(split.train, 8),
+            val_batches(split.val, 8),
+            Placement.single(jax.devices()[0]),
+            cfg.train,
+        )
     )
     return model_from_state(graphdef, result.state)
 

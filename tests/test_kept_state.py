@@ -17,7 +17,7 @@ from bardflow.config.settings import TrainingRequest, build_config
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.checkpoint import TrainingCheckpoints, params_digest
 from bardflow.model.training.evaluation import val_batches
-from bardflow.model.training.loop import Hook, train
+from bardflow.model.training.loop import Hook, TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import init_state, make_train_step, model_from_state, target_losses
 from tests.helpers import play_text
@@ -70,15 +70,17 @@ def test_dropout_drops_its_rate_in_training_and_nothing_in_evaluation():
 def _run(split, checkpoints=None, best=None, hooks=(), model=MODEL):
     graphdef, state = init_state(model, TRAIN)
     result = train(
-        graphdef,
-        state,
-        Batches(split.train[:8], 4),
-        val_batches(split.val[:64], 16),
-        Placement.single(jax.devices()[0]),
-        TRAIN,
-        checkpoints=checkpoints,
-        hooks=hooks,
-        best=best,
+        TrainingSetup(
+            graphdef,
+            state,
+            Batches(split.train[:8], 4),
+            val_batches(split.val[:64], 16),
+            Placement.single(jax.devices()[0]),
+            TRAIN,
+            checkpoints=checkpoints,
+            hooks=hooks,
+            best=best,
+        )
     )
     return graphdef, result
 

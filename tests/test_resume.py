@@ -17,7 +17,7 @@ from bardflow.config.settings import build_config
 from bardflow.errors import StoreError
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.checkpoint import TrainingCheckpoints
-from bardflow.model.training.loop import train
+from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import TrainingError, init_state
 from tests.helpers import REPO, play_text, without_seconds
@@ -46,7 +46,16 @@ def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
 
     graphdef, state = init_state(TINY.model, cfg)
     return train(
-        graphdef, state, batches, [], Placement.single(jax.devices()[0]), cfg, on_step=on_step, checkpoints=checkpoints
+        TrainingSetup(
+            graphdef,
+            state,
+            batches,
+            [],
+            Placement.single(jax.devices()[0]),
+            cfg,
+            on_step=on_step,
+            checkpoints=checkpoints,
+        )
     )
 
 

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from bardflow.config.settings import build_config
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.evaluation import val_batches
-from bardflow.model.training.loop import train
+from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import TrainingError, init_state, make_train_step, model_from_state, target_losses
 
@@ -28,7 +28,9 @@ def test_loss_falls_on_tiny(split):
     cfg = TINY.train.model_copy(update={"steps": 60, "log_every": 10, "eval_every": 20})
     graphdef, state = init_state(TINY.model, cfg)
     result = train(
-        graphdef, state, Batches(split.train, 8), val_batches(split.val, 6), Placement.single(jax.devices()[0]), cfg
+        TrainingSetup(
+            graphdef, state, Batches(split.train, 8), val_batches(split.val, 6), Placement.single(jax.devices()[0]), cfg
+        )
     )
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert first > 5.0  # about ln(256) at initialisation
@@ -123,7 +125,7 @@ def test_a_diverging_loss_stops_with_the_step(split):
     cfg = TINY.train.model_copy(update={"steps": 5, "log_every": 1, "learning_rate": 1e30})
     graphdef, state = init_state(TINY.model, cfg)
     with pytest.raises(TrainingError, match=r"at step \d+; lower train.learning_rate"):
-        train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg)
+        train(TrainingSetup(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg))
 
 
 def test_val_batches_shard_evenly():
@@ -149,12 +151,14 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_lo
     for precision in ("float32", "bfloat16"):
         graphdef, state = init_state(TINY.model, cfg)
         runs[precision] = train(
-            graphdef,
-            state,
-            Batches(split.train, 8),
-            [],
-            Placement.single(jax.devices()[0]),
-            cfg.model_copy(update={"precision": precision}),
+            TrainingSetup(
+                graphdef,
+                state,
+                Batches(split.train, 8),
+                [],
+                Placement.single(jax.devices()[0]),
+                cfg.model_copy(update={"precision": precision}),
+            )
         )
     half, full = runs["bfloat16"], runs["float32"]
     assert half.precision == "bfloat16" and full.precision == "float32"
@@ -324,9 +328,9 @@ def test_stop_after_runs_the_first_steps_of_the_same_schedule(split):
     )
     graphdef, state = init_state(TINY.model, cfg)
     place = Placement.single(jax.devices()[0])
-    full = train(graphdef, state, Batches(split.train, 8), [], place, cfg)
+    full = train(TrainingSetup(graphdef, state, Batches(split.train, 8), [], place, cfg))
     graphdef, state = init_state(TINY.model, cfg)
-    short = train(graphdef, state, Batches(split.train, 8), [], place, cfg, stop_after=5)
+    short = train(TrainingSetup(graphdef, state, Batches(split.train, 8), [], place, cfg, stop_after=5))
     assert short.steps == 5 and [h["step"] for h in short.history] == [0, 1, 2, 3, 4]
     assert [h["loss"] for h in short.history] == [h["loss"] for h in full.history[:5]]
     assert full.history[5]["loss"] != full.history[4]["loss"]  # the full run went on
@@ -359,7 +363,7 @@ def test_muon_takes_the_blocks_matrices_and_leaves_tables_head_and_vectors_to_ad
         }
     )
     graphdef, state = init_state(TINY.model, cfg)
-    result = train(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg)
+    result = train(TrainingSetup(graphdef, state, Batches(split.train, 8), [], Placement.single(jax.devices()[0]), cfg))
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
 
 
@@ -429,7 +433,9 @@ def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_f
     runs = []
     for rows in (split.train, sharded):
         graphdef, state = init_state(TINY.model, cfg)
-        runs.append(train(graphdef, state, Batches(rows, 8), val_batches(split.val, 6, 2), placement, cfg))
+        runs.append(
+            train(TrainingSetup(graphdef, state, Batches(rows, 8), val_batches(split.val, 6, 2), placement, cfg))
+        )
     assert [h["loss"] for h in runs[0].history] == [h["loss"] for h in runs[1].history]  # bitwise
 
     # A fixed, seeded choice of rows, the same every time; all of a split within the limit.
@@ -478,7 +484,11 @@ def test_several_steps_per_call_take_the_same_steps_and_hooks_land_where_they_di
         hook = Hook(lambda info, seen=seen: seen.append((info.step, info.state is not None)))
         graphdef, state = init_state(step.model(TINY.model), chosen)
         checkpoints = TrainingCheckpoints(tmp_path / str(per_call), 5)
-        result = train(graphdef, state, batches, val, place, chosen, checkpoints=checkpoints, step=step, hooks=[hook])
+        result = train(
+            TrainingSetup(
+                graphdef, state, batches, val, place, chosen, checkpoints=checkpoints, step=step, hooks=[hook]
+            )
+        )
         checkpoints.close()
         runs[per_call] = (result, seen, TrainingCheckpoints.steps(tmp_path / str(per_call)))
     (one, one_seen, one_saved), (four, four_seen, four_saved) = runs[1], runs[4]
@@ -494,7 +504,7 @@ def test_several_steps_per_call_take_the_same_steps_and_hooks_land_where_they_di
     # A rerun resumes from the newest checkpoint (step 20) and takes the last steps a call each.
     graphdef, state = init_state(TINY.model, cfg.model_copy(update={"steps_per_call": 4}))
     checkpoints = TrainingCheckpoints(tmp_path / "4", 5)
-    again = train(graphdef, state, batches, val, place, cfg, checkpoints=checkpoints, step=step)
+    again = train(TrainingSetup(graphdef, state, batches, val, place, cfg, checkpoints=checkpoints, step=step))
     checkpoints.close()
     assert again.resumed_from == 20 and again.history[-1]["loss"] == one.history[-1]["loss"]
 

@@ -145,7 +145,7 @@ def _receive(response, out, have: int, total: int | None, watch: Watch, hear, pr
             return have
 
 
-def download(
+def download(  # noqa: PLR0913 - the transfer's limits, defaults for every caller but the tests
     url: str,
     target: Path,
     hear: Callable[[bytes], None] | None = None,

@@ -69,7 +69,7 @@ def _noise(keys, count, size: int, vocab: int):
 
 
 @partial(jax.jit, static_argnums=(0, 10), donate_argnums=(3,))  # graphdef, size; the cache is updated in place
-def _cached_loop(graphdef, params, context, cache, start, length, done, count, temperature, keys, size):
+def _cached_loop(graphdef, params, context, cache, start, length, done, count, temperature, keys, size):  # noqa: PLR0913 - a jitted loop's traced inputs
     """Feeds the context one byte at a time through the model with its key/value cache,
     then samples bytes at one position each: the work per byte is one token's, not the
     whole window's. ``cache``: None at first, then what the last call returned.

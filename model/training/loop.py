@@ -326,33 +326,45 @@ def progress_hook(on_step: Callable[[int, int], None]) -> Hook:
     return Hook(lambda info: on_step(info.done, info.last))
 
 
-def train(
-    graphdef,
-    state,
-    batch_at: Callable[[int], np.ndarray],
-    val_batches: list[tuple[np.ndarray, np.ndarray]],
-    placement: Placement,
-    cfg: TrainConfig,
-    on_step: Callable[[int, int], None] | None = None,
-    checkpoints=None,
-    stop_after: int | None = None,
-    step: StepSettings | None = None,
-    hooks: Sequence[Hook] = (),
-    best=None,
-) -> TrainResult:
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What one training loop runs. The model (``graphdef``, ``state``); its data (the batch of
+    step ``s`` is ``batch_at(s)``; ``val_batches`` are evaluated); where (``placement``); the
+    recipe (``cfg``) and how its step runs (``step``: ``model/training/step_settings.py``, the
+    platform's defaults for ``cfg`` by default). Then what the loop keeps and tells:
+    ``checkpoints`` (resumed from, saved every ``cfg.checkpoint_every``), ``best`` (where
+    ``cfg.keep == "best"`` keeps its state: checkpoints of one, or the device), ``stop_after``
+    (only the first steps of the schedule), ``on_step(done, total)`` and the caller's ``hooks``
+    (a stop signal, a metrics writer)."""
+
+    graphdef: Any
+    state: Any
+    batch_at: Callable[[int], np.ndarray]
+    val_batches: list[tuple[np.ndarray, np.ndarray]]
+    placement: Placement
+    cfg: TrainConfig
+    step: StepSettings | None = None
+    checkpoints: Any = None
+    best: Any = None
+    stop_after: int | None = None
+    on_step: Callable[[int, int], None] | None = None
+    hooks: Sequence[Hook] = ()
+
+
+def train(setup: TrainingSetup) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
     the hooks run: the loss check, a history record every ``cfg.log_every`` steps (with the
     validation loss every ``cfg.eval_every``), a checkpoint every ``cfg.checkpoint_every``,
-    ``on_step``, then ``hooks`` (the caller's: a stop signal, a metrics writer). ``step``: how
-    the step runs (``model/training/step_settings.py``; by default the platform's defaults for ``cfg``).
-    With ``cfg.keep == "best"`` the state returned is that of the evaluated step of lowest
-    validation loss, kept in ``best`` (checkpoints of one) or on the device.
+    ``on_step``, then the caller's ``hooks``. With ``cfg.keep == "best"`` the state returned is
+    that of the evaluated step of lowest validation loss.
 
     The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
     of time and is timed apart: it never counts against throughput or consumes a step.
     """
+    graphdef, state, batch_at, placement, cfg = setup.graphdef, setup.state, setup.batch_at, setup.placement, setup.cfg
+    checkpoints, best, step, stop_after = setup.checkpoints, setup.best, setup.step, setup.stop_after
     last = min(stop_after or cfg.steps, cfg.steps)
     record, start, resumed_from, resume_s = RunRecord([], checkpoints), 0, None, 0.0
     record.layout = {"devices": len(placement.devices), "layout": placement.layout}
@@ -372,7 +384,7 @@ def train(
     global_batch, seq_len = first.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype = jnp.dtype(step.precision)
-    calls, compile_s, memory = _compiled_calls(graphdef, state, first, batch_at, placement, cfg, step, start, last)
+    calls, compile_s, memory = _compiled_calls(setup, state, first, step, start, last)
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
@@ -382,12 +394,12 @@ def train(
 
     builtin = [
         finite_loss_hook(),
-        evaluation_hook(make_evaluate(graphdef, val_batches, placement), cfg.log_every, cfg.eval_every),
+        evaluation_hook(make_evaluate(graphdef, setup.val_batches, placement), cfg.log_every, cfg.eval_every),
     ]
     if cfg.keep == "best":
         builtin.append(best_hook(every(cfg.eval_every or cfg.log_every, and_last=True), best))
     builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
-    builtin += [progress_hook(on_step)] if on_step is not None else []
+    builtin += [progress_hook(setup.on_step)] if setup.on_step is not None else []
     record.started = time.perf_counter()
     state = run_steps(
         calls,
@@ -396,7 +408,7 @@ def train(
         stacked_at,
         range(start, last),
         global_batch * (seq_len - 1),
-        [*builtin, *hooks],
+        [*builtin, *setup.hooks],
         record,
     )
     jax.block_until_ready(state)
@@ -422,12 +434,11 @@ def train(
     )
 
 
-def _compiled_calls(
-    graphdef, state, first, batch_at, placement: Placement, cfg: TrainConfig, step: StepSettings, start: int, last: int
-):
+def _compiled_calls(setup: TrainingSetup, state, first, step: StepSettings, start: int, last: int):
     """The step compiled ahead of time (one a call, and ``step.steps_per_call`` a call where
     more than one step is left), the seconds that took, and the compiled step's memory, held
     against the device's free memory before anything runs."""
+    graphdef, batch_at, placement, cfg = setup.graphdef, setup.batch_at, setup.placement, setup.cfg
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
     shardings = placement.shardings(state)

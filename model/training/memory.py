@@ -81,7 +81,7 @@ class Estimate:
         }
 
 
-def estimate(
+def estimate(  # noqa: PLR0913 - each argument a term of the estimate, as the pre-flight check has them
     model: ModelConfig,
     train: TrainConfig,
     devices: int,

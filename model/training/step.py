@@ -136,7 +136,7 @@ def _accumulated(loss_fn, passes: int, mesh):
 
 
 @lru_cache(maxsize=16)
-def make_train_step(
+def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step's cache key
     graphdef,
     state_sharding=None,
     batch_sharding=None,

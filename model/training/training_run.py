@@ -17,7 +17,7 @@ from ..network.kernels import fused_attention_problem
 from . import stopping, trackers
 from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
-from .loop import Hook, StepInfo, train
+from .loop import Hook, StepInfo, TrainingSetup, train
 from .placement import Placement
 from .run_records import HistoryEntry, TrainingMetrics
 from .step import init_state, model_from_state
@@ -165,18 +165,20 @@ def run_training(
         hooks.append(trackers.history_hook(request.report, warn))
     try:
         result = train(
-            graphdef,
-            state,
-            Batches(train_rows, global_batch, rows),
-            val,
-            placement,
-            request.train,
-            on_step=on_step,
-            checkpoints=checkpoints,
-            stop_after=request.steps,
-            step=step,
-            hooks=hooks,
-            best=best,
+            TrainingSetup(
+                graphdef,
+                state,
+                Batches(train_rows, global_batch, rows),
+                val,
+                placement,
+                request.train,
+                on_step=on_step,
+                checkpoints=checkpoints,
+                stop_after=request.steps,
+                step=step,
+                hooks=hooks,
+                best=best,
+            )
         )
     finally:
         checkpoints.close()
