@@ -351,6 +351,58 @@ class TrainingSetup:
     hooks: Sequence[Hook] = ()
 
 
+@dataclass
+class _Resumed:
+    """Where a loop starts: the state, its step and, resumed from a checkpoint, that step, the
+    seconds the restore took and the layout it was saved on."""
+
+    state: Any
+    start: int = 0
+    from_step: int | None = None
+    seconds: float = 0.0
+    layout: Layout | None = None
+
+
+def _resume(checkpoints, state, record: RunRecord) -> _Resumed:
+    """The newest checkpoint in ``checkpoints`` restored straight into the placed ``state``'s
+    shardings (its history, time and best step into ``record``), or ``state`` from the start."""
+    if checkpoints is None:
+        return _Resumed(state)
+    started = time.perf_counter()
+    configured = jax.tree.map(lambda leaf: leaf, state)  # the restore writes into ``state``'s variables
+    found = checkpoints.latest(state)
+    if found is None:
+        return _Resumed(state)
+    saved = found[1]
+    record.history, record.prior_s, record.last_saved = saved["history"], saved["elapsed_s"], saved["step"]
+    record.best = saved.get("best")
+    # The layout is absent from a checkpoint of before it was kept.
+    return _Resumed(
+        configured_rates(found[0], configured),
+        saved["step"],
+        saved["step"],
+        time.perf_counter() - started,
+        saved.get("layout"),
+    )
+
+
+def _builtin_hooks(setup: TrainingSetup) -> list[Hook]:
+    """What runs after every step before the caller's hooks: the loss check, the history and
+    evaluation, the best state (``keep: best``), checkpoints and the progress callback."""
+    cfg = setup.cfg
+    hooks = [
+        finite_loss_hook(),
+        evaluation_hook(
+            make_evaluate(setup.graphdef, setup.val_batches, setup.placement), cfg.log_every, cfg.eval_every
+        ),
+    ]
+    if cfg.keep == "best":
+        hooks.append(best_hook(every(cfg.eval_every or cfg.log_every, and_last=True), setup.best))
+    hooks += [checkpoint_hook(cfg.checkpoint_every)] if setup.checkpoints is not None else []
+    hooks += [progress_hook(setup.on_step)] if setup.on_step is not None else []
+    return hooks
+
+
 def train(setup: TrainingSetup) -> TrainResult:
     """Runs steps until ``cfg.steps`` (or the first ``stop_after`` of its schedule), first
     resuming from the newest checkpoint in ``checkpoints`` if there is one. After each step
@@ -363,23 +415,12 @@ def train(setup: TrainingSetup) -> TrainResult:
     so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
     of time and is timed apart: it never counts against throughput or consumes a step.
     """
-    graphdef, state, batch_at, placement, cfg = setup.graphdef, setup.state, setup.batch_at, setup.placement, setup.cfg
-    checkpoints, best, step, stop_after = setup.checkpoints, setup.best, setup.step, setup.stop_after
-    last = min(stop_after or cfg.steps, cfg.steps)
-    record, start, resumed_from, resume_s = RunRecord([], checkpoints), 0, None, 0.0
+    state, batch_at, placement, cfg, step = setup.state, setup.batch_at, setup.placement, setup.cfg, setup.step
+    last = min(setup.stop_after or cfg.steps, cfg.steps)
+    record = RunRecord([], setup.checkpoints)
     record.layout = {"devices": len(placement.devices), "layout": placement.layout}
-    resumed_layout = None
-    state = placement.put_state(state)
-    if checkpoints is not None:
-        started = time.perf_counter()
-        configured = jax.tree.map(lambda leaf: leaf, state)  # the restore writes into ``state``'s variables
-        found = checkpoints.latest(state)  # restored straight into the placed state's shardings
-        if found is not None:
-            state, saved = configured_rates(found[0], configured), found[1]
-            start, record.history, record.prior_s = saved["step"], saved["history"], saved["elapsed_s"]
-            record.last_saved, resumed_from, resume_s = start, start, time.perf_counter() - started
-            resumed_layout = saved.get("layout")  # absent from a checkpoint of before it was kept
-            record.best = saved.get("best")
+    resumed = _resume(setup.checkpoints, placement.put_state(state), record)
+    state, start = resumed.state, resumed.start
     first = placement.put_batch(batch_at(start))
     global_batch, seq_len = first.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
@@ -392,14 +433,6 @@ def train(setup: TrainingSetup) -> TrainResult:
     def stacked_at(steps: range) -> jax.Array:
         return placement.put_batch(np.stack([batch_at(step) for step in steps]), stacked=True)
 
-    builtin = [
-        finite_loss_hook(),
-        evaluation_hook(make_evaluate(graphdef, setup.val_batches, placement), cfg.log_every, cfg.eval_every),
-    ]
-    if cfg.keep == "best":
-        builtin.append(best_hook(every(cfg.eval_every or cfg.log_every, and_last=True), best))
-    builtin += [checkpoint_hook(cfg.checkpoint_every)] if checkpoints is not None else []
-    builtin += [progress_hook(setup.on_step)] if setup.on_step is not None else []
     record.started = time.perf_counter()
     state = run_steps(
         calls,
@@ -408,11 +441,11 @@ def train(setup: TrainingSetup) -> TrainResult:
         stacked_at,
         range(start, last),
         global_batch * (seq_len - 1),
-        [*builtin, *setup.hooks],
+        [*_builtin_hooks(setup), *setup.hooks],
         record,
     )
     jax.block_until_ready(state)
-    state, kept = _kept_state(state, record, best, last) if cfg.keep == "best" else (state, None)
+    state, kept = _kept_state(state, record, setup.best, last) if cfg.keep == "best" else (state, None)
     return TrainResult(
         state=state,
         history=record.history,
@@ -423,13 +456,13 @@ def train(setup: TrainingSetup) -> TrainResult:
         seq_len=seq_len,
         val_loss=kept["val_loss"] if kept else _or_nan(record.history[-1]["val_loss"]),
         devices=len(placement.devices),
-        resumed_from=resumed_from,
-        resume_s=resume_s,
+        resumed_from=resumed.from_step,
+        resume_s=resumed.seconds,
         precision=dtype.name,
         rows_per_pass=step.rows_per_pass,
         layout=placement.layout,
         memory=memory,
-        resumed_layout=resumed_layout,
+        resumed_layout=resumed.layout,
         kept=kept,
     )
 

@@ -17,11 +17,11 @@ from ..network.kernels import fused_attention_problem
 from . import stopping, trackers
 from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
-from .loop import Hook, StepInfo, TrainingSetup, train
+from .loop import Hook, StepInfo, TrainingSetup, TrainResult, train
 from .placement import Placement
-from .run_records import HistoryEntry, TrainingMetrics
+from .run_records import HistoryEntry, TrainingMetrics, Tuning
 from .step import init_state, model_from_state
-from .step_settings import CPU_TOKENS_PER_PASS, resolve
+from .step_settings import CPU_TOKENS_PER_PASS, StepSettings, resolve
 from .utilization import utilization
 
 EVAL_TOKENS = 1 << 16  # per device, on accelerators
@@ -139,21 +139,7 @@ def run_training(
             f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)",
             flush=True,
         )
-    platform, seq_len, tuning = placement.devices[0].platform, train_rows.shape[1], None
-    if platform == "cpu":  # measured on this CPU, once (model/training/cpu_tuning.py)
-        from .cpu_tuning import choose
-
-        tuning = choose(request.model, request.train, placement, seq_len, say=note)
-    step = resolve(
-        request.model,
-        request.train,
-        seq_len,
-        platform,
-        tuning and tuning["chosen"],
-        probe=fused_attention_problem,
-        processes=request.processes,
-        devices=len(devices),
-    )
+    step, tuning = _step_settings(request, placement, train_rows.shape[1], len(devices), note)
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
     # train.keep=best: the best state so far, in a folder of its own beside the resumable ones.
@@ -186,7 +172,49 @@ def run_training(
             best.close()
         trackers.close(request.report)
     save_train_state(files.state, result.state)
-    metrics: TrainingMetrics = {
+    return TrainingResult(
+        metrics=_metrics(request, result, step, tuning, devices, (eval_rows, val_split_rows)),
+        history=result.history,
+        params_digest=params_digest(model_from_state(graphdef, result.state)),
+        devices=[str(d) for d in devices],
+    )
+
+
+def _step_settings(
+    request: TrainingRequest, placement: Placement, seq_len: int, devices: int, note: Callable[[str], None]
+) -> tuple[StepSettings, Tuning | None]:
+    """How the step runs: the settings' choices, and on a CPU what was measured on this CPU,
+    once (``model/training/cpu_tuning.py``)."""
+    platform, tuning = placement.devices[0].platform, None
+    if platform == "cpu":
+        from .cpu_tuning import choose
+
+        tuning = choose(request.model, request.train, placement, seq_len, say=note)
+    step = resolve(
+        request.model,
+        request.train,
+        seq_len,
+        platform,
+        tuning and tuning["chosen"],
+        probe=fused_attention_problem,
+        processes=request.processes,
+        devices=devices,
+    )
+    return step, tuning
+
+
+def _metrics(
+    request: TrainingRequest,
+    result: TrainResult,
+    step: StepSettings,
+    tuning: Tuning | None,
+    devices: list,
+    validation: tuple[int, int],
+) -> TrainingMetrics:
+    """The run's figures: the loop's, how the step ran, the rows evaluated (``validation``:
+    evaluated, in the split) and the devices' utilization."""
+    eval_rows, val_split_rows = validation
+    return {
         **result.metrics(),
         "step_settings": step.as_json(),
         "cpu_tuning": tuning,
@@ -201,13 +229,7 @@ def run_training(
             min(result.seq_len, request.model.max_seq_len),
             result.tokens_per_s,
             len(devices),
-            placement.devices[0].device_kind,
+            devices[0].device_kind,
             step.precision,
         ),
     }
-    return TrainingResult(
-        metrics=metrics,
-        history=result.history,
-        params_digest=params_digest(model_from_state(graphdef, result.state)),
-        devices=[str(d) for d in devices],
-    )
