@@ -122,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
 
     _sweep_command(commands)
 
+    _store_commands(commands)
+    _ui_command(commands)
+    _pool_commands(commands)
+    return parser
+
+
+def _store_commands(commands) -> None:
+    """What reads the store and the presets alone: ``runs``, ``presets``, ``artifacts``."""
     runs = commands.add_parser(
         "runs",
         help="list trained versions and how they differ (no server needed)",
@@ -154,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument("stage", nargs="?", choices=NAMES)
     listing.add_argument("--store", help=STORE_HELP)
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _ui_command(commands) -> None:
     ui = commands.add_parser(
         "ui",
         help="print the Prefect UI's address, starting the kept server if none is up",
@@ -167,8 +178,6 @@ def parser() -> argparse.ArgumentParser:
         "reachable by anyone who can reach this machine",
     )
     ui.add_argument("--port", type=int, help="the kept server's port (default 4200, or a free one if it is taken)")
-    _pool_commands(commands)
-    return parser
 
 
 def _sweep_command(commands) -> None:

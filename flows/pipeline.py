@@ -161,25 +161,11 @@ def run_stages(
             current = stage.name
             stopping.check(f"before {stage.name}")
             stopping.at(f"during {stage.name}")
-            started = time.perf_counter()
             stage_settings = settings[stage.name]
             if tracked is not None and isinstance(stage_settings, TrainingRequest):
                 stage_settings = stage_settings.model_copy(update={"report": tracked.target(stage.name)})
-            state = STAGE_TASKS[stage.name](
-                stage_settings,
-                {name: versions[name] for name in stage.reads},
-                root,
-                stage.name in refresh,
-                return_state=True,
-            )
-            versions[stage.name] = version = cast(Version, state.result())  # raises the stage's error if it failed
-            row = summary[stage.name] = StageRow(
-                STATES.get(state.name or "", "ran"),
-                version.key,
-                version.location,
-                version.metrics,
-                round(time.perf_counter() - started, 3),
-            )
+            version, row = _run_stage(stage, stage_settings, versions, root, stage.name in refresh)
+            versions[stage.name], summary[stage.name] = version, row
             logger.info(
                 "%s: %s in %.1f s (version %s)", stage.name, row.state, row.seconds, version.key[:12], extra=ui.TERMINAL
             )
@@ -191,11 +177,7 @@ def run_stages(
     _ended(tracked)
     # The run's summary in the UI, which is also how a sweep's parent learns, from another
     # machine, what a child it ran on a worker produced.
-    ui.table(
-        RUN_ARTIFACT,
-        [{"stage": name, "state": row.state, "key": row.key, "seconds": row.seconds} for name, row in summary.items()],
-        description=f"bardflow run, preset {chosen}",
-    )
+    ui.table(RUN_ARTIFACT, _summary_rows(summary), description=f"bardflow run, preset {chosen}")
     samples = json.loads(versions["generate"].file("samples.json").read_text())  # the pay-off, shown last
     return RunSummary(
         chosen,
@@ -206,6 +188,32 @@ def run_stages(
         _warnings(versions, logger),
         tracked.where() if tracked is not None else None,
     )
+
+
+def _run_stage(
+    stage: Stage, settings: Any, versions: dict[str, Version], root: str, refresh: bool
+) -> tuple[Version, StageRow]:
+    """One stage's task on the versions it reads; its version and its row of the run's summary
+    (the stage's error is raised here if it failed)."""
+    started = time.perf_counter()
+    state = STAGE_TASKS[stage.name](
+        settings, {name: versions[name] for name in stage.reads}, root, refresh, return_state=True
+    )
+    version = cast(Version, state.result())
+    row = StageRow(
+        STATES.get(state.name or "", "ran"),
+        version.key,
+        version.location,
+        version.metrics,
+        round(time.perf_counter() - started, 3),
+    )
+    return version, row
+
+
+def _summary_rows(summary: dict[str, StageRow]) -> list[dict[str, Any]]:
+    return [
+        {"stage": name, "state": row.state, "key": row.key, "seconds": row.seconds} for name, row in summary.items()
+    ]
 
 
 def _warnings(versions: dict[str, Version], logger) -> list[str]:
