@@ -38,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.commands import bardflow
+
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 530  # 9 minutes less a margin for the wheel kit's install
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -208,18 +210,7 @@ class Check:
         prefect = [sys.executable, "-m", "prefect"]
         worker = None
         try:
-            self.sh(
-                "deployment",
-                sys.executable,
-                "-m",
-                "bardflow",
-                "server",
-                "start",
-                "--port",
-                str(port),
-                limit_s=limit_s,
-                env=env,
-            )
+            self.sh("deployment", *bardflow("server", "start", "--port", str(port)), limit_s=limit_s, env=env)
             self.sh(
                 "deployment",
                 *prefect,

@@ -23,6 +23,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from bench.commands import bardflow, tiny
 from bench.run import REPO, RESULTS, machine, write_report
 
 LOCKED = "database is locked"
@@ -66,7 +67,7 @@ def _outcome(server, bucket, store: str, swept) -> dict:
 
 
 def run(database: str, workers: int, configs: int, steps: int) -> dict:
-    from tests.helpers import md5_bytes, play_text
+    from tests.helpers import play_text
     from tests.servers import ObjectServer, PostgresServer, Server
 
     root = Path(tempfile.mkdtemp(prefix="bardflow-bench-pool-"))
@@ -89,17 +90,8 @@ def run(database: str, workers: int, configs: int, steps: int) -> dict:
     server = Server(root / "prefect", {**env, **bucket.env})  # every command here reaches the bucket
     prefect = str(Path(sys.executable).parent / "prefect")
     try:
-        started = server.run(
-            sys.executable,
-            "-m",
-            "bardflow",
-            "server",
-            "start",
-            "--port",
-            str(server.port),
-            *(["--database", postgres.url] if postgres else []),
-            timeout=300,
-        )
+        database_option = ["--database", postgres.url] if postgres else []
+        started = server.run(*bardflow("server", "start", "--port", str(server.port), *database_option), timeout=300)
         assert started.returncode == 0, started.stderr[-2000:]
         server_pid = json.loads((root / "prefect" / "server.json").read_text())["pid"]
         for command in (
@@ -129,30 +121,17 @@ def run(database: str, workers: int, configs: int, steps: int) -> dict:
         store = bucket.prefix("pool")
         rates = ",".join(f"{0.001 * (1.5**i):.5f}" for i in range(configs))
         cpu_before, clock = _cpu_seconds(server_pid), time.monotonic()
-        swept = server.run(
-            sys.executable,
-            "-m",
-            "bardflow",
-            "sweep",
-            "--preset",
-            "tiny",
-            "--corpus",
-            str(corpus),
-            "--store",
+        sweep = tiny(
+            corpus,
             store,
             "--pool",
             "bench",
-            "--cpu-devices",
-            "1",
-            "--set",
-            f"data.md5={md5_bytes(corpus.read_bytes())}",
-            "--set",
-            f"train.steps={steps}",
             "--grid",
             f"train.learning_rate={rates}",
             "--json",
-            timeout=1800,
+            settings=[f"train.steps={steps}"],
         )
+        swept = server.run(*bardflow("sweep", *sweep), timeout=1800)
         wall_s, server_cpu_s = time.monotonic() - clock, _cpu_seconds(server_pid) - cpu_before
         outcome = _outcome(server, bucket, store, swept)
         states, per_stage = outcome["child_states"], outcome["versions_per_stage"]

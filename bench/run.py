@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.commands import bardflow
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -350,20 +352,8 @@ def bench_pipeline(preset: str, repo: Path = REPO) -> dict:
         env.pop("PREFECT_API_URL", None)
 
         def run(store: str, *extra: str) -> dict:
-            command = [
-                sys.executable,
-                "-m",
-                "bardflow",
-                "run",
-                "--preset",
-                preset,
-                "--corpus",
-                str(SHARED_CORPUS),
-                "--store",
-                f"{tmp}/{store}",
-                "--json",
-                *(extra or ("--server", "embedded")),
-            ]
+            where = ["--preset", preset, "--corpus", str(SHARED_CORPUS), "--store", f"{tmp}/{store}"]
+            command = bardflow("run", *where, "--json", *(extra or ("--server", "embedded")))
             started = time.perf_counter()
             done = subprocess.run(command, cwd=repo, env=env, check=True, capture_output=True, text=True)
             wall = time.perf_counter() - started

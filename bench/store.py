@@ -18,26 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.commands import bardflow, tiny
 from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 
 def timed_run(env: dict, store: str, workdir: Path, extra: list[str]) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "bardflow",
-        "run",
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(SHARED_CORPUS),
-        "--store",
-        store,
-        "--json",
-        "--cpu-devices",
-        "2",
-        *extra,
-    ]
+    command = bardflow("run", *tiny(SHARED_CORPUS, store, "--json", *extra, devices=2))
     started = time.perf_counter()
     done = subprocess.run(
         command, cwd=REPO, env={**env, "BARDFLOW_WORKDIR": str(workdir)}, capture_output=True, text=True

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.commands import tiny
+
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
 # A copy of TinyShakespeare for the tests that need its very bytes (BARDFLOW_TEST_CORPUS, or
@@ -173,21 +175,7 @@ def finish(process: subprocess.Popen, timeout: float = 600) -> dict:
 def base_args(corpus: Path, store: Path, *extra: str, devices: int = 2) -> list[str]:
     """A ``tiny`` run of ``corpus`` on ``devices`` emulated devices, its summary as JSON. With
     one, train_parallel takes over train_single's version: no training process is started."""
-    return [
-        "run",
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(corpus),
-        "--store",
-        str(store),
-        "--set",
-        f"data.md5={md5_bytes(corpus.read_bytes())}",
-        "--cpu-devices",
-        str(devices),
-        "--json",
-        *extra,
-    ]
+    return ["run", *tiny(corpus, store, "--json", *extra, devices=devices)]
 
 
 def checkpoint_steps(store: Path, stage: str) -> list[int]:

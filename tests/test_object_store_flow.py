@@ -14,7 +14,8 @@ import pytest
 
 from bardflow.model.training.launch import free_port
 from bardflow.tasks.registry import NAMES
-from tests.helpers import call, finish, md5_bytes, play_text, start
+from bench.commands import tiny
+from tests.helpers import call, finish, play_text, start
 
 pytestmark = pytest.mark.flow
 
@@ -32,19 +33,7 @@ def machine(run_env: dict, object_server, workdir: Path, **extra: str) -> dict[s
 
 
 def args(corpus: Path, store: str, *extra: str) -> list[str]:
-    return [
-        "run",
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(corpus),
-        "--store",
-        store,
-        "--set",
-        f"data.md5={md5_bytes(corpus.read_bytes())}",
-        "--json",
-        *extra,
-    ]
+    return ["run", *tiny(corpus, store, "--json", *extra, devices=None)]
 
 
 def committed(object_server, store: str) -> dict[str, list[str]]:

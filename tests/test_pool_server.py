@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bardflow.server.process import ServerError, database_url
+from bench.commands import bardflow, tiny
 
 pytestmark = pytest.mark.flow
 
@@ -41,17 +42,8 @@ def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
     postgres = PostgresServer().serve()
     server = Server(tmp_path, {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
     try:
-        started = server.run(
-            sys.executable,
-            "-m",
-            "bardflow",
-            "server",
-            "start",
-            "--port",
-            str(server.port),
-            "--database",
-            postgres.url.replace("bardflow@", "bardflow:secret@"),
-        )
+        database = postgres.url.replace("bardflow@", "bardflow:secret@")
+        started = server.run(*bardflow("server", "start", "--port", str(server.port), "--database", database))
         assert started.returncode == 0, started.stderr[-2000:]
         assert f"database postgresql+asyncpg://bardflow:***@127.0.0.1:{postgres.port}/prefect" in started.stdout
         with temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}):
@@ -108,34 +100,14 @@ def dies_under_a_run(server, pid: int, tmp_path) -> None:
     import signal
     import time
 
-    from tests.helpers import REPO, md5_bytes, play_text
+    from tests.helpers import REPO, play_text
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=7))
     store, steps = tmp_path / "store", 4000
     env = {k: v for k, v in server.env.items() if k != "PREFECT_API_URL"}  # found through BARDFLOW_SERVER_FILE
-    command = [
-        sys.executable,
-        "-m",
-        "bardflow",
-        "run",
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(corpus),
-        "--store",
-        str(store),
-        "--cpu-devices",
-        "1",
-        "--set",
-        f"data.md5={md5_bytes(corpus.read_bytes())}",
-        "--set",
-        f"train.steps={steps}",
-        "--set",
-        f"train.log_every={steps // 10}",
-        "--set",
-        f"train.checkpoint_every={steps}",
-    ]
+    settings = [f"train.steps={steps}", f"train.log_every={steps // 10}", f"train.checkpoint_every={steps}"]
+    command = bardflow("run", *tiny(corpus, store, settings=settings))
     process = subprocess.Popen(
         command,
         cwd=REPO,

@@ -14,6 +14,7 @@ import pytest
 
 from bardflow.config.settings import ConfigError
 from bardflow.flows.sweep_configs import grid_configurations
+from bench.commands import tiny
 from tests.helpers import OUTPUT, Webhook, bardflow, call
 
 
@@ -64,26 +65,13 @@ def test_the_command_refuses_a_bad_grid_before_any_work(tmp_path):
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, run_env, mlflow_db):
     """A local sweep of three configurations (one diverges), tracked in MLflow."""
-    from tests.helpers import md5_bytes, play_text
+    from tests.helpers import play_text
 
     root = tmp_path_factory.mktemp("sweep")
     corpus = root / "corpus.txt"
     corpus.write_bytes(play_text(64_000))
     store = root / "store"
-    arguments = [
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(corpus),
-        "--store",
-        str(store),
-        "--cpu-devices",
-        "1",
-        "--set",
-        f"data.md5={md5_bytes(corpus.read_bytes())}",
-        "--set",
-        "train.single_device_steps=5",
-    ]
+    arguments = tiny(corpus, store, settings=["train.single_device_steps=5"])
     tracked = mlflow_db(root / "mlflow.db")
     # Told by a webhook (bardflow notify): the failed run and the finished sweep.
     hook = Webhook()
@@ -415,31 +403,13 @@ def test_a_search_proposes_seeded_trials_keeps_its_study_in_the_store_and_resume
     the trials and ends with the best as a --set line."""
     import optuna
 
-    from tests.helpers import md5_bytes, play_text
+    from tests.helpers import play_text
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(play_text(64_000, seed=3))
     store = tmp_path / "store"
-    command = [
-        "sweep",
-        "--preset",
-        "tiny",
-        "--corpus",
-        str(corpus),
-        "--store",
-        str(store),
-        "--cpu-devices",
-        "1",
-        "--set",
-        f"data.md5={md5_bytes(corpus.read_bytes())}",
-        "--set",
-        "train.steps=10",
-        "--set",
-        "train.learning_rate=1e-3..3e-2:log",
-        "--list",
-        '{"train.learning_rate": 1e30}',
-        "--json",
-    ]
+    settings = ["train.steps=10", "train.learning_rate=1e-3..3e-2:log"]
+    command = ["sweep", *tiny(corpus, store, "--list", '{"train.learning_rate": 1e30}', "--json", settings=settings)]
     first = json.loads(call(*command, "--search", "2", env=run_env).stdout)
     trials = sorted((row["run"], row["train.learning_rate"], row["status"]) for row in first["rows"])
     assert [status for *_, status in trials] == ["failed", "completed"]  # --list first: it diverges
