@@ -12,6 +12,9 @@ own time limit, each reported passed / failed / skipped with the reason:
             remat with XLA's memory against the estimate, a profile's slowest operations
   sampler   the KV-cache sampler for ``gpt2`` and ``codelab`` at batch 1 and 64, float32 and
             bfloat16 weights, against the HBM bound (``bench/sampler.py``)
+  serve     the serving engine for ``codelab`` and ``gpt2``: 1, 8 and 64 concurrent sequences
+            against the sampler alone and the HBM bound (``bench/serve.py``; in-process: the
+            host opens no socket)
   pipeline  ``bardflow run`` under Prefect where the host lets a server listen; where no socket
             opens it says so in one line (the quality part has run the stages' work)
 
@@ -157,6 +160,13 @@ class TpuCheck(Check):
         self.figures["sampler"] = self.report_of(folder, "*-sampler.json")
         return {}
 
+    def serve(self, limit_s: float) -> dict:
+        folder = self.work / "serve"
+        shape = ["--smoke", "--streams", "1,8", "--slots", "8", "--new-bytes", "40"] if self.dry_run else []
+        self.sh("serve", sys.executable, "-m", "bench.serve", *shape, "--out", str(folder), limit_s=limit_s)
+        self.figures["serve"] = self.report_of(folder, "*-serve.json")
+        return {}
+
     def pipeline(self, limit_s: float) -> dict:
         blocked = sockets_open()
         if blocked:
@@ -212,6 +222,9 @@ class TpuCheck(Check):
                         name = f"{preset}.{weights}.{key}"
                         found["sample_tokens_per_s"][name] = value["bytes_per_s"]
                         found["sample_bound_fraction"][name] = value["bound_fraction"]
+        serve = self.figures.get("serve", {}).get("summary")
+        if serve:
+            found["serve"] = serve
         return found
 
 
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # By what each took on a TPU v5e (docs/tpu-check.md): the quality run first, as the one the
     # others' figures do not stand in for; the step part keeps what it measured when cut short.
-    limits = {"tests": 80, "quality": 190, "step": 170, "sampler": 90, "pipeline": 150}
+    limits = {"tests": 80, "quality": 190, "step": 170, "sampler": 90, "serve": 120, "pipeline": 150}
     with tempfile.TemporaryDirectory() as work:
         check = TpuCheck(args.out, Path(work), args.dry_run, args.budget_s, args.corpus)
         run_parts(check, limits, args.parts, parser)

@@ -124,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
 
     _store_commands(commands)
     _ui_command(commands)
+    _serve_command(commands)
     _pool_commands(commands)
     return parser
 
@@ -162,6 +163,31 @@ def _store_commands(commands) -> None:
     listing.add_argument("stage", nargs="?", choices=NAMES)
     listing.add_argument("--store", help=STORE_HELP)
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _serve_command(commands) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve a trained model over an OpenAI-compatible HTTP API",
+        description="Serve the model a run's settings name (every stage up to it from the store, built where "
+        "missing, as `bardflow run` would), or the checkpoint or trained version KEY names, at "
+        "/v1/completions (streamed or whole), /v1/models and /health. Binds 127.0.0.1 unless --host says "
+        "otherwise; Ctrl-C stops it.",
+    )
+    serve.add_argument("key", nargs="?", metavar="KEY", help="a checkpoint or trained version's key, or its prefix")
+    _pipeline_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--slots", type=int, default=8, help="sequences decoded together in one compiled step (default 8)"
+    )
+    serve.add_argument(
+        "--queue", type=int, default=64, help="sequences that may wait for a slot before requests get 503 (default 64)"
+    )
+    serve.add_argument(
+        "--max-tokens", type=int, default=4096, help="the most bytes one sequence may ask for (default 4096)"
+    )
+    serve.set_defaults(refresh=[], join_timeout=3600)
 
 
 def _ui_command(commands) -> None:

@@ -415,6 +415,51 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """The model a version key or a run's settings name, served until Ctrl-C."""
+    from ..serving.server import ServeSettings, check_port, serve
+
+    for name, low, high in (("--slots", 1, 1024), ("--queue", 0, 100_000), ("--max-tokens", 1, 1_000_000)):
+        value = getattr(args, name[2:].replace("-", "_"))
+        if not low <= value <= high:
+            raise UsageError(f"{name} must be {low} to {high}")
+    if not 1 <= args.port <= 65535:
+        raise UsageError("--port must be 1 to 65535")
+    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens)
+    check_port(settings.host, settings.port)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            fit(f"bardflow: --host {args.host}: the API is reachable by anyone who can reach this machine"),
+            file=sys.stderr,
+        )
+    if args.key:
+        root = store_location(args.store)
+        prepare_environment(args.cpu_devices)
+    else:
+        _, summary = _run(args)  # every stage up to the trained state: cached, or built now
+        root, args.key = summary.store, summary.stages["checkpoint"].key
+    model, model_id = _served_model(root, args.key)
+    return serve(model, model_id, settings)
+
+
+def _served_model(root: str, prefix: str):
+    """The model of the checkpoint (or else trained) version whose key starts with ``prefix``."""
+    from ..cli.runs import find, readable_store
+    from ..model.training.checkpoint import load_model
+    from ..tasks.checkpoint import MODEL
+    from ..tasks.train import trained_model
+
+    store = readable_store(root)
+    checkpoints = [v for v in store.versions("checkpoint") if v.key.startswith(prefix)]
+    if len(checkpoints) == 1:
+        return load_model(checkpoints[0].file(MODEL)), f"bardflow-{checkpoints[0].key[:12]}"
+    trained = [v for stage in ("train_parallel", "train_single") for v in store.versions(stage)]
+    version = find(checkpoints + trained if checkpoints else trained, prefix)
+    if version.stage == "checkpoint":
+        return load_model(version.file(MODEL)), f"bardflow-{version.key[:12]}"
+    return trained_model(version)[0], f"bardflow-{version.key[:12]}"
+
+
 COMMANDS = {
     "run": _run_command,
     "sweep": _sweep_command,
@@ -424,6 +469,7 @@ COMMANDS = {
     "ui": _ui,
     "server": _server,
     "notify": _notify,
+    "serve": _serve,
 }
 
 
@@ -432,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.debug:
         os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
-    if args.command in ("run", "sweep"):
+    if args.command in ("run", "sweep") or (args.command == "serve" and not args.key):
         stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/training/stopping.py)
     try:
         return COMMANDS[args.command](args)

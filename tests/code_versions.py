@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("code_versions.json")
-ROOMS = ("errors", "config", "model", "tasks", "artifacts", "server", "flows", "cli")
+ROOMS = ("errors", "config", "model", "tasks", "artifacts", "server", "flows", "serving", "cli")
 # The list of stages and their code versions: bumping one stage must not flag the others.
 REGISTRY = "bardflow.tasks.registry"
 OWN_PACKAGES = {"bardflow"}  # what source_of looks up

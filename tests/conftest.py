@@ -166,6 +166,7 @@ LONGEST_FIRST = (
     "test_checkpoint_and_sampling",
     "test_sources",
     "test_corpus_identity",
+    "test_serving",
     "test_layers",
     "test_run_config",
     "test_bench_quality",

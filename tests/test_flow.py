@@ -353,3 +353,41 @@ def test_a_run_is_one_mlflow_run_and_event_files_and_a_cached_rerun_shows_the_sa
 def assert_curve(found: list[tuple[int, float]], history: list[dict], name: str) -> None:
     assert [step for step, _ in found] == [h["step"] for h in history], name
     assert [value for _, value in found] == pytest.approx([h[name] for h in history]), name
+
+
+def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_run, run_env):
+    """``bardflow serve`` with a run's settings: the stages come back cached, the checkpoint's
+    model answers the openai client greedily as the sampler does, and SIGTERM ends it cleanly."""
+    import signal
+    import socket
+    import sys
+
+    from openai import OpenAI
+
+    from bardflow.model.inference.sampling import generate
+    from bardflow.model.training.checkpoint import load_model
+    from tests.helpers import REPO
+
+    store, common, _ = workspace
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "bardflow", "serve", *common, "--port", str(port), "--slots", "2"]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = process.stdout.readline() if process.stdout else ""
+        key = first_run["stages"]["checkpoint"]["key"]
+        assert line.startswith(f"serving bardflow-{key[:12]} at http://127.0.0.1:{port}/v1 (this machine only"), (
+            line + (process.stderr.read() if process.poll() is not None and process.stderr else "")
+        )
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=f"bardflow-{key[:12]}", prompt="ROMEO:", max_tokens=20, temperature=0)
+        model = load_model(store / "checkpoint" / key / "model")
+        expected = generate(model, "ROMEO:", 20, 0.0, 0, model.max_seq_len)[6:]
+        assert answer.choices[0].text == expected.decode("utf-8", errors="replace")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and err.strip().endswith("bardflow: the server stopped"), err[-2000:]

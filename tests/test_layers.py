@@ -21,6 +21,7 @@ ALLOWED = {
     "cli": {*ROOMS, "errors"},
     "flows": set(ROOMS) - {"cli"} | {"errors"},
     "server": {"server", "model", "config", "errors"},
+    "serving": {"serving", "model", "config", "errors"},
     "tasks": {"tasks", "model", "artifacts", "config", "errors"},
     "model": {"model", "config", "errors"},
     "artifacts": {"artifacts", "config", "errors"},

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible surface over the engine: ``POST /v1/completions`` (streamed as
+server-sent events or whole), ``GET /v1/models`` and ``GET /health``.
+
+A byte model's token is a byte: ``max_tokens`` and the usage count bytes, and text is the
+bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
+between two chunks of a stream is sent whole with the second). Errors are OpenAI's error
+object with its status: 400 for a field the server cannot take, 404 for another model, 413
+for a body over ``MAX_BODY``, 503 with ``Retry-After`` when every slot is busy and the queue
+is full; never a traceback. A client that goes away frees its slots at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine, Sampling, Sequence, ServerFull, ServingError, random_seed
+
+MAX_BODY = 1 << 20  # bytes of a request's JSON
+MAX_PROMPTS = 64  # prompts x n in one request
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.05
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """The fields of OpenAI's completions request that a byte model can honour; the others
+    are refused by name rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | list[str]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=256, description="the most likely bytes kept; 0 or -1: all")
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**31)
+    n: int = Field(default=1, ge=1, le=MAX_PROMPTS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and unused, as OpenAI's own servers take it
+    # Refused unless left at OpenAI's defaults: nothing here computes them.
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("give at least one prompt")
+        return prompt
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("give at most 4 stop sequences, none empty")
+        return stop
+
+    def unsupported(self) -> str | None:
+        defaults = {
+            "logprobs": None,
+            "echo": False,
+            "suffix": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logit_bias": None,
+        }
+        for name, default in defaults.items():
+            if getattr(self, name) not in (default, {}):
+                return name
+        if self.best_of not in (None, self.n):
+            return "best_of"
+        return None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+class Choice:
+    """One sequence of a request, as the client sees it: its index, its text so far (decoded
+    as it arrives) and how it ended."""
+
+    def __init__(self, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+        self.index, self.queue, self.loop = index, queue, loop
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.generated = 0
+
+    def emit(self, chunk: bytes) -> None:  # the engine's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, chunk, None))
+
+    def finish(self, reason: str) -> None:  # the engine's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, b"", reason))
+
+    def text(self, chunk: bytes, final: bool) -> str:
+        self.generated += len(chunk)
+        return self.decoder.decode(chunk, final=final)
+
+
+def create_app(engine: Engine, model_id: str, max_tokens: int = 4096) -> Starlette:
+    """The HTTP application over ``engine``; ``max_tokens`` is the most bytes a sequence may ask
+    for, ``model_id`` the one model it serves."""
+    created = int(time.time())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model_id, **engine.load()})
+
+    async def models(request: Request) -> Response:
+        entry = {"id": model_id, "object": "model", "created": created, "owned_by": "bardflow"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = await _parsed(request)
+            if body.model != model_id:
+                raise ApiError(
+                    404,
+                    f"the model {body.model!r} is not served here; this server serves {model_id!r}",
+                    "model",
+                    "not_found_error",
+                )
+            field = body.unsupported()
+            if field:
+                raise ApiError(400, f"{field} is not supported by this server; leave it out", field)
+            if body.max_tokens > max_tokens:
+                raise ApiError(400, f"max_tokens is {body.max_tokens}, over this server's {max_tokens}", "max_tokens")
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if len(prompts) * body.n > MAX_PROMPTS:
+                raise ApiError(
+                    400, f"{len(prompts)} prompts x n={body.n} is over {MAX_PROMPTS} sequences a request", "n"
+                )
+            loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+            choices, sequences = _sequences(body, prompts, queue, loop)
+            for sequence in sequences:
+                try:
+                    engine.check(sequence.prompt, sequence.max_tokens)
+                except ServingError as error:
+                    raise ApiError(400, str(error), "prompt") from None
+            try:
+                engine.submit(sequences)
+            except ServerFull as error:
+                raise ApiError(503, f"the server is full: {error}; retry later", None, "server_error") from None
+        except ApiError as error:
+            return error.response()
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time())}
+        head["model"] = model_id
+        usage_of = _usage(prompts, body.n, choices)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _events(request, queue, choices, sequences, head, usage_of if include else None)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts, reasons = await _gathered(request, queue, choices, sequences)
+        if texts is None or reasons is None:
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        rows = [
+            {"index": c.index, "text": texts[c.index], "logprobs": None, "finish_reason": reasons[c.index]}
+            for c in choices
+        ]
+        return JSONResponse({**head, "choices": rows, "usage": usage_of()})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return ApiError(404, f"no such endpoint: {request.url.path}", None, "not_found_error").response()
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+
+async def _parsed(request: Request) -> CompletionRequest:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
+        raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    raw = bytearray()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before its request was read") from None
+    try:
+        content = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not JSON") from None
+    if not isinstance(content, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return CompletionRequest.model_validate(content)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ApiError(400, f"{param}: {message}", param) from None
+
+
+def _sequences(
+    body: CompletionRequest, prompts: list[str], queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
+) -> tuple[list[Choice], list[Sequence]]:
+    """One engine sequence per prompt and choice: choice ``i * n + j`` is prompt ``i``'s
+    ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone)."""
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    base = body.seed if body.seed is not None else random_seed()
+    top_k = 0 if body.top_k in (0, -1) else body.top_k
+    choices, sequences = [], []
+    for i, prompt in enumerate(prompts):
+        for j in range(body.n):
+            choice = Choice(i * body.n + j, queue, loop)
+            sampling = Sampling(body.temperature, top_k, body.top_p, (base + j) % 2**31)
+            stop = tuple(s.encode() for s in stops)
+            choices.append(choice)
+            sequences.append(Sequence(prompt.encode(), body.max_tokens, sampling, stop, choice.emit, choice.finish))
+    return choices, sequences
+
+
+def _usage(prompts: list[str], n: int, choices: list[Choice]):
+    prompt_bytes = sum(len(p.encode()) for p in prompts) * n
+
+    def usage() -> dict[str, int]:
+        completion = sum(c.generated for c in choices)
+        return {
+            "prompt_tokens": prompt_bytes,
+            "completion_tokens": completion,
+            "total_tokens": prompt_bytes + completion,
+        }
+
+    return usage
+
+
+async def _next(request: Request, queue: asyncio.Queue) -> tuple[int, bytes, str | None] | None:
+    """The next piece of any choice, or None once the client is gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def _gathered(request: Request, queue: asyncio.Queue, choices: list[Choice], sequences: list[Sequence]):
+    texts, reasons = {c.index: "" for c in choices}, {}
+    try:
+        while len(reasons) < len(choices):
+            piece = await _next(request, queue)
+            if piece is None:
+                return None, None
+            index, chunk, reason = piece
+            texts[index] += choices[index].text(chunk, final=reason is not None)
+            if reason is not None:
+                reasons[index] = "abort" if reason == "cancelled" else reason
+    finally:
+        for sequence in sequences:
+            sequence.cancel()  # those still running: their client is gone or the request ended
+    return texts, reasons
+
+
+async def _events(
+    request: Request, queue: asyncio.Queue, choices: list[Choice], sequences: list[Sequence], head: dict, usage_of
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk of text per choice as it comes, its finish reason last,
+    the usage if asked for, then ``[DONE]``."""
+    ended = 0
+    try:
+        while ended < len(choices):
+            piece = await _next(request, queue)
+            if piece is None:
+                return
+            index, chunk, reason = piece
+            text = choices[index].text(chunk, final=reason is not None)
+            if reason is not None:
+                ended += 1
+                reason = "abort" if reason == "cancelled" else reason
+            if text or reason is not None:
+                row = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+                yield _event({**head, "choices": [row]})
+        if usage_of is not None:
+            yield _event({**head, "choices": [], "usage": usage_of()})
+        yield "data: [DONE]\n\n"
+    finally:
+        for sequence in sequences:
+            sequence.cancel()
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

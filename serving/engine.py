@@ -1,0 +1,387 @@
+"""Continuous batching over the model's key/value cache: a fixed number of slots, each holding
+one sequence's cache, advanced together by one compiled decode step; a request joins a free
+slot at the next step (its prompt written into the slot's cache by a compiled prefill) and
+leaves it when it ends, is stopped, or its client goes away.
+
+The sequences in flight sit in the lowest slots (one that leaves is replaced by the highest),
+and a decode step runs over the fewest slots of ``decode_sizes`` that hold them all: one
+stream is not charged for 63 idle slots. So the programs are the decode step per size, and
+the prefill of one slot per prompt length rounded up to a power of two; all of them are
+compiled before the first request (``Engine.warm``), none after. Each sequence's bytes
+depend on its own prompt, settings and seed alone, never on what the other slots hold, so a
+request gives the bytes it gives alone.
+
+The engine runs in a thread of its own (JAX calls block); requests are handed in and their
+bytes handed out through callbacks, which the HTTP layer (``serving/api.py``) turns into
+responses.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..errors import BardflowError
+from ..model.network.transformer import Transformer
+
+MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
+
+
+class ServingError(BardflowError, ValueError):
+    """A request the server cannot take as it is; the message names the field and the limit."""
+
+
+class ServerFull(BardflowError, RuntimeError):
+    """Every slot is busy and the queue is full."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence's bytes are drawn: temperature 0 is greedy; ``top_k`` 0 and ``top_p``
+    1 leave the distribution whole; ``seed`` fixes the draws."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Sequence:
+    """One sequence being served: its prompt's bytes, how many bytes to add at most, when to
+    stop, and where its bytes go (``emit(chunk)`` with text-ready bytes as they are final,
+    then ``finish(reason)`` once: ``length``, ``stop``, or ``cancelled``)."""
+
+    prompt: bytes
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[bytes, ...]
+    emit: Callable[[bytes], None]
+    finish: Callable[[str], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: bytearray = field(default_factory=bytearray)
+    sent: int = 0  # bytes of ``generated`` handed to ``emit``
+    queued_at: float = field(default_factory=time.perf_counter)
+    first_byte_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def sample(logits, key, temperature, top_k, top_p):
+    """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the
+    distribution at ``temperature`` cut to its ``top_k`` most likely bytes (0: all) and to the
+    fewest whose probabilities reach ``top_p``; (the byte, the key for the next draw)."""
+    key, draw = jax.random.split(key)
+    logits = logits.astype(jnp.float32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = jnp.sort(scaled)[::-1]
+    vocab = logits.shape[-1]
+    kth = ranked[jnp.clip(jnp.where(top_k > 0, top_k, vocab), 1, vocab) - 1]
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
+    # The least likely byte kept: the first whose cumulative probability reaches top_p (all
+    # of them at top_p 1, whatever the sum's rounding).
+    before = jnp.sum(jnp.cumsum(jax.nn.softmax(ranked)) < top_p)
+    cutoff = jnp.where(top_p < 1.0, ranked[jnp.minimum(before, vocab - 1)], -jnp.inf)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    drawn = jax.random.categorical(draw, scaled)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
+
+
+def buckets(window: int) -> list[int]:
+    """The prefill lengths: powers of two from ``MIN_BUCKET`` up to the context, and the context."""
+    sizes, size = [], MIN_BUCKET
+    while size < window:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, window]
+
+
+def decode_sizes(slots: int) -> list[int]:
+    """The slot counts a decode step is compiled for: 2, 4 and 8 (below ``slots``), whose few
+    slots are cut out of the cache and put back, and all ``slots``, updated where they lie.
+    Cutting out more costs more in copies than the idle slots' arithmetic (measured on a CPU:
+    docs/serving.md); one slot alone takes two, where XLA:CPU compiles a faster step."""
+    return [size for size in (2, 4, 8) if size < slots] + [slots]
+
+
+class Engine:
+    """``slots`` sequences at a time over ``model``; up to ``queue_limit`` more wait for a slot."""
+
+    def __init__(self, model: Transformer, slots: int = 8, queue_limit: int = 64):
+        self.graphdef, self.params = nnx.split(model)
+        self.window, self.rotary = model.max_seq_len, model.rotary
+        self.slots, self.queue_limit = slots, queue_limit
+        one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
+        self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
+        self.compilations = 0  # programs traced: one decode step, one prefill per bucket used
+        self._decode = jax.jit(self._decode_step, donate_argnums=(1,), static_argnums=(2,))
+        self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(3,))
+        self._move = jax.jit(self._move_slot, donate_argnums=(0,))
+        self.active: list[Sequence | None] = [None] * slots
+        self.tokens = np.zeros(slots, np.int32)
+        self.positions = np.zeros(slots, np.int32)
+        self.keys = np.zeros((slots, 2), np.uint32)
+        self.settings = np.zeros((slots, 3), np.float32)  # temperature, top_k, top_p
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.count = 0  # sequences in flight: slots 0 .. count - 1
+        self.steps = 0
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="bardflow-serving", daemon=True)
+
+    # --- what the HTTP layer calls ---
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends every sequence still served or waiting (``cancelled``) and the engine's thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def check(self, prompt: bytes, max_tokens: int) -> None:
+        """Refuses, naming the limit, a sequence this model cannot serve."""
+        if not prompt:
+            raise ServingError("the prompt is empty; give at least one character")
+        if len(prompt) > self.window:
+            raise ServingError(
+                f"the prompt is {len(prompt)} bytes, over this model's context of {self.window}; shorten it"
+            )
+        if not self.rotary and len(prompt) + max_tokens > self.window:
+            raise ServingError(
+                f"prompt ({len(prompt)} bytes) + max_tokens ({max_tokens}) is over this model's context of "
+                f"{self.window} bytes (learned positions end there); lower max_tokens to {self.window - len(prompt)}"
+            )
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queues the sequences (all or none): ``ServerFull`` when the queue has no room."""
+        for sequence in sequences:
+            self.check(sequence.prompt, sequence.max_tokens)
+        with self._wake:
+            if self._stopping:
+                raise ServerFull("the server is stopping")
+            if len(self.waiting) + len(sequences) > self.queue_limit:
+                raise ServerFull(
+                    f"{self.count} of {self.slots} slots busy and "
+                    f"{len(self.waiting)} requests waiting (at most {self.queue_limit})"
+                )
+            self.waiting.extend(sequences)
+            self._wake.notify()
+
+    def load(self) -> dict[str, int]:
+        with self._wake:
+            return {
+                "slots": self.slots,
+                "busy": self.count,
+                "waiting": len(self.waiting),
+                "queue_limit": self.queue_limit,
+            }
+
+    # --- the compiled programs ---
+
+    def _decode_step(self, params, caches, size: int, tokens, positions, keys, settings):
+        """The first ``size`` slots one position further: each slot's last byte written into
+        its cache at its position, the next byte drawn (a slot past the sequences in flight
+        computes too, and is ignored)."""
+        self.compilations += 1
+        model = nnx.merge(self.graphdef, params)
+
+        def one(token, position, cache):
+            logits, cache = model(token[None, None], position[None], cache)
+            return logits[0, 0], cache
+
+        first = jax.tree.map(lambda layers: layers[:size], caches)
+        logits, first = jax.vmap(one)(tokens, positions, first)
+        drawn, keys = jax.vmap(sample)(logits, keys, settings[:, 0], settings[:, 1].astype(jnp.int32), settings[:, 2])
+        caches = jax.tree.map(
+            lambda layers, part: jax.lax.dynamic_update_slice_in_dim(layers, part, 0, 0), caches, first
+        )
+        return drawn, keys, caches
+
+    def _move_slot(self, caches, source, target):
+        """Slot ``source``'s cache copied into slot ``target``."""
+        return jax.tree.map(
+            lambda layers: jax.lax.dynamic_update_index_in_dim(
+                layers, jax.lax.dynamic_index_in_dim(layers, source, keepdims=False), target, 0
+            ),
+            caches,
+        )
+
+    def _prefill_slot(self, params, caches, slot, size: int, prompt, length, key, settings):
+        """The prompt (padded to ``size``) written into one slot's cache from position 0, and
+        the byte after its ``length`` real bytes drawn. The padding's keys sit past the
+        prompt, where each decode step writes its own before any query reads that far."""
+        self.compilations += 1
+        model = nnx.merge(self.graphdef, params)
+        cache = jax.tree.map(lambda layer: jax.lax.dynamic_index_in_dim(layer, slot, keepdims=False), caches)
+        logits, cache = model(prompt[None], jnp.arange(size), cache)
+        token, key = sample(logits[0, length - 1], key, settings[0], settings[1].astype(jnp.int32), settings[2])
+        caches = jax.tree.map(
+            lambda layers, layer: jax.lax.dynamic_update_index_in_dim(layers, layer, slot, 0), caches, cache
+        )
+        return token, key, caches
+
+    def warm(self) -> float:
+        """Compiles every program before the first request (call before ``start``); returns
+        the seconds it took."""
+        started = time.perf_counter()
+        for size in decode_sizes(self.slots):
+            ints, settings = np.zeros(size, np.int32), np.zeros((size, 3), np.float32)
+            out = self._decode(self.params, self.caches, size, ints, ints, self.keys[:size], settings)
+            self.caches = out[2]
+        for size in buckets(self.window):
+            prompt, settings = np.zeros(size, np.int32), np.zeros(3, np.float32)
+            out = self._prefill(
+                self.params, self.caches, np.int32(0), size, prompt, np.int32(1), self.keys[0], settings
+            )
+            self.caches = out[2]
+        if self.slots > 1:
+            self.caches = self._move(self.caches, np.int32(1), np.int32(0))
+        jax.block_until_ready(self.caches)
+        return time.perf_counter() - started
+
+    # --- the engine's thread ---
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.waiting and not self.count:
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                self._admit()
+                if self.count:
+                    self._step()
+        finally:
+            for slot in reversed(range(self.count)):
+                self._leave(slot, "cancelled")
+            with self._wake:
+                left, self.waiting = list(self.waiting), collections.deque()
+            for sequence in left:
+                sequence.finish("cancelled")
+
+    def _admit(self) -> None:
+        """Free slots take waiting sequences: one prefill between decode steps while others
+        decode (a long queue does not stall the streams in flight), as many as there are free
+        slots when none does."""
+        busy = self.count > 0
+        while self.count < self.slots:
+            with self._wake:
+                sequence = self.waiting.popleft() if self.waiting else None
+            if sequence is None:
+                return
+            if sequence.cancelled.is_set():
+                sequence.finish("cancelled")
+                continue
+            self._join(self.count, sequence)
+            if busy:
+                return
+
+    def _join(self, slot: int, sequence: Sequence) -> None:
+        size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
+        prompt = np.zeros(size, np.int32)
+        prompt[: len(sequence.prompt)] = np.frombuffer(sequence.prompt, np.uint8)
+        s = sequence.sampling
+        settings = np.array([s.temperature, s.top_k, s.top_p], np.float32)
+        key = np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
+        token, key, self.caches = self._prefill(
+            self.params, self.caches, np.int32(slot), size, prompt, np.int32(len(sequence.prompt)), key, settings
+        )
+        self.active[slot] = sequence
+        self.count += 1
+        self.positions[slot] = len(sequence.prompt)
+        self.keys[slot], self.settings[slot] = np.asarray(key), settings
+        self._take(slot, int(token))
+
+    def _step(self) -> None:
+        size = next(size for size in decode_sizes(self.slots) if size >= self.count)
+        drawn, keys, self.caches = self._decode(
+            self.params,
+            self.caches,
+            size,
+            self.tokens[:size],
+            self.positions[:size],
+            self.keys[:size],
+            self.settings[:size],
+        )
+        drawn, keys = np.asarray(drawn), np.asarray(keys)
+        self.steps += 1
+        # Highest first: a sequence that leaves takes the highest one's place, already served.
+        for slot in reversed(range(self.count)):
+            self.positions[slot] += 1
+            self.keys[slot] = keys[slot]
+            self._take(slot, int(drawn[slot]))
+
+    def _take(self, slot: int, byte: int) -> None:
+        """A slot's new byte: handed on as far as no stop sequence may still be starting, and
+        the sequence ended where a stop sequence, its length, or its client's leaving says."""
+        sequence = self.active[slot]
+        assert sequence is not None
+        if sequence.cancelled.is_set():
+            self._leave(slot, "cancelled")
+            return
+        if sequence.first_byte_s is None:
+            sequence.first_byte_s = time.perf_counter() - sequence.queued_at
+        sequence.generated.append(byte)
+        self.tokens[slot] = byte
+        text = bytes(sequence.generated)
+        for stop in sequence.stop:
+            at = text.find(stop, max(0, sequence.sent - len(stop) + 1))
+            if at >= 0:
+                del sequence.generated[at:]
+                self._send(sequence, len(sequence.generated))
+                self._leave(slot, "stop")
+                return
+        if len(sequence.generated) >= sequence.max_tokens:
+            self._send(sequence, len(sequence.generated))
+            self._leave(slot, "length")
+            return
+        held = max((_partial_stop(text, stop) for stop in sequence.stop), default=0)
+        self._send(sequence, len(text) - held)
+
+    def _send(self, sequence: Sequence, upto: int) -> None:
+        if upto > sequence.sent:
+            sequence.emit(bytes(sequence.generated[sequence.sent : upto]))
+            sequence.sent = upto
+
+    def _leave(self, slot: int, reason: str) -> None:
+        """The slot's sequence ends; the highest slot in flight moves into its place."""
+        sequence, last = self.active[slot], self.count - 1
+        if slot != last:
+            self.caches = self._move(self.caches, np.int32(last), np.int32(slot))
+            self.active[slot] = self.active[last]
+            for held in (self.tokens, self.positions, self.keys, self.settings):
+                held[slot] = held[last]
+        self.active[last] = None
+        self.tokens[last], self.positions[last] = 0, 0
+        self.count -= 1
+        if sequence is not None:
+            sequence.finish(reason)
+
+
+def _partial_stop(text: bytes, stop: bytes) -> int:
+    """How many of ``text``'s last bytes are the start of ``stop`` (held back until they are
+    known not to be one)."""
+    for size in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:size]):
+            return size
+    return 0
+
+
+def random_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF

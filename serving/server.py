@@ -1,0 +1,97 @@
+"""``bardflow serve``'s server: the engine over a model, warmed (every program compiled before
+the first request), behind the OpenAI-compatible app on uvicorn, until Ctrl-C or SIGTERM;
+then in-flight streams get ``GRACE_S`` to finish before they are ended."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+from ..errors import BardflowError
+from ..model.network.transformer import Transformer
+from .api import create_app
+from .engine import Engine
+
+GRACE_S = 5
+
+
+class ServeError(BardflowError, RuntimeError):
+    """The server cannot start as asked; the message names the setting to change."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Where and how much: the address, the slots decoded together, the requests that may wait
+    for a slot (then 503), and the most bytes one sequence may ask for."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 8
+    queue: int = 64
+    max_tokens: int = 4096
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuses a port another program holds, before the model is loaded and compiled."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise ServeError(
+                f"cannot listen on {host}:{port} ({error.strerror or error}); pick another with --port"
+            ) from None
+
+
+@contextlib.contextmanager
+def _stop_signals_end_quietly():
+    """uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises them
+    again once it has stopped: with these handlers in place by then, that ends the command with
+    its closing line instead of a KeyboardInterrupt's traceback or a death by signal."""
+    previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
+    import uvicorn
+
+    engine = Engine(model, settings.slots, settings.queue)
+    seconds = engine.warm()
+    engine.start()
+    try:
+        url = f"http://{settings.host}:{settings.port}"
+        example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
+        where = (
+            "reachable from other machines"
+            if settings.host not in ("127.0.0.1", "localhost", "::1")
+            else "this machine only"
+        )
+        print(
+            f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
+            "Ctrl-C stops it)\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
+            flush=True,
+        )
+        app = create_app(engine, model_id, settings.max_tokens)
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACE_S,
+            access_log=False,
+        )
+        with _stop_signals_end_quietly():
+            uvicorn.Server(config).run()
+    finally:
+        engine.stop()
+    print("bardflow: the server stopped", file=sys.stderr, flush=True)
+    return 0

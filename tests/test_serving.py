@@ -1,0 +1,269 @@
+"""Serving (``serving/``): the continuous-batching engine gives each request the bytes the
+sampler gives it alone, with two programs compiled for any number of requests; the HTTP API
+answers the official ``openai`` client, whole and streamed, refuses what it cannot take with
+OpenAI's error object and status, and keeps answering through 64 concurrent streams of which
+some hang up midway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from bardflow.config.settings import build_config
+from bardflow.model.inference.sampling import generate
+from bardflow.model.network.transformer import build_model
+from bardflow.serving.api import MAX_BODY, create_app
+from bardflow.serving.engine import Engine, Sampling, Sequence, ServerFull, ServingError, buckets, decode_sizes
+
+MODEL_ID = "bardflow-test"
+ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring
+LEARNED = build_config("tiny").model
+
+
+@pytest.fixture(scope="module")
+def rope_model():
+    return build_model(ROPE, 0)
+
+
+def alone(model, prompt: bytes, count: int, temperature: float, seed: int) -> bytes:
+    """What the compiled sampler gives this prompt and seed by itself."""
+    return generate(model, prompt.decode(), count, temperature, seed, model.max_seq_len)[len(prompt) :]
+
+
+def served(engine: Engine, requests: list[tuple[bytes, int, Sampling]], stop=()) -> list[tuple[bytes, str]]:
+    """Submits every request at once and waits for all: (bytes, finish reason) each."""
+    results: list[list] = [[bytearray(), None] for _ in requests]
+    left = threading.Semaphore(0)
+
+    def finisher(result):
+        def finish(reason):
+            result[1] = reason
+            left.release()
+
+        return finish
+
+    engine.submit(
+        [
+            Sequence(prompt, count, sampling, stop, result[0].extend, finisher(result))
+            for (prompt, count, sampling), result in zip(requests, results, strict=True)
+        ]
+    )
+    for _ in requests:
+        assert left.acquire(timeout=120)
+    return [(bytes(data), reason) for data, reason in results]
+
+
+def test_each_request_gets_the_bytes_it_gets_alone_with_two_programs_for_all(rope_model):
+    engine = Engine(rope_model, slots=3, queue_limit=32)
+    engine.warm()
+    engine.start()
+    try:
+        compiled = engine.compilations  # the decode step for 2 and 3 slots, a prefill for 16 and 32 bytes
+        assert (compiled, decode_sizes(3), buckets(32)) == (4, [2, 3], [16, 32])
+        requests = [
+            (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
+            (b"To be", 40, Sampling(temperature=0.0)),
+            (b"A" * 30, 25, Sampling(temperature=1.2, seed=3)),
+            (b"KING", 50, Sampling(temperature=0.5, seed=11)),
+            (b"x", 10, Sampling(temperature=0.9, seed=5)),
+            (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
+        ]
+        results = served(engine, requests)  # six requests over three slots: some wait, join, leave
+        for (prompt, count, sampling), (data, reason) in zip(requests, results, strict=True):
+            assert data == alone(rope_model, prompt, count, sampling.temperature, sampling.seed), prompt
+            assert reason == "length"
+        assert engine.compilations == compiled  # no request compiled anything
+        assert engine.load() == {"slots": 3, "busy": 0, "waiting": 0, "queue_limit": 32}
+    finally:
+        engine.stop()
+
+
+def test_top_k_one_is_greedy_and_a_stop_sequence_ends_its_sequence_before_it(rope_model):
+    engine = Engine(rope_model, slots=2, queue_limit=4).start()
+    try:
+        greedy = alone(rope_model, b"ROMEO:", 40, 0.0, 0)
+        (top1, _), (nucleus, _) = served(
+            engine,
+            [(b"ROMEO:", 40, Sampling(temperature=1.5, top_k=1, seed=9)), (b"ROMEO:", 40, Sampling(1.5, 0, 1e-6, 9))],
+        )
+        assert top1 == greedy and nucleus == greedy  # one byte kept: the likeliest, whatever the draw
+        stop = greedy[10:12]
+        ((data, reason),) = served(engine, [(b"ROMEO:", 40, Sampling(temperature=0.0))], stop=(stop,))
+        assert reason == "stop" and data == greedy[: greedy.find(stop)]
+    finally:
+        engine.stop()
+
+
+def test_the_engine_refuses_what_it_cannot_serve_and_a_full_queue():
+    engine = Engine(build_model(LEARNED, 0), slots=1, queue_limit=1)  # not started: nothing leaves the queue
+    with pytest.raises(ServingError, match="over this model's context of 32; shorten it"):
+        engine.check(b"x" * 33, 1)
+    with pytest.raises(ServingError, match=r"learned positions end there\); lower max_tokens to 22"):
+        engine.check(b"x" * 10, 23)
+    with pytest.raises(ServingError, match="the prompt is empty"):
+        engine.check(b"", 1)
+    engine.submit([Sequence(b"a", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
+    with pytest.raises(ServerFull, match="0 of 1 slots busy and 1 requests waiting"):
+        engine.submit([Sequence(b"b", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
+
+
+@pytest.fixture(scope="module")
+def server(rope_model):
+    """The API over an engine of 8 slots, on a loopback port, as ``bardflow serve`` runs it."""
+    import uvicorn
+
+    engine = Engine(rope_model, slots=8, queue_limit=96)
+    engine.warm()
+    engine.start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    app = create_app(engine, MODEL_ID, max_tokens=400)
+    running = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not running.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
+    running.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+
+
+def test_the_openai_client_completes_whole_and_streamed(server, rope_model):
+    from openai import OpenAI
+
+    url, _ = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    whole = client.completions.create(model=MODEL_ID, prompt="ROMEO:", max_tokens=60, temperature=0.7, seed=4)
+    expected = alone(rope_model, b"ROMEO:", 60, 0.7, 4)
+    assert whole.choices[0].text == expected.decode("utf-8", errors="replace")
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 60)
+    chunks = list(
+        client.completions.create(
+            model=MODEL_ID,
+            prompt=["ROMEO:", "To be"],
+            max_tokens=50,
+            temperature=0.7,
+            seed=4,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    # Choice i * n + j: prompt i, seed + j; each the bytes that seed gives it alone.
+    for index, (prompt, seed) in enumerate([(b"ROMEO:", 4), (b"ROMEO:", 5), (b"To be", 4), (b"To be", 5)]):
+        assert texts[index] == alone(rope_model, prompt, 50, 0.7, seed).decode("utf-8", errors="replace")
+        assert reasons[index] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (22, 200)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature: Input should be a valid number"),
+        ({"prompt": "x", "colour": "red"}, 400, "colour: unknown field"),
+        ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported by this server; leave it out"),
+        ({"prompt": "x" * 33}, 400, "the prompt is 33 bytes, over this model's context of 32; shorten it"),
+        ({"prompt": "x", "max_tokens": 401}, 400, "max_tokens is 401, over this server's 400"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop: Value error, give at most 4 stop sequences"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' is not served here"),
+        ({"prompt": "x" * (MAX_BODY + 1)}, 413, f"the request body is over {MAX_BODY} bytes"),
+    ],
+    ids=["max_tokens", "type", "unknown", "logprobs", "context", "limit", "stops", "model", "size"],
+)
+def test_a_bad_request_is_openai_s_error_object_with_its_status(server, body, status, words):
+    url, _ = server
+    answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, **body}, timeout=30)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert words in error["message"] and "Traceback" not in answer.text
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_raw_http_errors_not_json_and_no_such_endpoint(server):
+    url, _ = server
+    answer = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == "the request body is not JSON"
+    assert httpx.get(f"{url}/v1/chat", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/v1/completions", timeout=30).json()["error"]["message"].startswith("GET is not allowed")
+
+
+def test_64_concurrent_streams_some_hanging_up_and_the_server_keeps_answering(server, rope_model):
+    """64 streaming clients at once over 8 slots: every eighth hangs up after its first chunk;
+    every other stream is the bytes its seed gives alone; then no slot or queue entry is left."""
+    url, engine = server
+    count, length = 64, 48
+
+    async def client(http: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        body = {"model": MODEL_ID, "prompt": f"ROMEO {i}:", "max_tokens": length, "temperature": 0.9}
+        body |= {"seed": i, "stream": True}
+        text, reason = "", None
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            assert answer.status_code == 200
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+                if i % 8 == 0:
+                    return i, None  # hangs up midway
+        return i, text if reason == "length" else f"ended {reason}"
+
+    async def everyone():
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(client(http, i) for i in range(count)))
+
+    started = time.monotonic()
+    results = asyncio.run(everyone())
+    assert time.monotonic() - started < 120
+    for i, text in results:
+        if i % 8:
+            prompt = f"ROMEO {i}:".encode()
+            assert text == alone(rope_model, prompt, length, 0.9, i).decode("utf-8", errors="replace"), i
+    deadline = time.monotonic() + 10
+    while engine.load()["busy"] or engine.load()["waiting"]:  # the hung-up ones leave at their next step
+        assert time.monotonic() < deadline, engine.load()
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_full_server_answers_503_with_retry_after(rope_model):
+    import uvicorn
+
+    engine = Engine(rope_model, slots=1, queue_limit=0).start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    running = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL_ID), log_level="warning"))
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        while not running.started:
+            time.sleep(0.02)
+        full = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": "x"}, timeout=30)
+        assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+        assert full.json()["error"]["message"].startswith("the server is full: 0 of 1 slots busy and 0 requests")
+    finally:
+        running.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
