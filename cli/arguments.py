@@ -18,7 +18,7 @@ STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLO
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
-    """What `run` and `sweep` share."""
+    """What `run`, `sweep` and `serve` share."""
     parser.add_argument(
         "--preset",
         choices=PRESET_NAMES,
