@@ -1,6 +1,7 @@
 """``bardflow serve``'s server: the engine over a model, warmed (every program compiled before
 the first request), behind the OpenAI-compatible app on uvicorn, until Ctrl-C or SIGTERM;
-then in-flight streams get ``GRACE_S`` to finish before they are ended."""
+then in-flight streams get ``GRACE_S`` to finish, and those still running are ended by the
+engine (finish reason ``abort``, then ``[DONE]``) before uvicorn's own limit would cut them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import contextlib
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
+
+import uvicorn
 
 from ..errors import BardflowError
 from ..model.network.transformer import Transformer
@@ -16,6 +20,7 @@ from .api import create_app
 from .engine import Engine
 
 GRACE_S = 5
+UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
 
 
 class ServeError(BardflowError, RuntimeError):
@@ -46,6 +51,21 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose stop also ends, after ``grace_s``, the streams still running."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float = GRACE_S):
+        super().__init__(config)
+        self.engine, self.grace_s, self.ending = engine, grace_s, None
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.ending is None:
+            self.ending = threading.Timer(self.grace_s, self.engine.stop)
+            self.ending.daemon = True
+            self.ending.start()
+
+
 @contextlib.contextmanager
 def _stop_signals_end_quietly():
     """uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises them
@@ -60,8 +80,6 @@ def _stop_signals_end_quietly():
 
 
 def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
-    import uvicorn
-
     engine = Engine(model, settings.slots, settings.queue)
     seconds = engine.warm()
     engine.start()
@@ -86,11 +104,11 @@ def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
             host=settings.host,
             port=settings.port,
             log_level="warning",
-            timeout_graceful_shutdown=GRACE_S,
+            timeout_graceful_shutdown=UVICORN_LIMIT_S,
             access_log=False,
         )
         with _stop_signals_end_quietly():
-            uvicorn.Server(config).run()
+            StoppingServer(config, engine).run()
     finally:
         engine.stop()
     print("bardflow: the server stopped", file=sys.stderr, flush=True)

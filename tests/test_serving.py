@@ -267,3 +267,42 @@ def test_a_full_server_answers_503_with_retry_after(rope_model):
         running.should_exit = True
         thread.join(timeout=10)
         engine.stop()
+
+
+def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model):
+    """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
+    signal handler calls): the stream in flight goes on for the grace, then ends with the finish
+    reason ``abort`` and ``[DONE]``, and the server stops well before uvicorn would cancel it."""
+    import signal
+
+    import uvicorn
+
+    from bardflow.serving.server import StoppingServer
+
+    engine = Engine(rope_model, slots=2, queue_limit=4)
+    engine.warm()
+    engine.start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        create_app(engine, MODEL_ID, max_tokens=10**6), log_level="warning", timeout_graceful_shutdown=30
+    )
+    running = StoppingServer(config, engine, grace_s=0.5)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    while not running.started:
+        time.sleep(0.02)
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
+    lines: list[str] = []
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as answer:
+        for line in answer.iter_lines():
+            lines.append(line)
+            if len(lines) == 20:  # streaming: now stop the server
+                stopped = time.monotonic()
+                running.handle_exit(signal.SIGTERM, None)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - stopped < 10
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort" and "data: [DONE]" in lines
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
