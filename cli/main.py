@@ -443,21 +443,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _served_model(root: str, prefix: str):
-    """The model of the checkpoint (or else trained) version whose key starts with ``prefix``."""
-    from ..cli.runs import find, readable_store
+    """The model of the checkpoint (else trained) version whose key starts with ``prefix``."""
+    from ..cli.runs import RunsError, readable_store
     from ..model.training.checkpoint import load_model
     from ..tasks.checkpoint import MODEL
     from ..tasks.train import trained_model
 
     store = readable_store(root)
-    checkpoints = [v for v in store.versions("checkpoint") if v.key.startswith(prefix)]
-    if len(checkpoints) == 1:
-        return load_model(checkpoints[0].file(MODEL)), f"bardflow-{checkpoints[0].key[:12]}"
-    trained = [v for stage in ("train_parallel", "train_single") for v in store.versions(stage)]
-    version = find(checkpoints + trained if checkpoints else trained, prefix)
-    if version.stage == "checkpoint":
-        return load_model(version.file(MODEL)), f"bardflow-{version.key[:12]}"
-    return trained_model(version)[0], f"bardflow-{version.key[:12]}"
+    for stages in (("checkpoint",), ("train_parallel", "train_single")):
+        found = [v for stage in stages for v in store.versions(stage) if v.key.startswith(prefix)]
+        if len(found) > 1:
+            raise RunsError(f"{len(found)} {found[0].stage} versions have a key starting {prefix!r}; give more of it")
+        if found:
+            version = found[0]
+            model = load_model(version.file(MODEL)) if version.stage == "checkpoint" else trained_model(version)[0]
+            return model, f"bardflow-{version.key[:12]}"
+    known = ", ".join(v.key[:12] for v in store.versions("checkpoint")[:6]) or "none"
+    raise RunsError(
+        f"no checkpoint or trained version in {root} has a key starting {prefix!r}; `bardflow artifacts checkpoint` "
+        f"lists them (checkpoints: {known})"
+    )
 
 
 COMMANDS = {

@@ -306,3 +306,27 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "abort" and "data: [DONE]" in lines
     assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
+
+
+def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
+    from bardflow.cli.main import main
+
+    store = tmp_path / "store"
+    store.mkdir()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    assert main(["serve", "zzz", "--store", str(store), "--port", str(free)]) == 1
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"bardflow: error: no checkpoint or trained version in {store} has a key starting 'zzz'; "
+        "`bardflow artifacts checkpoint` lists them (checkpoints: none)"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "zzz", "--store", str(store), "--port", str(port)]) == 1
+        assert capsys.readouterr().err.strip().startswith(f"bardflow: error: cannot listen on 127.0.0.1:{port} (")
+    assert main(["serve", "zzz", "--slots", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "bardflow: error: --slots must be 1 to 1024"
