@@ -265,21 +265,25 @@ def _usage(prompts: list[str], n: int, choices: list[Choice]):
     return usage
 
 
-async def _next(request: Request, queue: asyncio.Queue) -> tuple[int, bytes, str | None] | None:
-    """The next piece of any choice, or None once the client is gone."""
+async def _next(request: Request, queue: asyncio.Queue, checked: list[float]) -> tuple[int, bytes, str | None] | None:
+    """The next piece of any choice, or None once the client is gone: asked every
+    ``DISCONNECT_POLL_S`` whether pieces come or not (``checked``: when it was last asked)."""
     while True:
+        if time.monotonic() - checked[0] >= DISCONNECT_POLL_S:
+            checked[0] = time.monotonic()
+            if await request.is_disconnected():
+                return None
         try:
             return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
         except TimeoutError:
-            if await request.is_disconnected():
-                return None
+            continue
 
 
 async def _gathered(request: Request, queue: asyncio.Queue, choices: list[Choice], sequences: list[Sequence]):
-    texts, reasons = {c.index: "" for c in choices}, {}
+    texts, reasons, checked = {c.index: "" for c in choices}, {}, [time.monotonic()]
     try:
         while len(reasons) < len(choices):
-            piece = await _next(request, queue)
+            piece = await _next(request, queue, checked)
             if piece is None:
                 return None, None
             index, chunk, reason = piece
@@ -297,10 +301,10 @@ async def _events(
 ) -> AsyncIterator[str]:
     """Server-sent events: a chunk of text per choice as it comes, its finish reason last,
     the usage if asked for, then ``[DONE]``."""
-    ended = 0
+    ended, checked = 0, [time.monotonic()]
     try:
         while ended < len(choices):
-            piece = await _next(request, queue)
+            piece = await _next(request, queue, checked)
             if piece is None:
                 return
             index, chunk, reason = piece

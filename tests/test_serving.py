@@ -247,6 +247,18 @@ def test_64_concurrent_streams_some_hanging_up_and_the_server_keeps_answering(se
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
 
 
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot_at_once(server):
+    url, engine = server
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 400, "n": 8, "temperature": 1.0}
+    body["prompt"] = ["ROMEO:"] * 8  # 64 sequences of 400 bytes: seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    gave_up = time.monotonic()
+    while engine.load()["busy"] or engine.load()["waiting"]:
+        assert time.monotonic() - gave_up < 1.0, engine.load()  # it would have run 1.5 s more
+        time.sleep(0.02)
+
+
 def test_a_full_server_answers_503_with_retry_after(rope_model):
     import uvicorn
 
