@@ -34,6 +34,7 @@ from ..errors import BardflowError
 from ..model.network.transformer import Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
+STEPS_A_CALL = 8  # decode steps in one call while no sequence waits or ends: one return to the host for 8 bytes
 
 
 class ServingError(BardflowError, ValueError):
@@ -125,7 +126,7 @@ class Engine:
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         self.compilations = 0  # programs traced: one decode step, one prefill per bucket used
-        self._decode = jax.jit(self._decode_step, donate_argnums=(1,), static_argnums=(2,))
+        self._decode = jax.jit(self._decode_step, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(3,))
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
         self.active: list[Sequence | None] = [None] * slots
@@ -193,20 +194,27 @@ class Engine:
 
     # --- the compiled programs ---
 
-    def _decode_step(self, params, caches, size: int, tokens, positions, keys, settings):
-        """The first ``size`` slots one position further: each slot's last byte written into
-        its cache at its position, the next byte drawn (a slot past the sequences in flight
-        computes too, and is ignored)."""
+    def _decode_step(self, params, caches, size: int, steps: int, tokens, positions, keys, settings):
+        """The first ``size`` slots ``steps`` positions further, in one call: each slot's last
+        byte written into its cache at its position and the next byte drawn, ``steps`` times
+        (a slot past the sequences in flight computes too, and is ignored); the bytes drawn
+        (steps, size), the keys after them, the caches."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
+        temperature, top_k, top_p = settings[:, 0], settings[:, 1].astype(jnp.int32), settings[:, 2]
 
         def one(token, position, cache):
             logits, cache = model(token[None, None], position[None], cache)
             return logits[0, 0], cache
 
+        def step(carry, _):
+            tokens, positions, keys, first = carry
+            logits, first = jax.vmap(one)(tokens, positions, first)
+            drawn, keys = jax.vmap(sample)(logits, keys, temperature, top_k, top_p)
+            return (drawn, positions + 1, keys, first), drawn
+
         first = jax.tree.map(lambda layers: layers[:size], caches)
-        logits, first = jax.vmap(one)(tokens, positions, first)
-        drawn, keys = jax.vmap(sample)(logits, keys, settings[:, 0], settings[:, 1].astype(jnp.int32), settings[:, 2])
+        (_, _, keys, first), drawn = jax.lax.scan(step, (tokens, positions, keys, first), length=steps)
         caches = jax.tree.map(
             lambda layers, part: jax.lax.dynamic_update_slice_in_dim(layers, part, 0, 0), caches, first
         )
@@ -241,8 +249,9 @@ class Engine:
         started = time.perf_counter()
         for size in decode_sizes(self.slots):
             ints, settings = np.zeros(size, np.int32), np.zeros((size, 3), np.float32)
-            out = self._decode(self.params, self.caches, size, ints, ints, self.keys[:size], settings)
-            self.caches = out[2]
+            for steps in (1, STEPS_A_CALL):
+                out = self._decode(self.params, self.caches, size, steps, ints, ints, self.keys[:size], settings)
+                self.caches = out[2]
         for size in buckets(self.window):
             prompt, settings = np.zeros(size, np.int32), np.zeros(3, np.float32)
             out = self._prefill(
@@ -309,23 +318,40 @@ class Engine:
         self._take(slot, int(token))
 
     def _step(self) -> None:
+        """One decode call: ``STEPS_A_CALL`` steps where nobody waits to join, no sequence is
+        that close to its end and none is being cancelled, else one."""
         size = next(size for size in decode_sizes(self.slots) if size >= self.count)
+        flowing = self.active[: self.count]
+        steps = (
+            STEPS_A_CALL
+            if not self.waiting
+            and all(
+                s is not None and not s.cancelled.is_set() and s.max_tokens - len(s.generated) >= STEPS_A_CALL
+                for s in flowing
+            )
+            else 1
+        )
         drawn, keys, self.caches = self._decode(
             self.params,
             self.caches,
             size,
+            steps,
             self.tokens[:size],
             self.positions[:size],
             self.keys[:size],
             self.settings[:size],
         )
         drawn, keys = np.asarray(drawn), np.asarray(keys)
-        self.steps += 1
+        self.steps += steps
         # Highest first: a sequence that leaves takes the highest one's place, already served.
         for slot in reversed(range(self.count)):
-            self.positions[slot] += 1
+            sequence = self.active[slot]
+            self.positions[slot] += steps
             self.keys[slot] = keys[slot]
-            self._take(slot, int(drawn[slot]))
+            for byte in drawn[:, slot]:
+                self._take(slot, int(byte))
+                if self.active[slot] is not sequence:  # it left (a stop string): the rest is past its end
+                    break
 
     def _take(self, slot: int, byte: int) -> None:
         """A slot's new byte: handed on as far as no stop sequence may still be starting, and

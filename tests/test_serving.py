@@ -64,8 +64,9 @@ def test_each_request_gets_the_bytes_it_gets_alone_with_two_programs_for_all(rop
     engine.warm()
     engine.start()
     try:
-        compiled = engine.compilations  # the decode step for 2 and 3 slots, a prefill for 16 and 32 bytes
-        assert (compiled, decode_sizes(3), buckets(32)) == (4, [2, 3], [16, 32])
+        # The decode call for 2 and 3 slots, of 1 step and of 8; a prefill for 16 and 32 bytes.
+        compiled = engine.compilations
+        assert (compiled, decode_sizes(3), buckets(32)) == (6, [2, 3], [16, 32])
         requests = [
             (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
             (b"To be", 40, Sampling(temperature=0.0)),
