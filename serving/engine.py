@@ -5,9 +5,10 @@ leaves it when it ends, is stopped, or its client goes away.
 
 The sequences in flight sit in the lowest slots (one that leaves is replaced by the highest),
 and a decode step runs over the fewest slots of ``decode_sizes`` that hold them all: one
-stream is not charged for 63 idle slots. So the programs are the decode step per size, and
-the prefill of one slot per prompt length rounded up to a power of two; all of them are
-compiled before the first request (``Engine.warm``), none after. Each sequence's bytes
+stream is not charged for 63 idle slots; while nobody waits and no sequence is near its end,
+one call runs ``STEPS_A_CALL`` steps. So the programs are the decode call per size, of one step
+and of ``STEPS_A_CALL``, and the prefill of one slot per prompt length rounded up to a power of
+two; all of them are compiled before the first request (``Engine.warm``), none after. Each sequence's bytes
 depend on its own prompt, settings and seed alone, never on what the other slots hold, so a
 request gives the bytes it gives alone.
 
