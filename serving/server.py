@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from ..config.line_width import fit
 from ..errors import BardflowError
 from ..model.network.transformer import Transformer
 from .api import create_app
@@ -91,9 +92,10 @@ def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
             if settings.host not in ("127.0.0.1", "localhost", "::1")
             else "this machine only"
         )
+        said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
+        print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
+        # The command whole on one line, to be copied as it is.
         print(
-            f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
-            "Ctrl-C stops it)\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
             flush=True,
