@@ -50,12 +50,8 @@ class ResumeFolder:
         the same recipe on another layout may have left checkpoints there."""
         return sorted(p for p in self.path.parent.glob(".resume-*") if p != self.path and p.is_dir())
 
-    def steps(self, folder: Path | None = None) -> list[int]:
-        """The steps of the checkpoints in this folder (or a sibling ``folder``), oldest first:
-        Orbax names each finished one by its step, and its unfinished ones otherwise."""
-        folder = folder or self.path
-        found = folder.iterdir() if folder.is_dir() else []
-        return sorted(int(p.name) for p in found if p.name.isdigit() and p.is_dir())
+    def steps(self) -> list[int]:
+        return checkpoint_steps(self.path)
 
     def drop_if_empty(self) -> None:
         """Removes the folder if no file but its record was written in it (a run that failed
@@ -99,6 +95,13 @@ class ResumeFolder:
             os.close(descriptor)
 
 
+def checkpoint_steps(folder: Path) -> list[int]:
+    """The steps of the checkpoints in ``folder``, oldest first: Orbax names each finished one by
+    its step, and its unfinished ones otherwise."""
+    found = folder.iterdir() if folder.is_dir() else []
+    return sorted(int(p.name) for p in found if p.name.isdigit() and p.is_dir())
+
+
 def same_training(request: TrainingRequest) -> dict[str, Any]:
     """What a training checkpoint stands for on any device count: the recipe with the global
     batch in place of the devices, processes and batch per device (and without how far a
@@ -127,7 +130,7 @@ def adopt_checkpoints(resume: ResumeFolder, request: TrainingRequest) -> tuple[i
             record = json.loads((other / ResumeFolder.RECORD).read_text())
         except (OSError, ValueError):
             continue
-        steps = resume.steps(other)
+        steps = checkpoint_steps(other)
         if record.get("training") == mine and steps and (found is None or steps[-1] > found[1]):
             found = (other, steps[-1], record.get("devices"))
     if found is None:

@@ -417,17 +417,15 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """The model a version key or a run's settings name, served until Ctrl-C."""
-    from ..serving.server import ServeSettings, check_port, serve
+    from ..serving.server import LOCAL_HOSTS, ServeSettings, check_port, serve
 
-    for name, low, high in (("--slots", 1, 1024), ("--queue", 0, 100_000), ("--max-tokens", 1, 1_000_000)):
-        value = getattr(args, name[2:].replace("-", "_"))
-        if not low <= value <= high:
+    limits = (("--port", 1, 65535), ("--slots", 1, 1024), ("--queue", 0, 100_000), ("--max-tokens", 1, 1_000_000))
+    for name, low, high in limits:
+        if not low <= getattr(args, name[2:].replace("-", "_")) <= high:
             raise UsageError(f"{name} must be {low} to {high}")
-    if not 1 <= args.port <= 65535:
-        raise UsageError("--port must be 1 to 65535")
     settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens)
     check_port(settings.host, settings.port)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in LOCAL_HOSTS:
         print(
             fit(f"bardflow: --host {args.host}: the API is reachable by anyone who can reach this machine"),
             file=sys.stderr,

@@ -162,13 +162,10 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 4096) -> Starlet
                 )
             loop, queue = asyncio.get_running_loop(), asyncio.Queue()
             choices, sequences = _sequences(body, prompts, queue, loop)
-            for sequence in sequences:
-                try:
-                    engine.check(sequence.prompt, sequence.max_tokens)
-                except ServingError as error:
-                    raise ApiError(400, str(error), "prompt") from None
             try:
-                engine.submit(sequences)
+                engine.submit(sequences)  # checks every sequence first: all are queued, or none
+            except ServingError as error:
+                raise ApiError(400, str(error), "prompt") from None
             except ServerFull as error:
                 raise ApiError(503, f"the server is full: {error}; retry later", None, "server_error") from None
         except ApiError as error:

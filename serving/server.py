@@ -21,6 +21,7 @@ from .api import create_app
 from .engine import Engine
 
 GRACE_S = 5
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
 
 
@@ -87,11 +88,7 @@ def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
     try:
         url = f"http://{settings.host}:{settings.port}"
         example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
-        where = (
-            "reachable from other machines"
-            if settings.host not in ("127.0.0.1", "localhost", "::1")
-            else "this machine only"
-        )
+        where = "this machine only" if settings.host in LOCAL_HOSTS else "reachable from other machines"
         said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
         print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
         # The command whole on one line, to be copied as it is.
