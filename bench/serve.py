@@ -109,8 +109,10 @@ def measure(preset: str, streams: list[int], slots: int, new_bytes: int, smoke: 
     started = time.perf_counter()
     generate_batch(model, "ROMEO:", new_bytes, 0.8, [1], window)
     alone = new_bytes / (time.perf_counter() - started)
+    print(f"{preset}: the sampler alone at batch 1: {alone:,.1f} bytes/s; compiling the engine", flush=True)
     engine = Engine(model, slots=slots, queue_limit=4 * max(streams) + slots)
     compile_s = engine.warm()
+    print(f"{preset}: the engine compiled in {compile_s:.1f} s", flush=True)
     engine.start()
     try:
         rows = [concurrent(engine, prompts[:count], new_bytes) for count in streams]

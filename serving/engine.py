@@ -4,13 +4,14 @@ slot at the next step (its prompt written into the slot's cache by a compiled pr
 leaves it when it ends, is stopped, or its client goes away.
 
 The sequences in flight sit in the lowest slots (one that leaves is replaced by the highest),
-and a decode step runs over the fewest slots of ``decode_sizes`` that hold them all: one
-stream is not charged for 63 idle slots; while nobody waits and no sequence is near its end,
-one call runs ``STEPS_A_CALL`` steps. So the programs are the decode call per size, of one step
-and of ``STEPS_A_CALL``, and the prefill of one slot per prompt length rounded up to a power of
-two; all of them are compiled before the first request (``Engine.warm``), none after. Each sequence's bytes
-depend on its own prompt, settings and seed alone, never on what the other slots hold, so a
-request gives the bytes it gives alone.
+and a decode call runs ``STEPS_A_CALL`` steps over the fewest slots of ``decode_sizes`` that
+hold them all (one stream is not charged for 63 idle slots) and over the shortest part of
+their caches of ``fills`` that holds every position the call reaches (a cache is read as far
+as it is filled, not over the whole context). So the programs are the decode call per size
+and part, and the prefill of one slot per prompt length rounded up to a power of two; all of
+them are compiled before the first request (``Engine.warm``), none after. Each sequence's
+bytes depend on its own prompt, settings and seed alone, never on what the other slots hold,
+so a request gives the bytes it gives alone.
 
 The engine runs in a thread of its own (JAX calls block); requests are handed in and their
 bytes handed out through callbacks, which the HTTP layer (``serving/api.py``) turns into
@@ -32,10 +33,10 @@ import numpy as np
 from flax import nnx
 
 from ..errors import BardflowError
-from ..model.network.transformer import Transformer
+from ..model.network.transformer import LayerCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
-STEPS_A_CALL = 8  # decode steps in one call while no sequence waits or ends: one return to the host for 8 bytes
+STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
 
 
 class ServingError(BardflowError, ValueError):
@@ -109,6 +110,12 @@ def buckets(window: int) -> list[int]:
     return [*sizes, window]
 
 
+def fills(window: int) -> list[int]:
+    """The parts of a slot's cache a decode call reads: its first quarter, half, or all of
+    it (all of it where the context does not split in four)."""
+    return [window // 4, window // 2, window] if window % 4 == 0 else [window]
+
+
 def decode_sizes(slots: int) -> list[int]:
     """The slot counts a decode step is compiled for: 2, 4 and 8 (below ``slots``), whose few
     slots are cut out of the cache and put back, and all ``slots``, updated where they lie.
@@ -120,10 +127,14 @@ def decode_sizes(slots: int) -> list[int]:
 class Engine:
     """``slots`` sequences at a time over ``model``; up to ``queue_limit`` more wait for a slot."""
 
-    def __init__(self, model: Transformer, slots: int = 8, queue_limit: int = 64):
+    def __init__(self, model: Transformer, slots: int = 8, queue_limit: int = 64, select_writes: bool | None = None):
         self.graphdef, self.params = nnx.split(model)
         self.window, self.rotary = model.max_seq_len, model.rotary
         self.slots, self.queue_limit = slots, queue_limit
+        # How a decode step stores each slot's new key: a TPU runs the scatter (each slot at a
+        # position of its own) as a loop over the slots and streams a select faster; a CPU
+        # scatters in place, where the select copies the part read (docs/serving.md).
+        self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         self.compilations = 0  # programs traced: one decode step, one prefill per bucket used
@@ -195,30 +206,40 @@ class Engine:
 
     # --- the compiled programs ---
 
-    def _decode_step(self, params, caches, size: int, steps: int, tokens, positions, keys, settings):
-        """The first ``size`` slots ``steps`` positions further, in one call: each slot's last
-        byte written into its cache at its position and the next byte drawn, ``steps`` times
-        (a slot past the sequences in flight computes too, and is ignored); the bytes drawn
-        (steps, size), the keys after them, the caches."""
+    def _decode_step(self, params, caches, size: int, fill: int, tokens, positions, keys, settings):
+        """The first ``size`` slots ``STEPS_A_CALL`` positions further, in one call, each
+        reading the first ``fill`` positions of its cache: each slot's last byte written into
+        its cache at its position and the next byte drawn, ``STEPS_A_CALL`` times (a slot past
+        the sequences in flight computes too, and is ignored, as are the bytes past a
+        sequence's end); the bytes drawn (steps, size), the keys after them, the caches."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
         temperature, top_k, top_p = settings[:, 0], settings[:, 1].astype(jnp.int32), settings[:, 2]
 
         def one(token, position, cache):
-            logits, cache = model(token[None, None], position[None], cache)
-            return logits[0, 0], cache
+            logits, written = model(token[None, None], position[None], cache)
+            assert written is not None  # given a cache, the model returns it written
+            return logits[0, 0], written
 
         def step(carry, _):
-            tokens, positions, keys, first = carry
-            logits, first = jax.vmap(one)(tokens, positions, first)
+            tokens, positions, keys, part = carry
+            logits, part = jax.vmap(one)(tokens, positions, part)
             drawn, keys = jax.vmap(sample)(logits, keys, temperature, top_k, top_p)
-            return (drawn, positions + 1, keys, first), drawn
+            return (drawn, positions + 1, keys, part), drawn
 
-        first = jax.tree.map(lambda layers: layers[:size], caches)
-        (_, _, keys, first), drawn = jax.lax.scan(step, (tokens, positions, keys, first), length=steps)
-        caches = jax.tree.map(
-            lambda layers, part: jax.lax.dynamic_update_slice_in_dim(layers, part, 0, 0), caches, first
-        )
+        slot_cache = SlotCache if self.select_writes else LayerCache
+
+        def cut(layer):  # the slots' first ``fill`` positions
+            return slot_cache(*(half[:size, :, :fill] for half in layer))
+
+        def put(layer, part):
+            return LayerCache(
+                *(jax.lax.dynamic_update_slice(w, p, (0, 0, 0, 0)) for w, p in zip(layer, part, strict=True))
+            )
+
+        parts = tuple(map(cut, caches))
+        (_, _, keys, written), drawn = jax.lax.scan(step, (tokens, positions, keys, parts), length=STEPS_A_CALL)
+        caches = tuple(map(put, caches, written))
         return drawn, keys, caches
 
     def _move_slot(self, caches, source, target):
@@ -250,8 +271,8 @@ class Engine:
         started = time.perf_counter()
         for size in decode_sizes(self.slots):
             ints, settings = np.zeros(size, np.int32), np.zeros((size, 3), np.float32)
-            for steps in (1, STEPS_A_CALL):
-                out = self._decode(self.params, self.caches, size, steps, ints, ints, self.keys[:size], settings)
+            for fill in fills(self.window):
+                out = self._decode(self.params, self.caches, size, fill, ints, ints, self.keys[:size], settings)
                 self.caches = out[2]
         for size in buckets(self.window):
             prompt, settings = np.zeros(size, np.int32), np.zeros(3, np.float32)
@@ -319,35 +340,28 @@ class Engine:
         self._take(slot, int(token))
 
     def _step(self) -> None:
-        """One decode call: ``STEPS_A_CALL`` steps where nobody waits to join, no sequence is
-        that close to its end and none is being cancelled, else one."""
+        """One decode call of ``STEPS_A_CALL`` steps over the slots in flight."""
         size = next(size for size in decode_sizes(self.slots) if size >= self.count)
-        flowing = self.active[: self.count]
-        steps = (
-            STEPS_A_CALL
-            if not self.waiting
-            and all(
-                s is not None and not s.cancelled.is_set() and s.max_tokens - len(s.generated) >= STEPS_A_CALL
-                for s in flowing
-            )
-            else 1
-        )
+        # The last position the call writes, past which no query reads (a rotary ring past
+        # the context reads all of it).
+        furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
+        fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
         drawn, keys, self.caches = self._decode(
             self.params,
             self.caches,
             size,
-            steps,
+            fill,
             self.tokens[:size],
             self.positions[:size],
             self.keys[:size],
             self.settings[:size],
         )
         drawn, keys = np.asarray(drawn), np.asarray(keys)
-        self.steps += steps
+        self.steps += STEPS_A_CALL
         # Highest first: a sequence that leaves takes the highest one's place, already served.
         for slot in reversed(range(self.count)):
             sequence = self.active[slot]
-            self.positions[slot] += steps
+            self.positions[slot] += STEPS_A_CALL
             self.keys[slot] = keys[slot]
             for byte in drawn[:, slot]:
                 self._take(slot, int(byte))

@@ -19,7 +19,7 @@ from bardflow.config.settings import build_config
 from bardflow.model.inference.sampling import generate
 from bardflow.model.network.transformer import build_model
 from bardflow.serving.api import MAX_BODY, create_app
-from bardflow.serving.engine import Engine, Sampling, Sequence, ServerFull, ServingError, buckets, decode_sizes
+from bardflow.serving.engine import Engine, Sampling, Sequence, ServerFull, ServingError, buckets, decode_sizes, fills
 
 MODEL_ID = "bardflow-test"
 ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring
@@ -59,14 +59,16 @@ def served(engine: Engine, requests: list[tuple[bytes, int, Sampling]], stop=())
     return [(bytes(data), reason) for data, reason in results]
 
 
-def test_each_request_gets_the_bytes_it_gets_alone_with_two_programs_for_all(rope_model):
-    engine = Engine(rope_model, slots=3, queue_limit=32)
+@pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
+def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_warming(rope_model, select_writes):
+    engine = Engine(rope_model, slots=3, queue_limit=32, select_writes=select_writes)
     engine.warm()
     engine.start()
     try:
-        # The decode call for 2 and 3 slots, of 1 step and of 8; a prefill for 16 and 32 bytes.
+        # The decode call for 2 and 3 slots over 8, 16 or all 32 positions; a prefill for 16
+        # and 32 bytes.
         compiled = engine.compilations
-        assert (compiled, decode_sizes(3), buckets(32)) == (6, [2, 3], [16, 32])
+        assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (8, [2, 3], [8, 16, 32], [16, 32])
         requests = [
             (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
             (b"To be", 40, Sampling(temperature=0.0)),

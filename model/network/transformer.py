@@ -35,6 +35,30 @@ class LayerCache(NamedTuple):
     keys: jax.Array  # (rows * heads, window, head_dim)
     values: jax.Array
 
+    def written(self, keys, values, at) -> LayerCache:
+        """``keys`` and ``values`` (rows * heads, t, head_dim) stored from index ``at`` on."""
+        at = (0, at, 0)
+        return type(self)(
+            jax.lax.dynamic_update_slice(self.keys, keys.astype(self.keys.dtype), at),
+            jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), at),
+        )
+
+
+class SlotCache(LayerCache):
+    """A layer's cache for one of many sequences that ``jax.vmap`` advances together, each at a
+    position of its own (the serving engine's slots). Stored in place at a position that
+    differs per sequence, one position is a scatter, which a TPU runs as a loop over the
+    sequences, one small copy each; a select over the cache streams it once."""
+
+    def written(self, keys, values, at) -> LayerCache:
+        if keys.shape[1] != 1:
+            return super().written(keys, values, at)
+        hit = (jnp.arange(self.keys.shape[1]) == at)[None, :, None]
+        return SlotCache(
+            jnp.where(hit, keys.astype(self.keys.dtype), self.keys),
+            jnp.where(hit, values.astype(self.values.dtype), self.values),
+        )
+
 
 class Linear(nnx.Linear):
     def __init__(self, *args, custom: bool, **kwargs):
@@ -142,10 +166,8 @@ class CausalSelfAttention(nnx.Module):
         if cache is not None:  # these positions' keys and values join the cache
             # A ring: past the window, position p overwrites the key of p - window, which
             # has left the context (rotary positions only: learned ones never get there).
-            slot = (0, positions[0] % cache.keys.shape[1], 0)
-            k = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), slot)
-            v = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), slot)
-            cache = LayerCache(k, v)
+            cache = cache.written(k, v, positions[0] % cache.keys.shape[1])
+            k, v = cache
         if last_only:
             q, positions = q[:, -1:], positions[-1:]
         if filled is not None:  # only the cache's first ``filled`` slots hold keys yet: read no more
