@@ -1,5 +1,5 @@
 """Serving (``serving/``): the continuous-batching engine gives each request the bytes the
-sampler gives it alone, with two programs compiled for any number of requests; the HTTP API
+sampler gives it alone, with every program compiled before the first request; the HTTP API
 answers the official ``openai`` client, whole and streamed, refuses what it cannot take with
 OpenAI's error object and status, and keeps answering through 64 concurrent streams of which
 some hang up midway."""
@@ -99,6 +99,25 @@ def test_top_k_one_is_greedy_and_a_stop_sequence_ends_its_sequence_before_it(rop
         stop = greedy[10:12]
         ((data, reason),) = served(engine, [(b"ROMEO:", 40, Sampling(temperature=0.0))], stop=(stop,))
         assert reason == "stop" and data == greedy[: greedy.find(stop)]
+    finally:
+        engine.stop()
+
+
+def test_learned_positions_serve_to_the_context_s_end_and_the_slot_serves_again():
+    """A call runs 8 steps: one that ends a sequence at the last position goes past the
+    context (its bytes dropped); the slot's next sequence gets its own bytes all the same."""
+    model = build_model(LEARNED, 0)
+    engine = Engine(model, slots=2, queue_limit=8).start()
+    try:
+        requests = [
+            (b"ROMEO:", 26, Sampling(temperature=0.9, seed=1)),  # 6 + 26: the whole 32-byte context
+            (b"To be, or not", 19, Sampling(temperature=0.0)),  # 13 + 19: the same
+            (b"KING", 28, Sampling(temperature=0.7, seed=4)),  # joins a slot that ran past the end
+            (b"x", 5, Sampling(temperature=1.1, seed=9)),
+        ]
+        for (prompt, count, sampling), (data, reason) in zip(requests, served(engine, requests), strict=True):
+            assert data == alone(model, prompt, count, sampling.temperature, sampling.seed), prompt
+            assert reason == "length"
     finally:
         engine.stop()
 
