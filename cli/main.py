@@ -437,7 +437,16 @@ def _serve(args: argparse.Namespace) -> int:
         _, summary = _run(args)  # every stage up to the trained state: cached, or built now
         root, args.key = summary.store, summary.stages["checkpoint"].key
     model, model_id = _served_model(root, args.key)
-    return serve(model, model_id, settings)
+    return serve(model, model_id, settings, _compiling)
+
+
+def _compiling(total: int):
+    """A bar for the server's programs on a terminal; one line in a log, where a bar is not drawn."""
+    from ..flows.ui import Progress
+
+    if not sys.stderr.isatty():
+        print(f"bardflow: compiling the server's {total} programs", file=sys.stderr, flush=True)
+    return Progress("serve", total, "compiling the server's programs")
 
 
 def _served_model(root: str, prefix: str):

@@ -137,7 +137,7 @@ class Engine:
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
-        self.compilations = 0  # programs traced: one decode step, one prefill per bucket used
+        self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
         self._decode = jax.jit(self._decode_step, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(3,))
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
@@ -244,6 +244,7 @@ class Engine:
 
     def _move_slot(self, caches, source, target):
         """Slot ``source``'s cache copied into slot ``target``."""
+        self.compilations += 1
         return jax.tree.map(
             lambda layers: jax.lax.dynamic_update_index_in_dim(
                 layers, jax.lax.dynamic_index_in_dim(layers, source, keepdims=False), target, 0
@@ -265,23 +266,36 @@ class Engine:
         )
         return token, key, caches
 
-    def warm(self) -> float:
-        """Compiles every program before the first request (call before ``start``); returns
-        the seconds it took."""
-        started = time.perf_counter()
+    def programs(self) -> int:
+        """How many programs ``warm`` compiles."""
+        return len(decode_sizes(self.slots)) * len(fills(self.window)) + len(buckets(self.window)) + (self.slots > 1)
+
+    def warm(self, compiled: Callable[[int], None] = lambda done: None) -> float:
+        """Compiles every program before the first request (call before ``start``), telling
+        ``compiled`` how many are done after each; returns the seconds it took."""
+        started, done = time.perf_counter(), 0
+
+        def one_more() -> None:
+            nonlocal done
+            done += 1
+            compiled(done)
+
         for size in decode_sizes(self.slots):
             ints, settings = np.zeros(size, np.int32), np.zeros((size, 3), np.float32)
             for fill in fills(self.window):
                 out = self._decode(self.params, self.caches, size, fill, ints, ints, self.keys[:size], settings)
                 self.caches = out[2]
+                one_more()
         for size in buckets(self.window):
             prompt, settings = np.zeros(size, np.int32), np.zeros(3, np.float32)
             out = self._prefill(
                 self.params, self.caches, np.int32(0), size, prompt, np.int32(1), self.keys[0], settings
             )
             self.caches = out[2]
+            one_more()
         if self.slots > 1:
             self.caches = self._move(self.caches, np.int32(1), np.int32(0))
+            one_more()
         jax.block_until_ready(self.caches)
         return time.perf_counter() - started
 

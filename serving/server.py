@@ -10,6 +10,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import uvicorn
@@ -81,9 +83,17 @@ def _stop_signals_end_quietly():
             signal.signal(signum, handler)
 
 
-def serve(model: Transformer, model_id: str, settings: ServeSettings) -> int:
+def serve(
+    model: Transformer,
+    model_id: str,
+    settings: ServeSettings,
+    compiling: Callable[[int], AbstractContextManager[Callable[[int], None]]] | None = None,
+) -> int:
+    """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
+    compiled before the first request (a terminal bar), told how many are done after each."""
     engine = Engine(model, settings.slots, settings.queue)
-    seconds = engine.warm()
+    with (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled:
+        seconds = engine.warm(compiled)
     engine.start()
     try:
         url = f"http://{settings.host}:{settings.port}"

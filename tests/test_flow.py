@@ -4,6 +4,7 @@ TensorBoard, read back with their own readers. (A run on the embedded server tha
 ``bardflow run`` starts: tests/test_reliability.py, two runs on one store.)"""
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -391,3 +392,5 @@ def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0 and err.strip().endswith("bardflow: the server stopped"), err[-2000:]
+    # No terminal, so no bar: one line says what the wait before the first line is.
+    assert re.search(r"^bardflow: compiling the server's \d+ programs$", err, re.MULTILINE), err[-2000:]

@@ -66,9 +66,10 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
     engine.start()
     try:
         # The decode call for 2 and 3 slots over 8, 16 or all 32 positions; a prefill for 16
-        # and 32 bytes.
+        # and 32 bytes; the move of a slot into another's place.
         compiled = engine.compilations
-        assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (8, [2, 3], [8, 16, 32], [16, 32])
+        assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (9, [2, 3], [8, 16, 32], [16, 32])
+        assert engine.programs() == compiled
         requests = [
             (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
             (b"To be", 40, Sampling(temperature=0.0)),
