@@ -321,4 +321,6 @@ async def _events(
 
 
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    # ASCII only: a text's U+2028 or U+0085 would end the line for a reader that splits as
+    # str.splitlines does (httpx's iter_lines), where server-sent events end lines at CR or LF.
+    return f"data: {json.dumps(data)}\n\n"

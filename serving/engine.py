@@ -394,11 +394,13 @@ class Engine:
             sequence.first_byte_s = time.perf_counter() - sequence.queued_at
         sequence.generated.append(byte)
         self.tokens[slot] = byte
-        text = bytes(sequence.generated)
+        # A stop can only start in the bytes not handed on yet (any that might start one are
+        # held back): the search reads those, not the whole sequence again for every byte.
+        tail = bytes(sequence.generated[sequence.sent :])
         for stop in sequence.stop:
-            at = text.find(stop, max(0, sequence.sent - len(stop) + 1))
+            at = tail.find(stop)
             if at >= 0:
-                del sequence.generated[at:]
+                del sequence.generated[sequence.sent + at :]
                 self._send(sequence, len(sequence.generated))
                 self._leave(slot, "stop")
                 return
@@ -406,8 +408,8 @@ class Engine:
             self._send(sequence, len(sequence.generated))
             self._leave(slot, "length")
             return
-        held = max((_partial_stop(text, stop) for stop in sequence.stop), default=0)
-        self._send(sequence, len(text) - held)
+        held = max((_partial_stop(tail, stop) for stop in sequence.stop), default=0)
+        self._send(sequence, len(sequence.generated) - held)
 
     def _send(self, sequence: Sequence, upto: int) -> None:
         if upto > sequence.sent:

@@ -104,6 +104,28 @@ def test_top_k_one_is_greedy_and_a_stop_sequence_ends_its_sequence_before_it(rop
         engine.stop()
 
 
+def test_stop_sequences_end_where_the_first_completes_and_no_byte_past_it_is_handed_on(rope_model):
+    """Bytes are handed on as they come, held back only while they may be a stop's start: what
+    was handed on is never past where the sequence ends, for stops of several lengths, sharing
+    starts, or never met."""
+    greedy = alone(rope_model, b"KING", 120, 0.0, 0)
+    stop_sets = [
+        (greedy[30:37], greedy[50:52]),  # a long one that completes first
+        (greedy[60:61], greedy[20:29]),  # a one-byte stop after a long one completes
+        (greedy[40:44], greedy[40:46], b"\x00\x01never"),  # two sharing their start, one never met
+        (b"\x00never", b"\x01not either"),  # neither is met: the whole length
+    ]
+    engine = Engine(rope_model, slots=2, queue_limit=8).start()
+    try:
+        for stops in stop_sets:
+            ends = sorted((greedy.find(stop) + len(stop), i) for i, stop in enumerate(stops) if stop in greedy)
+            expected = greedy[: greedy.find(stops[ends[0][1]])] if ends else greedy
+            ((data, reason),) = served(engine, [(b"KING", 120, Sampling(temperature=0.0))], stop=stops)
+            assert (data, reason) == (expected, "stop" if ends else "length"), stops
+    finally:
+        engine.stop()
+
+
 def test_learned_positions_serve_to_the_context_s_end_and_the_slot_serves_again():
     """A call runs 8 steps: one that ends a sequence at the last position goes past the
     context (its bytes dropped); the slot's next sequence gets its own bytes all the same."""
@@ -219,6 +241,15 @@ def test_a_bad_request_is_openai_s_error_object_with_its_status(server, body, st
     error = answer.json()["error"]
     assert words in error["message"] and "Traceback" not in answer.text
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_stream_event_is_one_line_whatever_its_text():
+    from bardflow.serving.api import _event
+
+    text = "a\u2028b\u2029c\u0085d\x0be\x1cf\r\ng"  # every line break str.splitlines knows
+    event = _event({"text": text})
+    assert event.splitlines() == [event.removesuffix("\n\n"), ""]  # the data line, then the blank one
+    assert json.loads(event.removeprefix("data: ")) == {"text": text}
 
 
 def test_raw_http_errors_not_json_and_no_such_endpoint(server):
