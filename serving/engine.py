@@ -117,8 +117,8 @@ def fills(window: int) -> list[int]:
 
 
 def decode_sizes(slots: int) -> list[int]:
-    """The slot counts a decode step is compiled for: 2, 4 and 8 (below ``slots``), whose few
-    slots are cut out of the cache and put back, and all ``slots``, updated where they lie.
+    """The slot counts a decode call is compiled for: 2, 4 and 8 (below ``slots``), and all
+    ``slots``; the call cuts its slots' filled part out of the cache and puts it back.
     Cutting out more costs more in copies than the idle slots' arithmetic (measured on a CPU:
     docs/serving.md); one slot alone takes two, where XLA:CPU compiles a faster step."""
     return [size for size in (2, 4, 8) if size < slots] + [slots]
@@ -148,7 +148,6 @@ class Engine:
         self.settings = np.zeros((slots, 3), np.float32)  # temperature, top_k, top_p
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.count = 0  # sequences in flight: slots 0 .. count - 1
-        self.steps = 0
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bardflow-serving", daemon=True)
@@ -371,7 +370,6 @@ class Engine:
             self.settings[:size],
         )
         drawn, keys = np.asarray(drawn), np.asarray(keys)
-        self.steps += STEPS_A_CALL
         # Highest first: a sequence that leaves takes the highest one's place, already served.
         for slot in reversed(range(self.count)):
             sequence = self.active[slot]
