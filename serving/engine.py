@@ -13,7 +13,8 @@ them are compiled before the first request (``Engine.warm``), none after. Each s
 bytes depend on its own prompt, settings and seed alone, never on what the other slots hold,
 so a request gives the bytes it gives alone.
 
-The engine runs in a thread of its own (JAX calls block); requests are handed in and their
+The engine runs in a thread of its own, one call ahead of the bytes it hands on: it sends a
+call, then reads the one before while the device runs it. Requests are handed in and their
 bytes handed out through callbacks, which the HTTP layer (``serving/api.py``) turns into
 responses.
 """
@@ -37,6 +38,7 @@ from ..model.network.transformer import LayerCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
 STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
+WHOLE = (0.0, 0, 1.0)  # the settings of a free slot: temperature, top_k, top_p that cut nothing
 
 
 class ServingError(BardflowError, ValueError):
@@ -75,15 +77,27 @@ class Sequence:
     sent: int = 0  # bytes of ``generated`` handed to ``emit``
     queued_at: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
+    slot: int | None = None  # where the engine serves it; None before it joins and once it ends
+    unread: int = 0  # bytes drawn for it on the device and not read back yet
 
     def cancel(self) -> None:
         self.cancelled.set()
 
 
-def sample(logits, key, temperature, top_k, top_p):
-    """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the
-    distribution at ``temperature`` cut to its ``top_k`` most likely bytes (0: all) and to the
-    fewest whose probabilities reach ``top_p``; (the byte, the key for the next draw)."""
+def sample(logits, key, temperature):
+    """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the whole
+    distribution at ``temperature``; (the byte, the key for the next draw). The sampler's own
+    draw (``model/inference/sampling.py``), byte for byte."""
+    key, draw = jax.random.split(key)
+    logits = logits.astype(jnp.float32)
+    drawn = jax.random.categorical(draw, logits / jnp.maximum(temperature, 1e-6))
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
+
+
+def sample_truncated(logits, key, temperature, top_k, top_p):
+    """As ``sample``, from the distribution cut to its ``top_k`` most likely bytes (0: all) and
+    to the fewest whose probabilities reach ``top_p`` (1: all). Left whole by both, it draws
+    what ``sample`` draws: nothing is cut, and the key and the draw are the same."""
     key, draw = jax.random.split(key)
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature, 1e-6)
@@ -137,15 +151,17 @@ class Engine:
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
+        # Each slot's last byte (the next step's input) and key stay on the device, where the
+        # calls leave them, so that a call is sent before the bytes of the one before are read.
+        self.tokens = jnp.zeros(slots, jnp.int32)
+        self.keys = jnp.zeros((slots, 2), jnp.uint32)
+        self.positions = np.zeros(slots, np.int32)  # each slot's next position, as of the last call sent
+        self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
-        self._decode = jax.jit(self._decode_step, donate_argnums=(1,), static_argnums=(2, 3))
-        self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(3,))
+        self._decode = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
+        self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
         self.active: list[Sequence | None] = [None] * slots
-        self.tokens = np.zeros(slots, np.int32)
-        self.positions = np.zeros(slots, np.int32)
-        self.keys = np.zeros((slots, 2), np.uint32)
-        self.settings = np.zeros((slots, 3), np.float32)  # temperature, top_k, top_p
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.count = 0  # sequences in flight: slots 0 .. count - 1
         self._wake = threading.Condition()
@@ -205,15 +221,27 @@ class Engine:
 
     # --- the compiled programs ---
 
-    def _decode_step(self, params, caches, size: int, fill: int, tokens, positions, keys, settings):
+    def _decode_call(self, params, caches, size: int, fill: int, tokens, keys, positions, settings):
         """The first ``size`` slots ``STEPS_A_CALL`` positions further, in one call, each
         reading the first ``fill`` positions of its cache: each slot's last byte written into
         its cache at its position and the next byte drawn, ``STEPS_A_CALL`` times (a slot past
         the sequences in flight computes too, and is ignored, as are the bytes past a
-        sequence's end); the bytes drawn (steps, size), the keys after them, the caches."""
+        sequence's end); the bytes drawn (steps, size), every slot's last byte and key after
+        them, the caches."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
+        settings = settings[:size]
         temperature, top_k, top_p = settings[:, 0], settings[:, 1].astype(jnp.int32), settings[:, 2]
+        # Sorting for top_k and top_p costs more than a small model's step: only a call with a
+        # slot that cuts its distribution sorts (the same draws either way).
+        truncating = jnp.any((top_k > 0) | (top_p < 1.0))
+
+        def draw(logits, keys):
+            return jax.lax.cond(
+                truncating,
+                lambda: jax.vmap(sample_truncated)(logits, keys, temperature, top_k, top_p),
+                lambda: jax.vmap(sample)(logits, keys, temperature),
+            )
 
         def one(token, position, cache):
             logits, written = model(token[None, None], position[None], cache)
@@ -223,7 +251,7 @@ class Engine:
         def step(carry, _):
             tokens, positions, keys, part = carry
             logits, part = jax.vmap(one)(tokens, positions, part)
-            drawn, keys = jax.vmap(sample)(logits, keys, temperature, top_k, top_p)
+            drawn, keys = draw(logits, keys)
             return (drawn, positions + 1, keys, part), drawn
 
         slot_cache = SlotCache if self.select_writes else LayerCache
@@ -237,33 +265,38 @@ class Engine:
             )
 
         parts = tuple(map(cut, caches))
-        (_, _, keys, written), drawn = jax.lax.scan(step, (tokens, positions, keys, parts), length=STEPS_A_CALL)
+        start = (tokens[:size], positions[:size], keys[:size], parts)
+        (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, length=STEPS_A_CALL)
         caches = tuple(map(put, caches, written))
-        return drawn, keys, caches
+        return drawn, tokens.at[:size].set(last), keys.at[:size].set(drawn_keys), caches
 
-    def _move_slot(self, caches, source, target):
-        """Slot ``source``'s cache copied into slot ``target``."""
+    def _move_slot(self, caches, tokens, keys, source, target):
+        """Slot ``source``'s cache, last byte and key copied into slot ``target``."""
         self.compilations += 1
-        return jax.tree.map(
-            lambda layers: jax.lax.dynamic_update_index_in_dim(
-                layers, jax.lax.dynamic_index_in_dim(layers, source, keepdims=False), target, 0
-            ),
-            caches,
-        )
 
-    def _prefill_slot(self, params, caches, slot, size: int, prompt, length, key, settings):
+        def moved(rows):
+            return jax.lax.dynamic_update_index_in_dim(
+                rows, jax.lax.dynamic_index_in_dim(rows, source, keepdims=False), target, 0
+            )
+
+        return jax.tree.map(moved, caches), moved(tokens), moved(keys)
+
+    def _prefill_slot(self, params, caches, tokens, keys, slot, size: int, prompt, length, key, settings):  # noqa: PLR0913 - a jitted program's traced inputs
         """The prompt (padded to ``size``) written into one slot's cache from position 0, and
-        the byte after its ``length`` real bytes drawn. The padding's keys sit past the
-        prompt, where each decode step writes its own before any query reads that far."""
+        the byte after its ``length`` real bytes drawn: it and the key after it become the
+        slot's. The padding's keys sit past the prompt, where each decode step writes its own
+        before any query reads that far."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
         cache = jax.tree.map(lambda layer: jax.lax.dynamic_index_in_dim(layer, slot, keepdims=False), caches)
         logits, cache = model(prompt[None], jnp.arange(size), cache)
-        token, key = sample(logits[0, length - 1], key, settings[0], settings[1].astype(jnp.int32), settings[2])
+        token, key = sample_truncated(
+            logits[0, length - 1], key, settings[0], settings[1].astype(jnp.int32), settings[2]
+        )
         caches = jax.tree.map(
             lambda layers, layer: jax.lax.dynamic_update_index_in_dim(layers, layer, slot, 0), caches, cache
         )
-        return token, key, caches
+        return caches, tokens.at[slot].set(token), keys.at[slot].set(key)
 
     def programs(self) -> int:
         """How many programs ``warm`` compiles."""
@@ -280,37 +313,63 @@ class Engine:
             compiled(done)
 
         for size in decode_sizes(self.slots):
-            ints, settings = np.zeros(size, np.int32), np.zeros((size, 3), np.float32)
             for fill in fills(self.window):
-                out = self._decode(self.params, self.caches, size, fill, ints, ints, self.keys[:size], settings)
-                self.caches = out[2]
+                _, self.tokens, self.keys, self.caches = self._decode(
+                    self.params, self.caches, size, fill, self.tokens, self.keys, self.positions, self.settings
+                )
                 one_more()
         for size in buckets(self.window):
-            prompt, settings = np.zeros(size, np.int32), np.zeros(3, np.float32)
-            out = self._prefill(
-                self.params, self.caches, np.int32(0), size, prompt, np.int32(1), self.keys[0], settings
+            self.caches, self.tokens, self.keys = self._prefill(
+                self.params,
+                self.caches,
+                self.tokens,
+                self.keys,
+                np.int32(0),
+                size,
+                np.zeros(size, np.int32),
+                np.int32(1),
+                self.keys[0],
+                self.settings[0],
             )
-            self.caches = out[2]
             one_more()
         if self.slots > 1:
-            self.caches = self._move(self.caches, np.int32(1), np.int32(0))
+            self.caches, self.tokens, self.keys = self._move(
+                self.caches, self.tokens, self.keys, np.int32(1), np.int32(0)
+            )
             one_more()
-        jax.block_until_ready(self.caches)
+        jax.block_until_ready((self.caches, self.tokens, self.keys))
         return time.perf_counter() - started
 
     # --- the engine's thread ---
 
     def _run(self) -> None:
+        """Each round: free slots take waiting sequences, the next decode call is sent, and
+        then the bytes of the call sent the round before are read and handed on, while the
+        device runs this round's: the device waits for no reading. So a sequence that ends
+        before its length (a stop, its client gone) runs one call past its end (those bytes
+        are dropped) before it leaves its slot."""
+        sent: tuple[jax.Array, list[Sequence | None]] | None = None
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self.waiting and not self.count:
+                    while not self._stopping and not self.waiting and not self.count and sent is None:
                         self._wake.wait()
                     if self._stopping:
                         break
-                self._admit()
-                if self.count:
-                    self._step()
+                joined = self._admit()
+                firsts = self.tokens  # with the first byte of each sequence just joined
+                if joined:
+                    firsts.copy_to_host_async()
+                # No call once every sequence in flight has all its bytes drawn (the end of a burst).
+                wanted = any(s.max_tokens > len(s.generated) + s.unread for s in self.active[: self.count] if s)
+                last, sent = sent, self._send() if wanted else None
+                if last is not None:
+                    self._read(*last)
+                if joined:
+                    first = np.asarray(firsts)
+                    for slot, sequence in joined:
+                        sequence.unread -= 1
+                        self._hand_on(sequence, bytes([first[slot]]))
         finally:
             for slot in reversed(range(self.count)):
                 self._leave(slot, "cancelled")
@@ -319,22 +378,24 @@ class Engine:
             for sequence in left:
                 sequence.finish("cancelled")
 
-    def _admit(self) -> None:
-        """Free slots take waiting sequences: one prefill between decode steps while others
-        decode (a long queue does not stall the streams in flight), as many as there are free
-        slots when none does."""
-        busy = self.count > 0
+    def _admit(self) -> list[tuple[int, Sequence]]:
+        """Free slots take waiting sequences: one between decode calls while others decode (a
+        long queue does not stall the streams in flight), as many as there are free slots
+        when none does; (slot, sequence) of each that joined."""
+        joined, busy = [], self.count > 0
         while self.count < self.slots:
             with self._wake:
                 sequence = self.waiting.popleft() if self.waiting else None
             if sequence is None:
-                return
+                break
             if sequence.cancelled.is_set():
                 sequence.finish("cancelled")
                 continue
+            joined.append((self.count, sequence))
             self._join(self.count, sequence)
             if busy:
-                return
+                break
+        return joined
 
     def _join(self, slot: int, sequence: Sequence) -> None:
         size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
@@ -343,73 +404,81 @@ class Engine:
         s = sequence.sampling
         settings = np.array([s.temperature, s.top_k, s.top_p], np.float32)
         key = np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
-        token, key, self.caches = self._prefill(
-            self.params, self.caches, np.int32(slot), size, prompt, np.int32(len(sequence.prompt)), key, settings
+        self.caches, self.tokens, self.keys = self._prefill(
+            self.params,
+            self.caches,
+            self.tokens,
+            self.keys,
+            np.int32(slot),
+            size,
+            prompt,
+            np.int32(len(sequence.prompt)),
+            key,
+            settings,
         )
-        self.active[slot] = sequence
+        self.active[slot], sequence.slot, sequence.unread = sequence, slot, 1
         self.count += 1
-        self.positions[slot] = len(sequence.prompt)
-        self.keys[slot], self.settings[slot] = np.asarray(key), settings
-        self._take(slot, int(token))
+        self.positions[slot], self.settings[slot] = len(sequence.prompt), settings
 
-    def _step(self) -> None:
-        """One decode call of ``STEPS_A_CALL`` steps over the slots in flight."""
+    def _send(self) -> tuple[jax.Array, list[Sequence | None]]:
+        """Sends one decode call of ``STEPS_A_CALL`` steps over the slots in flight: its bytes
+        (on their way to the host) and the sequence in each of its slots."""
         size = next(size for size in decode_sizes(self.slots) if size >= self.count)
         # The last position the call writes, past which no query reads (a rotary ring past
         # the context reads all of it).
         furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
         fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
-        drawn, keys, self.caches = self._decode(
-            self.params,
-            self.caches,
-            size,
-            fill,
-            self.tokens[:size],
-            self.positions[:size],
-            self.keys[:size],
-            self.settings[:size],
+        # Copies: the call may read its inputs after this returns (a CPU reads host memory
+        # where it lies), and these change before then.
+        drawn, self.tokens, self.keys, self.caches = self._decode(
+            self.params, self.caches, size, fill, self.tokens, self.keys, self.positions.copy(), self.settings.copy()
         )
-        drawn, keys = np.asarray(drawn), np.asarray(keys)
-        # Highest first: a sequence that leaves takes the highest one's place, already served.
-        for slot in reversed(range(self.count)):
-            sequence = self.active[slot]
-            self.positions[slot] += STEPS_A_CALL
-            self.keys[slot] = keys[slot]
-            for byte in drawn[:, slot]:
-                self._take(slot, int(byte))
-                if self.active[slot] is not sequence:  # it left (a stop string): the rest is past its end
-                    break
+        drawn.copy_to_host_async()
+        self.positions[: self.count] += STEPS_A_CALL
+        for sequence in self.active[: self.count]:
+            assert sequence is not None
+            sequence.unread += STEPS_A_CALL
+        return drawn, self.active[:size]
 
-    def _take(self, slot: int, byte: int) -> None:
-        """A slot's new byte: handed on as far as no stop sequence may still be starting, and
-        the sequence ended where a stop sequence, its length, or its client's leaving says."""
-        sequence = self.active[slot]
-        assert sequence is not None
+    def _read(self, drawn: jax.Array, served: list[Sequence | None]) -> None:
+        """A call's bytes handed on to the sequences it served that have not ended since."""
+        steps = np.asarray(drawn).astype(np.uint8)
+        # Highest first: of the sequences that end together, those on top leave without a move.
+        for column in reversed(range(len(served))):
+            sequence = served[column]
+            if sequence is not None:
+                sequence.unread -= STEPS_A_CALL
+                if sequence.slot is not None:
+                    self._hand_on(sequence, steps[:, column].tobytes())
+
+    def _hand_on(self, sequence: Sequence, chunk: bytes) -> None:
+        """A sequence's new bytes: handed on as far as no stop sequence may still be starting,
+        and the sequence ended where a stop sequence, its length, or its client's leaving says."""
+        assert sequence.slot is not None
         if sequence.cancelled.is_set():
-            self._leave(slot, "cancelled")
+            self._leave(sequence.slot, "cancelled")
             return
         if sequence.first_byte_s is None:
             sequence.first_byte_s = time.perf_counter() - sequence.queued_at
-        sequence.generated.append(byte)
-        self.tokens[slot] = byte
+        sequence.generated += chunk[: sequence.max_tokens - len(sequence.generated)]
         # A stop can only start in the bytes not handed on yet (any that might start one are
-        # held back): the search reads those, not the whole sequence again for every byte.
+        # held back): the search reads those, not the whole sequence again. The first stop to
+        # complete ends the sequence, where it starts.
         tail = bytes(sequence.generated[sequence.sent :])
-        for stop in sequence.stop:
-            at = tail.find(stop)
-            if at >= 0:
-                del sequence.generated[sequence.sent + at :]
-                self._send(sequence, len(sequence.generated))
-                self._leave(slot, "stop")
-                return
+        found = [(at + len(stop), at) for stop in sequence.stop if (at := tail.find(stop)) >= 0]
+        if found:
+            del sequence.generated[sequence.sent + min(found)[1] :]
+            self._send_bytes(sequence, len(sequence.generated))
+            self._leave(sequence.slot, "stop")
+            return
         if len(sequence.generated) >= sequence.max_tokens:
-            self._send(sequence, len(sequence.generated))
-            self._leave(slot, "length")
+            self._send_bytes(sequence, len(sequence.generated))
+            self._leave(sequence.slot, "length")
             return
         held = max((_partial_stop(tail, stop) for stop in sequence.stop), default=0)
-        self._send(sequence, len(sequence.generated) - held)
+        self._send_bytes(sequence, len(sequence.generated) - held)
 
-    def _send(self, sequence: Sequence, upto: int) -> None:
+    def _send_bytes(self, sequence: Sequence, upto: int) -> None:
         if upto > sequence.sent:
             sequence.emit(bytes(sequence.generated[sequence.sent : upto]))
             sequence.sent = upto
@@ -418,14 +487,18 @@ class Engine:
         """The slot's sequence ends; the highest slot in flight moves into its place."""
         sequence, last = self.active[slot], self.count - 1
         if slot != last:
-            self.caches = self._move(self.caches, np.int32(last), np.int32(slot))
-            self.active[slot] = self.active[last]
-            for held in (self.tokens, self.positions, self.keys, self.settings):
-                held[slot] = held[last]
+            self.caches, self.tokens, self.keys = self._move(
+                self.caches, self.tokens, self.keys, np.int32(last), np.int32(slot)
+            )
+            moved = self.active[slot] = self.active[last]
+            assert moved is not None
+            moved.slot = slot
+            self.positions[slot], self.settings[slot] = self.positions[last], self.settings[last]
         self.active[last] = None
-        self.tokens[last], self.positions[last] = 0, 0
+        self.positions[last], self.settings[last] = 0, WHOLE
         self.count -= 1
         if sequence is not None:
+            sequence.slot = None
             sequence.finish(reason)
 
 

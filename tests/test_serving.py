@@ -88,15 +88,44 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
         engine.stop()
 
 
+def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):
+    """Calls go out before the last one's bytes are read, yet a sequence that ends at its
+    length costs no call after its last byte: 1 byte from the prefill, then 8 a call."""
+    engine = Engine(rope_model, slots=2, queue_limit=4)
+    engine.warm()
+    calls, decode = [], engine._decode
+
+    def counted(*args):
+        calls.append(args[2])  # the slot count
+        return decode(*args)
+
+    engine._decode = counted
+    engine.start()
+    try:
+        for count, expected in ((17, 2), (18, 3), (1, 0)):
+            calls.clear()
+            ((data, reason),) = served(engine, [(b"KING", count, Sampling(temperature=0.7, seed=count))])
+            assert (len(data), reason, len(calls)) == (count, "length", expected)
+            assert data == alone(rope_model, b"KING", count, 0.7, count)
+    finally:
+        engine.stop()
+
+
 def test_top_k_one_is_greedy_and_a_stop_sequence_ends_its_sequence_before_it(rope_model):
-    engine = Engine(rope_model, slots=2, queue_limit=4).start()
+    engine = Engine(rope_model, slots=3, queue_limit=4).start()
     try:
         greedy = alone(rope_model, b"ROMEO:", 40, 0.0, 0)
-        (top1, _), (nucleus, _) = served(
+        (top1, _), (nucleus, _), (whole, _) = served(
             engine,
-            [(b"ROMEO:", 40, Sampling(temperature=1.5, top_k=1, seed=9)), (b"ROMEO:", 40, Sampling(1.5, 0, 1e-6, 9))],
+            [
+                (b"ROMEO:", 40, Sampling(temperature=1.5, top_k=1, seed=9)),
+                (b"ROMEO:", 40, Sampling(1.5, 0, 1e-6, 9)),
+                (b"KING", 40, Sampling(temperature=0.8, seed=4)),
+            ],
         )
         assert top1 == greedy and nucleus == greedy  # one byte kept: the likeliest, whatever the draw
+        # Its calls sorted for the others' cuts; its own distribution, whole, drew the same.
+        assert whole == alone(rope_model, b"KING", 40, 0.8, 4)
         stop = greedy[10:12]
         ((data, reason),) = served(engine, [(b"ROMEO:", 40, Sampling(temperature=0.0))], stop=(stop,))
         assert reason == "stop" and data == greedy[: greedy.find(stop)]
