@@ -1,7 +1,8 @@
 """Continuous batching over the model's key/value cache: a fixed number of slots, each holding
 one sequence's cache, advanced together by one compiled decode step; a request joins a free
-slot at the next step (its prompt written into the slot's cache by a compiled prefill) and
-leaves it when it ends, is stopped, or its client goes away.
+slot at the next call (a prompt of up to ``STEPS_A_CALL`` bytes fed to that call's first steps
+as the sampler feeds one, a longer one written into the slot's cache by a compiled prefill)
+and leaves it when it ends, is stopped, or its client goes away.
 
 The sequences in flight sit in the lowest slots (one that leaves is replaced by the highest),
 and a decode call runs ``STEPS_A_CALL`` steps over the fewest slots of ``decode_sizes`` that
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import BardflowError
+from ..model.inference.sampling import full_precision
 from ..model.network.transformer import LayerCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
@@ -156,10 +158,13 @@ class Engine:
         self.tokens = jnp.zeros(slots, jnp.int32)
         self.keys = jnp.zeros((slots, 2), jnp.uint32)
         self.positions = np.zeros(slots, np.int32)  # each slot's next position, as of the last call sent
+        self.feeding: dict[int, tuple[bytes, np.ndarray]] = {}  # slot: short prompt and key, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
-        self._decode = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
-        self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
+        # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
+        # on a TPU too, whatever else is in flight.
+        self._decode = full_precision(jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3)))
+        self._prefill = full_precision(jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,)))
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
         self.active: list[Sequence | None] = [None] * slots
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -221,13 +226,15 @@ class Engine:
 
     # --- the compiled programs ---
 
-    def _decode_call(self, params, caches, size: int, fill: int, tokens, keys, positions, settings):
+    def _decode_call(self, params, caches, size: int, fill: int, tokens, keys, positions, settings, fed, fed_keys):  # noqa: PLR0913 - a jitted program's traced inputs
         """The first ``size`` slots ``STEPS_A_CALL`` positions further, in one call, each
         reading the first ``fill`` positions of its cache: each slot's last byte written into
         its cache at its position and the next byte drawn, ``STEPS_A_CALL`` times (a slot past
         the sequences in flight computes too, and is ignored, as are the bytes past a
         sequence's end); the bytes drawn (steps, size), every slot's last byte and key after
-        them, the caches."""
+        them, the caches. ``fed`` (slots, steps): a slot that joins with a short prompt takes
+        its bytes as its first steps' input, -1 elsewhere; it starts from its ``fed_keys`` row
+        and draws only from its prompt's last byte on, its key split once a byte kept."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
         settings = settings[:size]
@@ -244,15 +251,21 @@ class Engine:
             )
 
         def one(token, position, cache):
+            if not self.rotary:
+                # A learned position past the context (a step after a sequence's end, its byte
+                # dropped) would look up NaN and store it in the slot's cache, where a weight
+                # of 0 times NaN reaches the slot's next sequence: it takes the last one's.
+                position = jnp.minimum(position, self.window - 1)
             logits, written = model(token[None, None], position[None], cache)
             assert written is not None  # given a cache, the model returns it written
             return logits[0, 0], written
 
-        def step(carry, _):
+        def step(carry, inputs):
             tokens, positions, keys, part = carry
-            logits, part = jax.vmap(one)(tokens, positions, part)
-            drawn, keys = draw(logits, keys)
-            return (drawn, positions + 1, keys, part), drawn
+            forced, kept = inputs
+            logits, part = jax.vmap(one)(jnp.where(forced >= 0, forced, tokens), positions, part)
+            drawn, drawn_keys = draw(logits, keys)
+            return (drawn, positions + 1, jnp.where(kept[:, None], drawn_keys, keys), part), drawn
 
         slot_cache = SlotCache if self.select_writes else LayerCache
 
@@ -265,8 +278,12 @@ class Engine:
             )
 
         parts = tuple(map(cut, caches))
-        start = (tokens[:size], positions[:size], keys[:size], parts)
-        (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, length=STEPS_A_CALL)
+        fed = fed[:size].T  # (steps, size)
+        # A step's byte is kept (and its key split) unless a prompt byte is the next input.
+        kept = jnp.concatenate([fed[1:], jnp.full((1, size), -1, fed.dtype)]) < 0
+        keys_in = jnp.where((fed[0] >= 0)[:, None], fed_keys[:size], keys[:size])
+        start = (tokens[:size], positions[:size], keys_in, parts)
+        (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, (fed, kept))
         caches = tuple(map(put, caches, written))
         return drawn, tokens.at[:size].set(last), keys.at[:size].set(drawn_keys), caches
 
@@ -315,7 +332,7 @@ class Engine:
         for size in decode_sizes(self.slots):
             for fill in fills(self.window):
                 _, self.tokens, self.keys, self.caches = self._decode(
-                    self.params, self.caches, size, fill, self.tokens, self.keys, self.positions, self.settings
+                    self.params, self.caches, size, fill, self.tokens, self.keys, *self._call_inputs({})
                 )
                 one_more()
         for size in buckets(self.window):
@@ -348,7 +365,7 @@ class Engine:
         device runs this round's: the device waits for no reading. So a sequence that ends
         before its length (a stop, its client gone) runs one call past its end (those bytes
         are dropped) before it leaves its slot."""
-        sent: tuple[jax.Array, list[Sequence | None]] | None = None
+        sent: tuple[jax.Array, list[Sequence | None], list[int]] | None = None
         try:
             while True:
                 with self._wake:
@@ -356,18 +373,20 @@ class Engine:
                         self._wake.wait()
                     if self._stopping:
                         break
-                joined = self._admit()
-                firsts = self.tokens  # with the first byte of each sequence just joined
-                if joined:
+                prefilled = self._admit()
+                firsts = self.tokens  # with the first byte of each sequence just prefilled
+                if prefilled:
                     firsts.copy_to_host_async()
                 # No call once every sequence in flight has all its bytes drawn (the end of a burst).
-                wanted = any(s.max_tokens > len(s.generated) + s.unread for s in self.active[: self.count] if s)
+                wanted = bool(self.feeding) or any(
+                    s.max_tokens > len(s.generated) + s.unread for s in self.active[: self.count] if s
+                )
                 last, sent = sent, self._send() if wanted else None
                 if last is not None:
                     self._read(*last)
-                if joined:
+                if prefilled:
                     first = np.asarray(firsts)
-                    for slot, sequence in joined:
+                    for slot, sequence in prefilled:
                         sequence.unread -= 1
                         self._hand_on(sequence, bytes([first[slot]]))
         finally:
@@ -379,10 +398,12 @@ class Engine:
                 sequence.finish("cancelled")
 
     def _admit(self) -> list[tuple[int, Sequence]]:
-        """Free slots take waiting sequences: one between decode calls while others decode (a
-        long queue does not stall the streams in flight), as many as there are free slots
-        when none does; (slot, sequence) of each that joined."""
-        joined, busy = [], self.count > 0
+        """Free slots take waiting sequences. A prompt of up to ``STEPS_A_CALL`` bytes is fed to
+        the next decode call as its slot's first inputs (as the sampler feeds a prompt, a byte
+        a step): every such sequence joins at once. A longer one is prefilled, one between
+        decode calls while others decode (a long queue does not stall the streams in flight),
+        as many as there are free slots when none does; (slot, sequence) of each prefilled."""
+        prefilled, busy = [], self.count > 0
         while self.count < self.slots:
             with self._wake:
                 sequence = self.waiting.popleft() if self.waiting else None
@@ -391,11 +412,24 @@ class Engine:
             if sequence.cancelled.is_set():
                 sequence.finish("cancelled")
                 continue
-            joined.append((self.count, sequence))
-            self._join(self.count, sequence)
-            if busy:
+            if len(sequence.prompt) <= STEPS_A_CALL:
+                self._join_fed(self.count, sequence)
+                continue
+            if busy and prefilled:
+                with self._wake:
+                    self.waiting.appendleft(sequence)
                 break
-        return joined
+            prefilled.append((self.count, sequence))
+            self._join(self.count, sequence)
+        return prefilled
+
+    def _join_fed(self, slot: int, sequence: Sequence) -> None:
+        s = sequence.sampling
+        key = np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
+        self.feeding[slot] = (sequence.prompt, key)
+        self.active[slot], sequence.slot, sequence.unread = sequence, slot, 0
+        self.count += 1
+        self.positions[slot], self.settings[slot] = 0, (s.temperature, s.top_k, s.top_p)
 
     def _join(self, slot: int, sequence: Sequence) -> None:
         size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
@@ -420,36 +454,50 @@ class Engine:
         self.count += 1
         self.positions[slot], self.settings[slot] = len(sequence.prompt), settings
 
-    def _send(self) -> tuple[jax.Array, list[Sequence | None]]:
+    def _send(self) -> tuple[jax.Array, list[Sequence | None], list[int]]:
         """Sends one decode call of ``STEPS_A_CALL`` steps over the slots in flight: its bytes
-        (on their way to the host) and the sequence in each of its slots."""
+        (on their way to the host), the sequence in each of its slots, and the first step
+        whose byte each keeps."""
         size = next(size for size in decode_sizes(self.slots) if size >= self.count)
         # The last position the call writes, past which no query reads (a rotary ring past
         # the context reads all of it).
         furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
         fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
-        # Copies: the call may read its inputs after this returns (a CPU reads host memory
-        # where it lies), and these change before then.
+        # The first step whose byte each slot keeps: a fed prompt's last byte is the input of
+        # the first byte drawn.
+        kept_from = [len(self.feeding[slot][0]) - 1 if slot in self.feeding else 0 for slot in range(size)]
         drawn, self.tokens, self.keys, self.caches = self._decode(
-            self.params, self.caches, size, fill, self.tokens, self.keys, self.positions.copy(), self.settings.copy()
+            self.params, self.caches, size, fill, self.tokens, self.keys, *self._call_inputs(self.feeding)
         )
         drawn.copy_to_host_async()
+        self.feeding = {}
         self.positions[: self.count] += STEPS_A_CALL
-        for sequence in self.active[: self.count]:
+        for sequence, first in zip(self.active[: self.count], kept_from, strict=False):
             assert sequence is not None
-            sequence.unread += STEPS_A_CALL
-        return drawn, self.active[:size]
+            sequence.unread += STEPS_A_CALL - first
+        return drawn, self.active[:size], kept_from
 
-    def _read(self, drawn: jax.Array, served: list[Sequence | None]) -> None:
+    def _call_inputs(self, feeding: dict[int, tuple[bytes, np.ndarray]]) -> tuple[np.ndarray, ...]:
+        """A decode call's inputs from the host: positions, settings, the fed prompts' bytes
+        and their keys. Copies: the call may read them after it is sent (a CPU reads host
+        memory where it lies), and the engine's own change before then."""
+        fed = np.full((self.slots, STEPS_A_CALL), -1, np.int32)
+        fed_keys = np.zeros((self.slots, 2), np.uint32)
+        for slot, (prompt, key) in feeding.items():
+            fed[slot, : len(prompt)] = np.frombuffer(prompt, np.uint8)
+            fed_keys[slot] = key
+        return self.positions.copy(), self.settings.copy(), fed, fed_keys
+
+    def _read(self, drawn: jax.Array, served: list[Sequence | None], kept_from: list[int]) -> None:
         """A call's bytes handed on to the sequences it served that have not ended since."""
         steps = np.asarray(drawn).astype(np.uint8)
         # Highest first: of the sequences that end together, those on top leave without a move.
         for column in reversed(range(len(served))):
             sequence = served[column]
             if sequence is not None:
-                sequence.unread -= STEPS_A_CALL
+                sequence.unread -= STEPS_A_CALL - kept_from[column]
                 if sequence.slot is not None:
-                    self._hand_on(sequence, steps[:, column].tobytes())
+                    self._hand_on(sequence, steps[kept_from[column] :, column].tobytes())
 
     def _hand_on(self, sequence: Sequence, chunk: bytes) -> None:
         """A sequence's new bytes: handed on as far as no stop sequence may still be starting,

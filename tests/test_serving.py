@@ -90,7 +90,9 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
 
 def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):
     """Calls go out before the last one's bytes are read, yet a sequence that ends at its
-    length costs no call after its last byte: 1 byte from the prefill, then 8 a call."""
+    length costs no call after its last byte. A prompt over 8 bytes is prefilled, which draws
+    its first byte, then 8 a call; a shorter one is fed to its first call as its first steps'
+    input, which keeps the bytes drawn from its last byte on: 9 less its length."""
     engine = Engine(rope_model, slots=2, queue_limit=4)
     engine.warm()
     calls, decode = [], engine._decode
@@ -102,11 +104,19 @@ def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_need
     engine._decode = counted
     engine.start()
     try:
-        for count, expected in ((17, 2), (18, 3), (1, 0)):
+        for prompt, count, expected in (
+            (b"KING RICHARD:", 17, 2),
+            (b"KING RICHARD:", 18, 3),
+            (b"KING RICHARD:", 1, 0),
+            (b"KING", 5, 1),
+            (b"KING", 13, 2),
+            (b"KING", 14, 3),
+            (b"x", 8, 1),
+        ):
             calls.clear()
-            ((data, reason),) = served(engine, [(b"KING", count, Sampling(temperature=0.7, seed=count))])
-            assert (len(data), reason, len(calls)) == (count, "length", expected)
-            assert data == alone(rope_model, b"KING", count, 0.7, count)
+            ((data, reason),) = served(engine, [(prompt, count, Sampling(temperature=0.7, seed=count))])
+            assert (len(data), reason, len(calls)) == (count, "length", expected), (prompt, count)
+            assert data == alone(rope_model, prompt, count, 0.7, count)
     finally:
         engine.stop()
 

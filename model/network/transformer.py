@@ -165,8 +165,7 @@ class CausalSelfAttention(nnx.Module):
         k, v = self._heads_first(k), self._heads_first(v)
         if cache is not None:  # these positions' keys and values join the cache
             # A ring: past the window, position p overwrites the key of p - window, which
-            # has left the context (rotary positions; learned ones get there only in a serving
-            # call's steps past a sequence's end, whose bytes are dropped).
+            # has left the context (rotary positions; learned ones end at the window).
             cache = cache.written(k, v, positions[0] % cache.keys.shape[1])
             k, v = cache
         if last_only:
