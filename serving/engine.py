@@ -226,7 +226,9 @@ class Engine:
 
     # --- the compiled programs ---
 
-    def _decode_call(self, params, caches, size: int, fill: int, tokens, keys, positions, settings, fed, fed_keys):  # noqa: PLR0913 - a jitted program's traced inputs
+    def _decode_call(  # noqa: PLR0913 - a jitted program's traced inputs
+        self, params, caches, size: int, fill: int, tokens, keys, positions, settings, fed, kept_from, fed_keys
+    ):
         """The first ``size`` slots ``STEPS_A_CALL`` positions further, in one call, each
         reading the first ``fill`` positions of its cache: each slot's last byte written into
         its cache at its position and the next byte drawn, ``STEPS_A_CALL`` times (a slot past
@@ -234,7 +236,7 @@ class Engine:
         sequence's end); the bytes drawn (steps, size), every slot's last byte and key after
         them, the caches. ``fed`` (slots, steps): a slot that joins with a short prompt takes
         its bytes as its first steps' input, -1 elsewhere; it starts from its ``fed_keys`` row
-        and draws only from its prompt's last byte on, its key split once a byte kept."""
+        and keeps the bytes of steps ``kept_from`` on, its key split once a byte kept."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
         settings = settings[:size]
@@ -279,8 +281,7 @@ class Engine:
 
         parts = tuple(map(cut, caches))
         fed = fed[:size].T  # (steps, size)
-        # A step's byte is kept (and its key split) unless a prompt byte is the next input.
-        kept = jnp.concatenate([fed[1:], jnp.full((1, size), -1, fed.dtype)]) < 0
+        kept = jnp.arange(STEPS_A_CALL)[:, None] >= kept_from[None, :size]
         keys_in = jnp.where((fed[0] >= 0)[:, None], fed_keys[:size], keys[:size])
         start = (tokens[:size], positions[:size], keys_in, parts)
         (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, (fed, kept))
@@ -423,21 +424,22 @@ class Engine:
             self._join(self.count, sequence)
         return prefilled
 
-    def _join_fed(self, slot: int, sequence: Sequence) -> None:
+    def _seat(self, slot: int, sequence: Sequence, position: int, unread: int) -> np.ndarray:
+        """The sequence in the slot, at ``position``; its first key (from its seed)."""
         s = sequence.sampling
-        key = np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
-        self.feeding[slot] = (sequence.prompt, key)
-        self.active[slot], sequence.slot, sequence.unread = sequence, slot, 0
+        self.active[slot], sequence.slot, sequence.unread = sequence, slot, unread
         self.count += 1
-        self.positions[slot], self.settings[slot] = 0, (s.temperature, s.top_k, s.top_p)
+        self.positions[slot], self.settings[slot] = position, (s.temperature, s.top_k, s.top_p)
+        return np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
+
+    def _join_fed(self, slot: int, sequence: Sequence) -> None:
+        self.feeding[slot] = (sequence.prompt, self._seat(slot, sequence, 0, 0))
 
     def _join(self, slot: int, sequence: Sequence) -> None:
         size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
         prompt = np.zeros(size, np.int32)
         prompt[: len(sequence.prompt)] = np.frombuffer(sequence.prompt, np.uint8)
-        s = sequence.sampling
-        settings = np.array([s.temperature, s.top_k, s.top_p], np.float32)
-        key = np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
+        key = self._seat(slot, sequence, len(sequence.prompt), 1)
         self.caches, self.tokens, self.keys = self._prefill(
             self.params,
             self.caches,
@@ -448,11 +450,8 @@ class Engine:
             prompt,
             np.int32(len(sequence.prompt)),
             key,
-            settings,
+            self.settings[slot].copy(),
         )
-        self.active[slot], sequence.slot, sequence.unread = sequence, slot, 1
-        self.count += 1
-        self.positions[slot], self.settings[slot] = len(sequence.prompt), settings
 
     def _send(self) -> tuple[jax.Array, list[Sequence | None], list[int]]:
         """Sends one decode call of ``STEPS_A_CALL`` steps over the slots in flight: its bytes
@@ -463,30 +462,31 @@ class Engine:
         # the context reads all of it).
         furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
         fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
-        # The first step whose byte each slot keeps: a fed prompt's last byte is the input of
-        # the first byte drawn.
-        kept_from = [len(self.feeding[slot][0]) - 1 if slot in self.feeding else 0 for slot in range(size)]
+        positions, settings, fed, kept_from, fed_keys = self._call_inputs(self.feeding)
         drawn, self.tokens, self.keys, self.caches = self._decode(
-            self.params, self.caches, size, fill, self.tokens, self.keys, *self._call_inputs(self.feeding)
+            self.params, self.caches, size, fill, self.tokens, self.keys, positions, settings, fed, kept_from, fed_keys
         )
         drawn.copy_to_host_async()
         self.feeding = {}
         self.positions[: self.count] += STEPS_A_CALL
-        for sequence, first in zip(self.active[: self.count], kept_from, strict=False):
+        for sequence, first in zip(self.active[: self.count], kept_from.tolist(), strict=False):
             assert sequence is not None
             sequence.unread += STEPS_A_CALL - first
-        return drawn, self.active[:size], kept_from
+        return drawn, self.active[:size], kept_from[:size].tolist()
 
     def _call_inputs(self, feeding: dict[int, tuple[bytes, np.ndarray]]) -> tuple[np.ndarray, ...]:
-        """A decode call's inputs from the host: positions, settings, the fed prompts' bytes
-        and their keys. Copies: the call may read them after it is sent (a CPU reads host
-        memory where it lies), and the engine's own change before then."""
+        """A decode call's inputs from the host: positions, settings, the fed prompts' bytes,
+        the first step whose byte each slot keeps, and the fed prompts' keys. Copies: the call
+        may read them after it is sent (a CPU reads host memory where it lies), and the
+        engine's own change before then."""
         fed = np.full((self.slots, STEPS_A_CALL), -1, np.int32)
+        kept_from = np.zeros(self.slots, np.int32)
         fed_keys = np.zeros((self.slots, 2), np.uint32)
         for slot, (prompt, key) in feeding.items():
             fed[slot, : len(prompt)] = np.frombuffer(prompt, np.uint8)
+            kept_from[slot] = len(prompt) - 1  # the prompt's last byte is the first kept byte's input
             fed_keys[slot] = key
-        return self.positions.copy(), self.settings.copy(), fed, fed_keys
+        return self.positions.copy(), self.settings.copy(), fed, kept_from, fed_keys
 
     def _read(self, drawn: jax.Array, served: list[Sequence | None], kept_from: list[int]) -> None:
         """A call's bytes handed on to the sequences it served that have not ended since."""
