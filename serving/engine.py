@@ -117,6 +117,13 @@ def sample_truncated(logits, key, temperature, top_k, top_p):
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
 
 
+def seeded(seed):
+    """The key data a seed starts from, as the sampler's ``jax.random.key(seed)`` holds it;
+    worked out inside a compiled program (one dispatch and read back per request would cost
+    more than a decode call on a TPU)."""
+    return jax.random.key_data(jax.random.key(seed))
+
+
 def buckets(window: int) -> list[int]:
     """The prefill lengths: powers of two from ``MIN_BUCKET`` up to the context, and the context."""
     sizes, size = [], MIN_BUCKET
@@ -148,17 +155,21 @@ class Engine:
         self.window, self.rotary = model.max_seq_len, model.rotary
         self.slots, self.queue_limit = slots, queue_limit
         # How a decode step stores each slot's new key: a TPU runs the scatter (each slot at a
-        # position of its own) as a loop over the slots and streams a select faster; a CPU
-        # scatters in place, where the select copies the part read (docs/serving.md).
+        # position of its own) as a loop over the slots and streams a select faster, over a
+        # cache whose positions run along its last axis (``SlotCache``); a CPU scatters in
+        # place, where the select copies the part read (docs/serving.md).
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
+        self.slot_cache = SlotCache if self.select_writes else LayerCache
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
+        if self.select_writes:
+            one = tuple(SlotCache(*(half.swapaxes(1, 2) for half in layer)) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the
         # calls leave them, so that a call is sent before the bytes of the one before are read.
         self.tokens = jnp.zeros(slots, jnp.int32)
         self.keys = jnp.zeros((slots, 2), jnp.uint32)
         self.positions = np.zeros(slots, np.int32)  # each slot's next position, as of the last call sent
-        self.feeding: dict[int, tuple[bytes, np.ndarray]] = {}  # slot: short prompt and key, for the next call
+        self.feeding: dict[int, tuple[bytes, int]] = {}  # slot: short prompt and seed, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
         # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
@@ -227,7 +238,7 @@ class Engine:
     # --- the compiled programs ---
 
     def _decode_call(  # noqa: PLR0913 - a jitted program's traced inputs
-        self, params, caches, size: int, fill: int, tokens, keys, positions, settings, fed, kept_from, fed_keys
+        self, params, caches, size: int, fill: int, tokens, keys, positions, settings, fed, kept_from, fed_seeds
     ):
         """The first ``size`` slots ``STEPS_A_CALL`` positions further, in one call, each
         reading the first ``fill`` positions of its cache: each slot's last byte written into
@@ -235,7 +246,7 @@ class Engine:
         the sequences in flight computes too, and is ignored, as are the bytes past a
         sequence's end); the bytes drawn (steps, size), every slot's last byte and key after
         them, the caches. ``fed`` (slots, steps): a slot that joins with a short prompt takes
-        its bytes as its first steps' input, -1 elsewhere; it starts from its ``fed_keys`` row
+        its bytes as its first steps' input, -1 elsewhere; it starts from its ``fed_seeds`` key
         and keeps the bytes of steps ``kept_from`` on, its key split once a byte kept."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
@@ -269,20 +280,18 @@ class Engine:
             drawn, drawn_keys = draw(logits, keys)
             return (drawn, positions + 1, jnp.where(kept[:, None], drawn_keys, keys), part), drawn
 
-        slot_cache = SlotCache if self.select_writes else LayerCache
-
         def cut(layer):  # the slots' first ``fill`` positions
-            return slot_cache(*(half[:size, :, :fill] for half in layer))
+            return self.slot_cache(*(half[:size] for half in layer)).first(fill)
 
         def put(layer, part):
-            return LayerCache(
+            return type(layer)(
                 *(jax.lax.dynamic_update_slice(w, p, (0, 0, 0, 0)) for w, p in zip(layer, part, strict=True))
             )
 
         parts = tuple(map(cut, caches))
         fed = fed[:size].T  # (steps, size)
         kept = jnp.arange(STEPS_A_CALL)[:, None] >= kept_from[None, :size]
-        keys_in = jnp.where((fed[0] >= 0)[:, None], fed_keys[:size], keys[:size])
+        keys_in = jnp.where((fed[0] >= 0)[:, None], jax.vmap(seeded)(fed_seeds[:size]), keys[:size])
         start = (tokens[:size], positions[:size], keys_in, parts)
         (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, (fed, kept))
         caches = tuple(map(put, caches, written))
@@ -299,17 +308,17 @@ class Engine:
 
         return jax.tree.map(moved, caches), moved(tokens), moved(keys)
 
-    def _prefill_slot(self, params, caches, tokens, keys, slot, size: int, prompt, length, key, settings):  # noqa: PLR0913 - a jitted program's traced inputs
+    def _prefill_slot(self, params, caches, tokens, keys, slot, size: int, prompt, length, seed, settings):  # noqa: PLR0913 - a jitted program's traced inputs
         """The prompt (padded to ``size``) written into one slot's cache from position 0, and
-        the byte after its ``length`` real bytes drawn: it and the key after it become the
-        slot's. The padding's keys sit past the prompt, where each decode step writes its own
-        before any query reads that far."""
+        the byte after its ``length`` real bytes drawn from its ``seed``: it and the key after
+        it become the slot's. The padding's keys sit past the prompt, where each decode step
+        writes its own before any query reads that far."""
         self.compilations += 1
         model = nnx.merge(self.graphdef, params)
         cache = jax.tree.map(lambda layer: jax.lax.dynamic_index_in_dim(layer, slot, keepdims=False), caches)
         logits, cache = model(prompt[None], jnp.arange(size), cache)
         token, key = sample_truncated(
-            logits[0, length - 1], key, settings[0], settings[1].astype(jnp.int32), settings[2]
+            logits[0, length - 1], seeded(seed), settings[0], settings[1].astype(jnp.int32), settings[2]
         )
         caches = jax.tree.map(
             lambda layers, layer: jax.lax.dynamic_update_index_in_dim(layers, layer, slot, 0), caches, cache
@@ -346,7 +355,7 @@ class Engine:
                 size,
                 np.zeros(size, np.int32),
                 np.int32(1),
-                self.keys[0],
+                np.int32(0),
                 self.settings[0],
             )
             one_more()
@@ -424,22 +433,22 @@ class Engine:
             self._join(self.count, sequence)
         return prefilled
 
-    def _seat(self, slot: int, sequence: Sequence, position: int, unread: int) -> np.ndarray:
-        """The sequence in the slot, at ``position``; its first key (from its seed)."""
+    def _seat(self, slot: int, sequence: Sequence, position: int, unread: int) -> None:
+        """The sequence in the slot, at ``position``."""
         s = sequence.sampling
         self.active[slot], sequence.slot, sequence.unread = sequence, slot, unread
         self.count += 1
         self.positions[slot], self.settings[slot] = position, (s.temperature, s.top_k, s.top_p)
-        return np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
 
     def _join_fed(self, slot: int, sequence: Sequence) -> None:
-        self.feeding[slot] = (sequence.prompt, self._seat(slot, sequence, 0, 0))
+        self._seat(slot, sequence, 0, 0)
+        self.feeding[slot] = (sequence.prompt, sequence.sampling.seed)
 
     def _join(self, slot: int, sequence: Sequence) -> None:
         size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
         prompt = np.zeros(size, np.int32)
         prompt[: len(sequence.prompt)] = np.frombuffer(sequence.prompt, np.uint8)
-        key = self._seat(slot, sequence, len(sequence.prompt), 1)
+        self._seat(slot, sequence, len(sequence.prompt), 1)
         self.caches, self.tokens, self.keys = self._prefill(
             self.params,
             self.caches,
@@ -449,7 +458,7 @@ class Engine:
             size,
             prompt,
             np.int32(len(sequence.prompt)),
-            key,
+            np.int32(sequence.sampling.seed),
             self.settings[slot].copy(),
         )
 
@@ -462,9 +471,9 @@ class Engine:
         # the context reads all of it).
         furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
         fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
-        positions, settings, fed, kept_from, fed_keys = self._call_inputs(self.feeding)
+        positions, settings, fed, kept_from, fed_seeds = self._call_inputs(self.feeding)
         drawn, self.tokens, self.keys, self.caches = self._decode(
-            self.params, self.caches, size, fill, self.tokens, self.keys, positions, settings, fed, kept_from, fed_keys
+            self.params, self.caches, size, fill, self.tokens, self.keys, positions, settings, fed, kept_from, fed_seeds
         )
         drawn.copy_to_host_async()
         self.feeding = {}
@@ -474,19 +483,19 @@ class Engine:
             sequence.unread += STEPS_A_CALL - first
         return drawn, self.active[:size], kept_from[:size].tolist()
 
-    def _call_inputs(self, feeding: dict[int, tuple[bytes, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    def _call_inputs(self, feeding: dict[int, tuple[bytes, int]]) -> tuple[np.ndarray, ...]:
         """A decode call's inputs from the host: positions, settings, the fed prompts' bytes,
-        the first step whose byte each slot keeps, and the fed prompts' keys. Copies: the call
+        the first step whose byte each slot keeps, and the fed prompts' seeds. Copies: the call
         may read them after it is sent (a CPU reads host memory where it lies), and the
         engine's own change before then."""
         fed = np.full((self.slots, STEPS_A_CALL), -1, np.int32)
         kept_from = np.zeros(self.slots, np.int32)
-        fed_keys = np.zeros((self.slots, 2), np.uint32)
-        for slot, (prompt, key) in feeding.items():
+        fed_seeds = np.zeros(self.slots, np.int32)
+        for slot, (prompt, seed) in feeding.items():
             fed[slot, : len(prompt)] = np.frombuffer(prompt, np.uint8)
             kept_from[slot] = len(prompt) - 1  # the prompt's last byte is the first kept byte's input
-            fed_keys[slot] = key
-        return self.positions.copy(), self.settings.copy(), fed, kept_from, fed_keys
+            fed_seeds[slot] = seed
+        return self.positions.copy(), self.settings.copy(), fed, kept_from, fed_seeds
 
     def _read(self, drawn: jax.Array, served: list[Sequence | None], kept_from: list[int]) -> None:
         """A call's bytes handed on to the sequences it served that have not ended since."""

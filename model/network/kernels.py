@@ -105,15 +105,17 @@ def _attention_backward(saved, grad_out):
 causal_attention.defvjp(_attention_forward, _attention_backward)
 
 
-def attend(query, keys, values, visible):
+def attend(query, keys, values, visible, positions_last: bool = False):
     """Softmax attention of a few queries over given keys and values, heads first: query
-    (n, queries, head_dim), keys and values (n, length, head_dim), ``visible`` (queries,
-    length) marks what each query may see. -> (n, queries, head_dim). The sampler's
-    counterpart of ``causal_attention``, with the same arithmetic in the same order."""
+    (n, queries, head_dim), keys and values (n, length, head_dim), or (n, head_dim, length)
+    when ``positions_last``; ``visible`` (queries, length) marks what each query may see.
+    -> (n, queries, head_dim). The sampler's counterpart of ``causal_attention``, with the
+    same arithmetic in the same order."""
+    cached = "nds" if positions_last else "nsd"
     query = query * jnp.float32(query.shape[-1] ** -0.5)
-    scores = jnp.where(visible, jnp.einsum("nqd,nsd->nqs", query, keys), -jnp.inf)
+    scores = jnp.where(visible, jnp.einsum(f"nqd,{cached}->nqs", query, keys), -jnp.inf)
     weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
-    return jnp.einsum("nqs,nsd->nqd", weights, values) / weights.sum(axis=-1, keepdims=True)
+    return jnp.einsum(f"nqs,{cached}->nqd", weights, values) / weights.sum(axis=-1, keepdims=True)
 
 
 # cuDNN's fused (flash) attention: what it takes. Its scores never reach memory.

@@ -35,6 +35,10 @@ class LayerCache(NamedTuple):
     keys: jax.Array  # (rows * heads, window, head_dim)
     values: jax.Array
 
+    @property
+    def window(self) -> int:
+        return self.keys.shape[-2]
+
     def written(self, keys, values, at) -> LayerCache:
         """``keys`` and ``values`` (rows * heads, t, head_dim) stored from index ``at`` on."""
         at = (0, at, 0)
@@ -43,21 +47,42 @@ class LayerCache(NamedTuple):
             jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), at),
         )
 
+    def first(self, count: int) -> LayerCache:
+        """The first ``count`` positions (whatever axes lead: the engine's slots)."""
+        return type(self)(self.keys[..., :count, :], self.values[..., :count, :])
+
+    def attended(self, query, visible, filled: int | None = None):
+        """``attend`` over the first ``filled`` positions (all by default)."""
+        return attend(query, *(self if filled is None else self.first(filled)), visible)
+
 
 class SlotCache(LayerCache):
     """A layer's cache for one of many sequences that ``jax.vmap`` advances together, each at a
-    position of its own (the serving engine's slots). Stored in place at a position that
-    differs per sequence, one position is a scatter, which a TPU runs as a loop over the
-    sequences, one small copy each; a select over the cache streams it once."""
+    position of its own (the serving engine's slots on a TPU). Stored in place at a position
+    that differs per sequence, one position is a scatter, which a TPU runs as a loop over the
+    sequences, one small copy each; a select over the cache streams it once. Positions run
+    along the last axis, (rows * heads, head_dim, window): the layout in which a TPU runs the
+    engine's select and attention fastest (docs/serving.md)."""
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[-1]
 
     def written(self, keys, values, at) -> LayerCache:
-        if keys.shape[1] != 1:
-            return super().written(keys, values, at)
-        hit = (jnp.arange(self.keys.shape[1]) == at)[None, :, None]
-        return SlotCache(
-            jnp.where(hit, keys.astype(self.keys.dtype), self.keys),
-            jnp.where(hit, values.astype(self.values.dtype), self.values),
-        )
+        keys, values = (x.swapaxes(1, 2).astype(self.keys.dtype) for x in (keys, values))
+        if keys.shape[2] != 1:
+            return SlotCache(
+                jax.lax.dynamic_update_slice(self.keys, keys, (0, 0, at)),
+                jax.lax.dynamic_update_slice(self.values, values, (0, 0, at)),
+            )
+        hit = jnp.arange(self.window) == at
+        return SlotCache(jnp.where(hit, keys, self.keys), jnp.where(hit, values, self.values))
+
+    def first(self, count: int) -> LayerCache:
+        return SlotCache(self.keys[..., :count], self.values[..., :count])
+
+    def attended(self, query, visible, filled: int | None = None):
+        return attend(query, *(self if filled is None else self.first(filled)), visible, positions_last=True)
 
 
 class Linear(nnx.Linear):
@@ -162,18 +187,16 @@ class CausalSelfAttention(nnx.Module):
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return self.out(mixed.reshape(x.shape)), None
         q, k, v = (t.reshape(x.shape) for t in (q, k, v))
-        k, v = self._heads_first(k), self._heads_first(v)
+        read = LayerCache(self._heads_first(k), self._heads_first(v))
         if cache is not None:  # these positions' keys and values join the cache
             # A ring: past the window, position p overwrites the key of p - window, which
             # has left the context (rotary positions; learned ones end at the window).
-            cache = cache.written(k, v, positions[0] % cache.keys.shape[1])
-            k, v = cache
+            read = cache = cache.written(*read, positions[0] % cache.window)
         if last_only:
             q, positions = q[:, -1:], positions[-1:]
-        if filled is not None:  # only the cache's first ``filled`` slots hold keys yet: read no more
-            k, v = k[:, :filled], v[:, :filled]
-        visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (queries, keys)
-        return self.out(self._heads_last(attend(self._heads_first(q), k, v, visible))), cache
+        # Only the cache's first ``filled`` slots hold keys yet: read no more.
+        visible = jnp.arange(filled or read.window)[None, :] <= positions[:, None]  # (queries, keys)
+        return self.out(self._heads_last(read.attended(self._heads_first(q), visible, filled))), cache
 
 
 class MLP(nnx.Module):
