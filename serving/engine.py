@@ -61,6 +61,11 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # The seed enters the compiled calls as a 32-bit integer, and becomes a key there.
+        if not 0 <= self.seed < 2**31:
+            raise ServingError(f"seed {self.seed} is outside 0 .. 2**31 - 1; pick a seed in that range")
+
 
 @dataclass
 class Sequence:

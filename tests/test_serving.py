@@ -192,6 +192,8 @@ def test_the_engine_refuses_what_it_cannot_serve_and_a_full_queue():
         engine.check(b"x" * 10, 23)
     with pytest.raises(ServingError, match="the prompt is empty"):
         engine.check(b"", 1)
+    with pytest.raises(ServingError, match=r"seed 2147483648 is outside 0 .. 2\*\*31 - 1"):
+        Sampling(seed=2**31)
     engine.submit([Sequence(b"a", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
     with pytest.raises(ServerFull, match="0 of 1 slots busy and 1 requests waiting"):
         engine.submit([Sequence(b"b", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
