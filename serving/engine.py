@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import BardflowError
-from ..model.inference.sampling import full_precision
+from ..model.inference.sampling import full_precision, pick
 from ..model.network.transformer import LayerCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
@@ -93,12 +93,10 @@ class Sequence:
 
 def sample(logits, key, temperature):
     """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the whole
-    distribution at ``temperature``; (the byte, the key for the next draw). The sampler's own
-    draw (``model/inference/sampling.py``), byte for byte."""
-    key, draw = jax.random.split(key)
-    logits = logits.astype(jnp.float32)
-    drawn = jax.random.categorical(draw, logits / jnp.maximum(temperature, 1e-6))
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
+    distribution at ``temperature``; (the byte, the key for the next draw): the sampler's own
+    draw (``pick``) for one row."""
+    keys, drawn = pick(logits[None].astype(jnp.float32), key[None], temperature)
+    return drawn[0].astype(jnp.int32), keys[0]
 
 
 def sample_truncated(logits, key, temperature, top_k, top_p):
@@ -166,8 +164,7 @@ class Engine:
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         self.slot_cache = SlotCache if self.select_writes else LayerCache
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
-        if self.select_writes:
-            one = tuple(SlotCache(*(half.swapaxes(1, 2) for half in layer)) for layer in one)
+        one = tuple(self.slot_cache.laid_out(layer) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the
         # calls leave them, so that a call is sent before the bytes of the one before are read.

@@ -43,7 +43,7 @@ def full_precision(run: Callable[..., T]) -> Callable[..., T]:
     return precise
 
 
-def _pick(logits, keys, temperature):
+def pick(logits, keys, temperature):
     """One byte per row, each row drawing from its own key exactly as a batch of one would:
     (next keys, bytes). Temperature 0 is greedy."""
     pairs = jax.vmap(jax.random.split)(keys)
@@ -62,7 +62,7 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
     def one_byte(i, carry):
         context, keys, out = carry
         logits, _ = model(context, last_only=True)
-        keys, token = _pick(logits[:, 0], keys, temperature)
+        keys, token = pick(logits[:, 0], keys, temperature)
         token = token.astype(context.dtype)
         context = jnp.roll(context, -1, axis=1).at[:, -1].set(token)
         return context, keys, out.at[:, i].set(token)
@@ -72,7 +72,7 @@ def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
 
 
 def _noise(keys, count, size: int, vocab: int):
-    """What ``_pick`` would draw for the next ``count`` (<= ``size``) bytes, all at once:
+    """What ``pick`` would draw for the next ``count`` (<= ``size``) bytes, all at once:
     (the keys after ``count`` bytes, Gumbel noise (size, rows, vocab)). Sampling a byte is
     ``argmax(logits / temperature + noise)``, exactly ``jax.random.categorical``. Drawn
     inside the byte loop, each byte's key split and noise are two small loops of their own

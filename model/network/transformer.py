@@ -39,6 +39,11 @@ class LayerCache(NamedTuple):
     def window(self) -> int:
         return self.keys.shape[-2]
 
+    @classmethod
+    def laid_out(cls, layer: LayerCache) -> LayerCache:
+        """``layer``'s keys and values (positions second, as ``init_cache`` lays them) in this class's layout."""
+        return cls(*layer)
+
     def written(self, keys, values, at) -> LayerCache:
         """``keys`` and ``values`` (rows * heads, t, head_dim) stored from index ``at`` on."""
         at = (0, at, 0)
@@ -67,6 +72,10 @@ class SlotCache(LayerCache):
     @property
     def window(self) -> int:
         return self.keys.shape[-1]
+
+    @classmethod
+    def laid_out(cls, layer: LayerCache) -> LayerCache:
+        return cls(*(half.swapaxes(-1, -2) for half in layer))
 
     def written(self, keys, values, at) -> LayerCache:
         keys, values = (x.swapaxes(1, 2).astype(self.keys.dtype) for x in (keys, values))
