@@ -40,6 +40,10 @@ from ..model.network.transformer import LayerCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
 STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
+# Parts shorter than a quarter of the context stop here: each is one more program per decode
+# size, and with positions along the last axis (a TPU) a shorter part still reads a whole row
+# of 128 lanes.
+SHORTEST_FILL = 128
 WHOLE = (0.0, 0, 1.0)  # the settings of a free slot: temperature, top_k, top_p that cut nothing
 
 
@@ -137,9 +141,15 @@ def buckets(window: int) -> list[int]:
 
 
 def fills(window: int) -> list[int]:
-    """The parts of a slot's cache a decode call reads: its first quarter, half, or all of
-    it (all of it where the context does not split in four)."""
-    return [window // 4, window // 2, window] if window % 4 == 0 else [window]
+    """The parts of a slot's cache a decode call reads: its first quarter, half, or all of it
+    (all of it where the context does not split in four), and shorter halvings down to
+    ``SHORTEST_FILL`` positions (``gpt2``'s 1,024: 128, 256, 512 or 1,024)."""
+    if window % 4:
+        return [window]
+    parts = [window // 4, window // 2, window]
+    while parts[0] % 2 == 0 and parts[0] // 2 >= SHORTEST_FILL:
+        parts.insert(0, parts[0] // 2)
+    return parts
 
 
 def decode_sizes(slots: int) -> list[int]:

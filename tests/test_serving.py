@@ -19,7 +19,17 @@ from bardflow.config.settings import build_config
 from bardflow.model.inference.sampling import generate
 from bardflow.model.network.transformer import build_model
 from bardflow.serving.api import MAX_BODY, create_app
-from bardflow.serving.engine import Engine, Sampling, Sequence, ServerFull, ServingError, buckets, decode_sizes, fills
+from bardflow.serving.engine import (
+    SHORTEST_FILL,
+    Engine,
+    Sampling,
+    Sequence,
+    ServerFull,
+    ServingError,
+    buckets,
+    decode_sizes,
+    fills,
+)
 
 MODEL_ID = "bardflow-test"
 ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring
@@ -57,6 +67,18 @@ def served(engine: Engine, requests: list[tuple[bytes, int, Sampling]], stop=())
     for _ in requests:
         assert left.acquire(timeout=120)
     return [(bytes(data), reason) for data, reason in results]
+
+
+def test_a_call_reads_the_shortest_part_of_the_cache_that_holds_its_positions():
+    # Every context is read whole or in halvings; a quarter always; shorter parts only where
+    # they stay at least SHORTEST_FILL positions long (each is a program per decode size).
+    for window in (24, 32, 128, 256, 1024, 4096):
+        parts = fills(window)
+        assert parts == sorted(parts) and parts[-1] == window
+        assert all(b == 2 * a for a, b in zip(parts, parts[1:], strict=False))
+        assert parts[0] == window // 4 or SHORTEST_FILL <= parts[0] < 2 * SHORTEST_FILL
+    assert fills(1024) == [128, 256, 512, 1024]  # gpt2: 200 bytes of a new request read 128, then 256
+    assert fills(100) == [25, 50, 100] and fills(30) == [30]
 
 
 @pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
