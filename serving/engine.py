@@ -23,10 +23,12 @@ responses.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import jax
@@ -186,8 +188,9 @@ class Engine:
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
         # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
         # on a TPU too, whatever else is in flight.
-        self._decode = full_precision(jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3)))
-        self._prefill = full_precision(jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,)))
+        self._decode_jit = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
+        self._prefill_jit = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
+        self._decode, self._prefill = full_precision(self._decode_jit), full_precision(self._prefill_jit)
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
         self.active: list[Sequence | None] = [None] * slots
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -343,39 +346,52 @@ class Engine:
 
     def warm(self, compiled: Callable[[int], None] = lambda done: None) -> float:
         """Compiles every program before the first request (call before ``start``), telling
-        ``compiled`` how many are done after each; returns the seconds it took."""
-        started, done = time.perf_counter(), 0
+        ``compiled`` how many are done after each; returns the seconds it took. The programs are
+        traced one after another and compiled, each run once as soon as it is (its jitted
+        function finds it compiled) while the next compile. On an accelerator they compile side
+        by side on the host's cores (compiling one leaves most of them idle); on a CPU one at a
+        time, which measured faster there (docs/serving.md)."""
+        started = time.perf_counter()
+        inputs = self._call_inputs({})
 
-        def one_more() -> None:
-            nonlocal done
-            done += 1
-            compiled(done)
+        def decode(size: int, fill: int) -> None:
+            _, self.tokens, self.keys, self.caches = self._decode(
+                self.params, self.caches, size, fill, self.tokens, self.keys, *inputs
+            )
 
-        for size in decode_sizes(self.slots):
-            for fill in fills(self.window):
-                _, self.tokens, self.keys, self.caches = self._decode(
-                    self.params, self.caches, size, fill, self.tokens, self.keys, *self._call_inputs({})
-                )
-                one_more()
-        for size in buckets(self.window):
+        def prefill(*prompt) -> None:
             self.caches, self.tokens, self.keys = self._prefill(
-                self.params,
-                self.caches,
-                self.tokens,
-                self.keys,
-                np.int32(0),
-                size,
-                np.zeros(size, np.int32),
-                np.int32(1),
-                np.int32(0),
-                self.settings[0],
+                self.params, self.caches, self.tokens, self.keys, *prompt
             )
-            one_more()
+
+        def move(*slots) -> None:
+            self.caches, self.tokens, self.keys = self._move(self.caches, self.tokens, self.keys, *slots)
+
+        programs = []  # (its first run, the program lowered)
+        with jax.default_matmul_precision("highest"):  # as ``full_precision`` runs them
+            for size in decode_sizes(self.slots):
+                for fill in fills(self.window):
+                    lowered = self._decode_jit.lower(
+                        self.params, self.caches, size, fill, self.tokens, self.keys, *inputs
+                    )
+                    programs.append((functools.partial(decode, size, fill), lowered))
+            for size in buckets(self.window):
+                # Slot 0, this length, its bytes, its real length, seed, settings.
+                prompt = (np.int32(0), size, np.zeros(size, np.int32), np.int32(1), np.int32(0), self.settings[0])
+                lowered = self._prefill_jit.lower(self.params, self.caches, self.tokens, self.keys, *prompt)
+                programs.append((functools.partial(prefill, *prompt), lowered))
         if self.slots > 1:
-            self.caches, self.tokens, self.keys = self._move(
-                self.caches, self.tokens, self.keys, np.int32(1), np.int32(0)
+            slots = (np.int32(1), np.int32(0))
+            programs.append(
+                (functools.partial(move, *slots), self._move.lower(self.caches, self.tokens, self.keys, *slots))
             )
-            one_more()
+        workers = 1 if jax.default_backend() == "cpu" else min(len(programs), os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers, "bardflow-compile") as pool:
+            first_runs = {pool.submit(lowered.compile): run for run, lowered in programs}
+            for done, finished in enumerate(as_completed(first_runs), 1):
+                finished.result()
+                first_runs[finished]()
+                compiled(done)
         jax.block_until_ready((self.caches, self.tokens, self.keys))
         return time.perf_counter() - started
 

@@ -7,12 +7,14 @@ some hang up midway."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
 
 import httpx
+import jax
 import pytest
 
 from bardflow.config.settings import build_config
@@ -44,6 +46,23 @@ def rope_model():
 def alone(model, prompt: bytes, count: int, temperature: float, seed: int) -> bytes:
     """What the compiled sampler gives this prompt and seed by itself."""
     return generate(model, prompt.decode(), count, temperature, seed, model.max_seq_len)[len(prompt) :]
+
+
+@contextlib.contextmanager
+def xla_compiles():
+    """The programs XLA is asked for within the block, each compiled or read from the
+    persistent cache (a program found compiled in the process asks for nothing)."""
+    asked: list[str] = []
+
+    def heard(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            asked.append(kwargs.get("fun_name", event))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        yield asked
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
 
 
 def served(engine: Engine, requests: list[tuple[bytes, int, Sampling]], stop=()) -> list[tuple[bytes, str]]:
@@ -84,14 +103,16 @@ def test_a_call_reads_the_shortest_part_of_the_cache_that_holds_its_positions():
 @pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
 def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_warming(rope_model, select_writes):
     engine = Engine(rope_model, slots=3, queue_limit=32, select_writes=select_writes)
-    engine.warm()
+    with xla_compiles() as asked:
+        engine.warm()
     engine.start()
     try:
         # The decode call for 2 and 3 slots over 8, 16 or all 32 positions; a prefill for 16
-        # and 32 bytes; the move of a slot into another's place.
+        # and 32 bytes; the move of a slot into another's place: each traced and compiled once
+        # (side by side), its first run finding it compiled.
         compiled = engine.compilations
         assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (9, [2, 3], [8, 16, 32], [16, 32])
-        assert engine.programs() == compiled
+        assert engine.programs() == compiled == len(asked), asked
         requests = [
             (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
             (b"To be", 40, Sampling(temperature=0.0)),
@@ -100,7 +121,9 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
             (b"x", 10, Sampling(temperature=0.9, seed=5)),
             (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
         ]
-        results = served(engine, requests)  # six requests over three slots: some wait, join, leave
+        with xla_compiles() as asked:
+            results = served(engine, requests)  # six requests over three slots: some wait, join, leave
+        assert not asked
         for (prompt, count, sampling), (data, reason) in zip(requests, results, strict=True):
             assert data == alone(rope_model, prompt, count, sampling.temperature, sampling.seed), prompt
             assert reason == "length"
