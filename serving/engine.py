@@ -386,12 +386,15 @@ class Engine:
                 (functools.partial(move, *slots), self._move.lower(self.caches, self.tokens, self.keys, *slots))
             )
         workers = 1 if jax.default_backend() == "cpu" else min(len(programs), os.cpu_count() or 1)
-        with ThreadPoolExecutor(workers, "bardflow-compile") as pool:
+        pool = ThreadPoolExecutor(workers, "bardflow-compile")
+        try:
             first_runs = {pool.submit(lowered.compile): run for run, lowered in programs}
             for done, finished in enumerate(as_completed(first_runs), 1):
                 finished.result()
                 first_runs[finished]()
                 compiled(done)
+        finally:  # Ctrl-C waits for the compiles under way (XLA's cannot be stopped), not the rest
+            pool.shutdown(cancel_futures=True)
         jax.block_until_ready((self.caches, self.tokens, self.keys))
         return time.perf_counter() - started
 

@@ -133,6 +133,20 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
         engine.stop()
 
 
+def test_a_warm_up_stopped_midway_compiles_no_more_than_is_under_way(rope_model):
+    """Ctrl-C while the programs compile (here: the progress callback raising) waits only for
+    the compiles under way, not for the ones still queued."""
+    engine = Engine(rope_model, slots=3)
+
+    def stopped(done: int) -> None:
+        raise KeyboardInterrupt
+
+    with xla_compiles() as asked, pytest.raises(KeyboardInterrupt):
+        engine.warm(stopped)
+    workers = 1 if jax.default_backend() == "cpu" else engine.programs()
+    assert 1 <= len(asked) <= 1 + workers < engine.programs(), asked
+
+
 def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):
     """Calls go out before the last one's bytes are read, yet a sequence that ends at its
     length costs no call after its last byte. A prompt over 8 bytes is prefilled, which draws
