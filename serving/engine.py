@@ -182,6 +182,13 @@ class Engine:
         # calls leave them, so that a call is sent before the bytes of the one before are read.
         self.tokens = jnp.zeros(slots, jnp.int32)
         self.keys = jnp.zeros((slots, 2), jnp.uint32)
+        # All of it committed to the weights' device: a call's outputs are committed there
+        # (weights restored from a checkpoint are), and a program compiled for uncommitted
+        # first arrays would not fit them, compiling another at the next call.
+        device = next(iter(jax.tree.leaves(self.params)[0].devices()))
+        self.params, self.caches, self.tokens, self.keys = jax.device_put(
+            (self.params, self.caches, self.tokens, self.keys), device
+        )
         self.positions = np.zeros(slots, np.int32)  # each slot's next position, as of the last call sent
         self.feeding: dict[int, tuple[bytes, int]] = {}  # slot: short prompt and seed, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p

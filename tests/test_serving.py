@@ -16,6 +16,7 @@ import time
 import httpx
 import jax
 import pytest
+from flax import nnx
 
 from bardflow.config.settings import build_config
 from bardflow.model.inference.sampling import generate
@@ -102,7 +103,15 @@ def test_a_call_reads_the_shortest_part_of_the_cache_that_holds_its_positions():
 
 @pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
 def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_warming(rope_model, select_writes):
-    engine = Engine(rope_model, slots=3, queue_limit=32, select_writes=select_writes)
+    # Weights on a device of their own, as a restored checkpoint's are: every program's output
+    # then is too, and a program compiled for the engine's first arrays must still fit them.
+    graphdef, weights = nnx.split(rope_model)
+    engine = Engine(
+        nnx.merge(graphdef, jax.device_put(weights, jax.devices()[0])),
+        slots=3,
+        queue_limit=32,
+        select_writes=select_writes,
+    )
     with xla_compiles() as asked:
         engine.warm()
     engine.start()
