@@ -83,6 +83,28 @@ def _stop_signals_end_quietly():
             signal.signal(signum, handler)
 
 
+class _StoppedWhileCompiling(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_compiling():
+    """SIGINT and SIGTERM while the programs compile stop the command (after the compiles under
+    way: XLA's cannot be interrupted) with its one line, not a traceback or a death by signal."""
+
+    def stop(signum, frame) -> None:
+        raise _StoppedWhileCompiling(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def serve(
     model: Transformer,
     model_id: str,
@@ -92,8 +114,16 @@ def serve(
     """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
     compiled before the first request (a terminal bar), told how many are done after each."""
     engine = Engine(model, settings.slots, settings.queue)
-    with (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled:
-        seconds = engine.warm(compiled)
+    try:
+        with (
+            _signals_stop_compiling(),
+            (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled,
+        ):
+            seconds = engine.warm(compiled)
+    except _StoppedWhileCompiling as stopped:
+        name = signal.Signals(stopped.signum).name
+        print(f"bardflow: stopped by {name} while compiling the server's programs", file=sys.stderr, flush=True)
+        return 128 + stopped.signum
     engine.start()
     try:
         url = f"http://{settings.host}:{settings.port}"

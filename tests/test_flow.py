@@ -394,3 +394,31 @@ def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_
     assert process.returncode == 0 and err.strip().endswith("bardflow: the server stopped"), err[-2000:]
     # No terminal, so no bar: one line says what the wait before the first line is.
     assert re.search(r"^bardflow: compiling the server's \d+ programs$", err, re.MULTILINE), err[-2000:]
+
+
+def test_serve_stopped_while_it_compiles_ends_in_one_line(workspace, first_run, run_env):
+    """Ctrl-C while the server's programs compile ends the command with one line and 130 (128
+    + SIGINT), after at most the compiles under way: no traceback, nothing served."""
+    import signal
+    import socket
+    import sys
+
+    from tests.helpers import REPO
+
+    store, _, _ = workspace
+    key = first_run["stages"]["checkpoint"]["key"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "bardflow", "serve", key, "--store", str(store), "--port", str(port)]
+    # No compiled program from the cache: the signal comes while they compile.
+    env = {**run_env, "JAX_COMPILATION_CACHE_DIR": ""}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = iter(process.stderr.readline, "") if process.stderr else iter(())
+        assert any(re.match(r"bardflow: compiling the server's \d+ programs$", line) for line in lines)
+    finally:
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and not out, (out, err)
+    assert err.strip() == "bardflow: stopped by SIGINT while compiling the server's programs", err[-2000:]
