@@ -71,16 +71,14 @@ class StoppingServer(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def _stop_signals_end_quietly():
-    """uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises them
-    again once it has stopped: with these handlers in place by then, that ends the command with
-    its closing line instead of a KeyboardInterrupt's traceback or a death by signal."""
-    previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGINT, signal.SIGTERM)}
+def _stop_signals(handler: Callable[[int, object], None]):
+    """SIGINT and SIGTERM go to ``handler`` within the block; the handlers before, after it."""
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)
 
 
 class _StoppedWhileCompiling(Exception):
@@ -89,20 +87,10 @@ class _StoppedWhileCompiling(Exception):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def _signals_stop_compiling():
+def _stop_compiling(signum: int, frame: object) -> None:
     """SIGINT and SIGTERM while the programs compile stop the command (after the compiles under
     way: XLA's cannot be interrupted) with its one line, not a traceback or a death by signal."""
-
-    def stop(signum, frame) -> None:
-        raise _StoppedWhileCompiling(signum)
-
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    raise _StoppedWhileCompiling(signum)
 
 
 def serve(
@@ -116,7 +104,7 @@ def serve(
     engine = Engine(model, settings.slots, settings.queue)
     try:
         with (
-            _signals_stop_compiling(),
+            _stop_signals(_stop_compiling),
             (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled,
         ):
             seconds = engine.warm(compiled)
@@ -146,7 +134,10 @@ def serve(
             timeout_graceful_shutdown=UVICORN_LIMIT_S,
             access_log=False,
         )
-        with _stop_signals_end_quietly():
+        # uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
+        # them again once it has stopped: ignored by then, they end the command with its closing
+        # line instead of a KeyboardInterrupt's traceback or a death by signal.
+        with _stop_signals(lambda signum, frame: None):
             StoppingServer(config, engine).run()
     finally:
         engine.stop()
