@@ -56,11 +56,24 @@ def check_port(host: str, port: int) -> None:
 
 
 class StoppingServer(uvicorn.Server):
-    """uvicorn's server, whose stop also ends, after ``grace_s``, the streams still running."""
+    """uvicorn's server, which calls ``listening`` once it accepts connections (so that the
+    address it prints answers at once), and whose stop also ends, after ``grace_s``, the
+    streams still running."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float = GRACE_S):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: Engine,
+        listening: Callable[[], None] = lambda: None,
+        grace_s: float = GRACE_S,
+    ):
         super().__init__(config)
-        self.engine, self.grace_s, self.ending = engine, grace_s, None
+        self.engine, self.listening, self.grace_s, self.ending = engine, listening, grace_s, None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.listening()
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -118,13 +131,16 @@ def serve(
         example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
         where = "this machine only" if settings.host in LOCAL_HOSTS else "reachable from other machines"
         said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
-        print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
-        # The command whole on one line, to be copied as it is.
-        print(
-            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
-            flush=True,
-        )
+
+        def listening() -> None:
+            print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
+            # The command whole on one line, to be copied as it is.
+            print(
+                f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
+                flush=True,
+            )
+
         app = create_app(engine, model_id, settings.max_tokens)
         config = uvicorn.Config(
             app,
@@ -138,7 +154,7 @@ def serve(
         # them again once it has stopped: ignored by then, they end the command with its closing
         # line instead of a KeyboardInterrupt's traceback or a death by signal.
         with _stop_signals(lambda signum, frame: None):
-            StoppingServer(config, engine).run()
+            StoppingServer(config, engine, listening).run()
     finally:
         engine.stop()
     print("bardflow: the server stopped", file=sys.stderr, flush=True)

@@ -446,8 +446,9 @@ def test_a_full_server_answers_503_with_retry_after(rope_model):
 
 def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model):
     """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
-    signal handler calls): the stream in flight goes on for the grace, then ends with the finish
-    reason ``abort`` and ``[DONE]``, and the server stops well before uvicorn would cancel it."""
+    signal handler calls), on a server asked at once when it says it listens: the stream in
+    flight goes on for the grace, then ends with the finish reason ``abort`` and ``[DONE]``,
+    and the server stops well before uvicorn would cancel it."""
     import signal
 
     import uvicorn
@@ -462,11 +463,11 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
     config = uvicorn.Config(
         create_app(engine, MODEL_ID, max_tokens=10**6), log_level="warning", timeout_graceful_shutdown=30
     )
-    running = StoppingServer(config, engine, grace_s=0.5)
+    listening = threading.Event()  # what prints the server's address: requests answer from then on
+    running = StoppingServer(config, engine, listening.set, grace_s=0.5)
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    while not running.started:
-        time.sleep(0.02)
+    assert listening.wait(timeout=30)
     body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
     lines: list[str] = []
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
