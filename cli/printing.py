@@ -49,7 +49,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     ]
     console = Console()
     console.print(fitted(f"bardflow run: preset {summary['preset']}, store {summary['store']}", columns, rows))
-    console.print(f"Versions live under {summary['store']}/<stage>/<key>/ (full keys: --json or `bardflow artifacts`)")
+    console.print(f"Versions live under {summary['store']}/<stage>/<key>/")
+    console.print("Full keys: --json or `bardflow artifacts`")  # its own line: a wrap never splits the command
     if any(stage["state"] == "ran (unchanged)" for stage in summary["stages"].values()):
         console.print(
             "ran (unchanged): built again with the same output as the stored version, which is kept: "

@@ -173,7 +173,7 @@ def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypat
     }
     summary = {
         "preset": "cpu",
-        "store": "/home/me/bardflow/store",
+        "store": "/srv/store",  # a short path: the hint after it reaches the 80th column
         "stages": {
             name: {"state": "ran", "key": "ddc481f338a28f94d7e5", "path": "", "metrics": m}
             for name, m in metrics.items()
@@ -187,6 +187,7 @@ def test_the_summary_fits_80_columns_and_ends_with_the_samples(capsys, monkeypat
     for figure in ("1115394", "21925.7", "1.6869", "md5=6fb458f12320…"):
         assert figure in out  # numbers are never split across lines; a checksum is shown by its start
     assert out.rstrip().endswith("In must thou [warrant]") and "seed 42" in out
+    assert "`bardflow artifacts`" in out  # a command to copy is never split across lines
 
 
 def test_listing_a_store_that_does_not_exist_says_so(tmp_path):
