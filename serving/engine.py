@@ -38,7 +38,7 @@ from flax import nnx
 
 from ..errors import BardflowError
 from ..model.inference.sampling import full_precision, pick
-from ..model.network.transformer import LayerCache, SlotCache, Transformer
+from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
 STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
@@ -165,7 +165,14 @@ def decode_sizes(slots: int) -> list[int]:
 class Engine:
     """``slots`` sequences at a time over ``model``; up to ``queue_limit`` more wait for a slot."""
 
-    def __init__(self, model: Transformer, slots: int = 8, queue_limit: int = 64, select_writes: bool | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        slots: int = 8,
+        queue_limit: int = 64,
+        select_writes: bool | None = None,
+        kernels: bool = False,
+    ):
         self.graphdef, self.params = nnx.split(model)
         self.window, self.rotary = model.max_seq_len, model.rotary
         self.slots, self.queue_limit = slots, queue_limit
@@ -175,6 +182,12 @@ class Engine:
         # place, where the select copies the part read (docs/serving.md).
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         self.slot_cache = SlotCache if self.select_writes else LayerCache
+        # Or Pallas TPU kernels store each key in place and read each slot's cache where it
+        # lies (``RowsCache``): the bytes are then the engine's own, alike alone and in a
+        # crowd, but no longer the sampler's bit for bit (docs/serving.md).
+        self.kernels = kernels
+        if kernels:
+            self.slot_cache = RowsCache
         one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
         one = tuple(self.slot_cache.laid_out(layer) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
@@ -291,7 +304,7 @@ class Engine:
                 # dropped) would look up NaN and store it in the slot's cache, where a weight
                 # of 0 times NaN reaches the slot's next sequence: it takes the last one's.
                 position = jnp.minimum(position, self.window - 1)
-            logits, written = model(token[None, None], position[None], cache)
+            logits, written = model(token[None, None], position[None], cache, filled=fill if self.kernels else None)
             assert written is not None  # given a cache, the model returns it written
             return logits[0, 0], written
 
@@ -303,7 +316,8 @@ class Engine:
             return (drawn, positions + 1, jnp.where(kept[:, None], drawn_keys, keys), part), drawn
 
         def cut(layer):  # the slots' first ``fill`` positions
-            return self.slot_cache(*(half[:size] for half in layer)).first(fill)
+            part = self.slot_cache(*(half[:size] for half in layer))
+            return part if self.kernels else part.first(fill)  # the kernels read up to ``fill`` in place
 
         def put(layer, part):
             return type(layer)(

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bardflow.model.network.kernels import causal_attention, dense
+from bardflow.model.network import decode_kernels
+from bardflow.model.network.kernels import attend, causal_attention, dense
 
 
 def value_and_grads(fn, *args):
@@ -112,3 +113,28 @@ def test_pallas_blocks_are_the_largest_tile_that_divides_the_context():
 
     assert [pallas_blocks(n) for n in (128, 256, 384, 1024, 1536)] == [128, 256, 128, 512, 512]
     assert pallas_blocks(1024, largest=1024) == 1024
+
+
+@pytest.mark.parametrize("slots", [8, 3])  # eight slots a grid step, and one
+def test_the_decode_kernels_store_in_place_and_attend_as_the_sampler_s_attention(slots):
+    """Each slot's new key lands at its own position and nowhere else; each slot's query over
+    its cache up to its own position gives ``attend``'s result to float32 rounding (three
+    one-pass bfloat16 products stand for the six of full precision)."""
+    heads, head_dim, window, fill = 2, 16, 32, 16
+    width = heads * head_dim
+    keys = jax.random.split(jax.random.key(3), 4)
+    cache = jax.random.normal(keys[0], (slots, window, width))
+    values = jax.random.normal(keys[1], (slots, window, width))
+    new = jax.random.normal(keys[2], (slots, 1, width))
+    query = jax.random.normal(keys[3], (slots, 1, width))
+    at = jnp.arange(slots, dtype=jnp.int32) * 5 % fill
+
+    stored = decode_kernels.store_all(cache, new, at)
+    np.testing.assert_array_equal(stored, cache.at[jnp.arange(slots), at].set(new[:, 0]))
+
+    got = decode_kernels.attend_all(query, stored, values, at, fill, head_dim)
+    by_heads = lambda x: x.reshape(x.shape[0], heads, head_dim).swapaxes(0, 1)  # noqa: E731 - (heads, positions, head_dim)
+    for slot in range(slots):
+        visible = jnp.arange(fill)[None, :] <= at[slot]
+        want = attend(by_heads(query[slot]), by_heads(stored[slot, :fill]), by_heads(values[slot, :fill]), visible)
+        np.testing.assert_allclose(got[slot, 0], want.swapaxes(0, 1).reshape(width), rtol=2e-6, atol=2e-6)

@@ -156,6 +156,37 @@ def test_a_warm_up_stopped_midway_compiles_no_more_than_is_under_way(rope_model)
     assert 1 <= len(asked) <= 1 + workers < engine.programs(), asked
 
 
+def test_with_the_decode_kernels_a_request_gets_the_same_bytes_in_a_crowd_as_alone(rope_model):
+    """The Pallas decode kernels (Pallas's interpreter here) sum in another order than the
+    sampler, so the bytes they give are the engine's own: the same for a request served alone
+    as among others joining and leaving, and nothing compiles after warming."""
+    requests = [
+        (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
+        (b"To be", 40, Sampling(temperature=0.0)),
+        (b"A" * 30, 25, Sampling(temperature=1.2, seed=3)),
+        (b"KING", 50, Sampling(temperature=0.5, seed=11)),
+        (b"x", 10, Sampling(temperature=0.9, seed=5)),
+        (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
+    ]
+    results = {}
+    for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
+        engine = Engine(rope_model, slots=slots, queue_limit=8, kernels=True)
+        engine.warm()
+        compiled = engine.compilations
+        engine.start()
+        try:
+            with xla_compiles() as asked:
+                results[slots] = served(engine, requests)
+            assert not asked and engine.compilations == compiled == engine.programs()
+        finally:
+            engine.stop()
+    assert results[8] == results[1]
+    assert all(
+        reason == "length" and len(data) == count
+        for (data, reason), (_, count, _) in zip(results[8], requests, strict=True)
+    )
+
+
 def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):
     """Calls go out before the last one's bytes are read, yet a sequence that ends at its
     length costs no call after its last byte. A prompt over 8 bytes is prefilled, which draws

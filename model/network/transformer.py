@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ...config.settings import AttentionKernel, Kernel, ModelConfig
+from . import decode_kernels
 from .kernels import FUSED_DTYPES, attend, causal_attention, dense, pallas_attention
 from .parameters import shape_of
 
@@ -92,6 +93,43 @@ class SlotCache(LayerCache):
 
     def attended(self, query, visible, filled: int | None = None):
         return attend(query, *(self if filled is None else self.first(filled)), visible, positions_last=True)
+
+
+class RowsCache(LayerCache):
+    """A layer's cache for one of the serving engine's slots, read and written by Pallas TPU
+    kernels (``decode_kernels.py``): (1, window, heads * head_dim), each position one row of
+    every head side by side, so that a store in place writes 8 positions (a tile), not 128.
+    A step of one new key reads the cache in place up to ``filled`` (no part cut out); a
+    prompt of several takes XLA's path."""
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[-2]
+
+    @classmethod
+    def laid_out(cls, layer: LayerCache) -> LayerCache:
+        return cls(*(half.swapaxes(0, 1).reshape(1, half.shape[1], -1) for half in layer))
+
+    def heads_first(self, heads: int) -> LayerCache:
+        """This cache as ``LayerCache`` lays it out (heads, window, head_dim)."""
+        return LayerCache(*(half[0].reshape(half.shape[1], heads, -1).swapaxes(0, 1) for half in self))
+
+    def written(self, keys, values, at) -> LayerCache:
+        heads, length, head_dim = keys.shape
+        rows = [x.swapaxes(0, 1).reshape(1, length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values)]
+        if length != 1:
+            return RowsCache(*(jax.lax.dynamic_update_slice(c, r, (0, at, 0)) for c, r in zip(self, rows, strict=True)))
+        return RowsCache(*(decode_kernels.store(c[0], r[0, 0], at)[None] for c, r in zip(self, rows, strict=True)))
+
+    def attended(self, query, visible, filled: int | None = None):
+        heads, queries, head_dim = query.shape
+        if queries != 1:
+            return self.heads_first(heads).attended(query, visible, filled)
+        upto = jnp.sum(visible[0]) - 1  # the last position this query sees
+        out = decode_kernels.attend(
+            query.reshape(-1), self.keys[0], self.values[0], upto, filled or self.window, head_dim
+        )
+        return out.reshape(heads, 1, head_dim)
 
 
 class Linear(nnx.Linear):
