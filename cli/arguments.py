@@ -187,6 +187,12 @@ def _serve_command(commands) -> None:
     serve.add_argument(
         "--max-tokens", type=int, default=4096, help="the most bytes one sequence may ask for (default 4096)"
     )
+    serve.add_argument(
+        "--kernels",
+        action="store_true",
+        help="TPU only: Pallas kernels store and read the cache in place (faster over many slots; "
+        "a request's bytes are then the server's own, not the sampler's bit for bit)",
+    )
     serve.set_defaults(refresh=[], join_timeout=3600)
 
 

@@ -423,7 +423,16 @@ def _serve(args: argparse.Namespace) -> int:
     for name, low, high in limits:
         if not low <= getattr(args, name[2:].replace("-", "_")) <= high:
             raise UsageError(f"{name} must be {low} to {high}")
-    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens)
+    if args.kernels:
+        prepare_environment(args.cpu_devices)
+        import jax
+
+        if jax.default_backend() != "tpu":
+            raise UsageError(
+                f"--kernels runs Pallas TPU kernels, and JAX here runs on {jax.default_backend()} (they would run "
+                "in an interpreter, slowly); drop --kernels"
+            )
+    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens, args.kernels)
     check_port(settings.host, settings.port)
     if args.host not in LOCAL_HOSTS:
         print(

@@ -34,13 +34,15 @@ class ServeError(BardflowError, RuntimeError):
 @dataclass(frozen=True)
 class ServeSettings:
     """Where and how much: the address, the slots decoded together, the requests that may wait
-    for a slot (then 503), and the most bytes one sequence may ask for."""
+    for a slot (then 503), the most bytes one sequence may ask for, and whether the decode step
+    runs the Pallas TPU kernels (``Engine(kernels=...)``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     slots: int = 8
     queue: int = 64
     max_tokens: int = 4096
+    kernels: bool = False
 
 
 def check_port(host: str, port: int) -> None:
@@ -114,7 +116,7 @@ def serve(
 ) -> int:
     """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
     compiled before the first request (a terminal bar), told how many are done after each."""
-    engine = Engine(model, settings.slots, settings.queue)
+    engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels)
     try:
         with (
             _stop_signals(_stop_compiling),

@@ -537,3 +537,8 @@ def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
         assert capsys.readouterr().err.strip().startswith(f"bardflow: error: cannot listen on 127.0.0.1:{port} (")
     assert main(["serve", "zzz", "--slots", "0"]) == 2
     assert capsys.readouterr().err.strip() == "bardflow: error: --slots must be 1 to 1024"
+    assert main(["serve", "zzz", "--store", str(store), "--kernels"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bardflow: error: --kernels runs Pallas TPU kernels, and JAX here runs on cpu (they would run in an "
+        "interpreter, slowly); drop --kernels"
+    )
