@@ -91,7 +91,15 @@ def first_byte_beside(engine, running: int, prompt_bytes: int, new_bytes: int, r
     return {"running": running, "prompt_bytes": prompt_bytes, "ttfb_ms_median": round(statistics.median(times), 1)}
 
 
-def measure(preset: str, streams: list[int], slots: int, new_bytes: int, smoke: bool, kernels: bool = False) -> dict:
+def measure(
+    preset: str,
+    streams: list[int],
+    slots: int,
+    new_bytes: int,
+    smoke: bool,
+    kernels: bool = False,
+    cache: str | None = None,
+) -> dict:
     import jax
 
     from bardflow.config.settings import build_config
@@ -110,7 +118,7 @@ def measure(preset: str, streams: list[int], slots: int, new_bytes: int, smoke: 
     generate_batch(model, "ROMEO:", new_bytes, 0.8, [1], window)
     alone = new_bytes / (time.perf_counter() - started)
     print(f"{preset}: the sampler alone at batch 1: {alone:,.1f} bytes/s; compiling the engine", flush=True)
-    engine = Engine(model, slots=slots, queue_limit=4 * max(streams) + slots, kernels=kernels)
+    engine = Engine(model, slots=slots, queue_limit=4 * max(streams) + slots, kernels=kernels, cache_dtype=cache)
     compile_s = engine.warm()
     print(f"{preset}: the engine compiled in {compile_s:.1f} s", flush=True)
     engine.start()
@@ -151,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=64, help="the server's slots (default 64)")
     parser.add_argument("--new-bytes", type=int, default=200)
     parser.add_argument("--kernels", action="store_true", help="the engine's Pallas decode kernels (RowsCache)")
+    parser.add_argument("--cache", choices=["float32", "bfloat16"], help="the cache's type (default: the weights')")
     parser.add_argument("--smoke", action="store_true", help="one small layer: every part runs, on a CPU too")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     presets = {}
     for preset in args.presets.split(","):
-        presets[preset] = measure(preset, streams, args.slots, args.new_bytes, args.smoke, args.kernels)
+        presets[preset] = measure(preset, streams, args.slots, args.new_bytes, args.smoke, args.kernels, args.cache)
         for row in presets[preset]["streams"]:
             print(
                 f"{preset} {row['streams']:>3} streams: {row['bytes_per_s']:>10,.0f} bytes/s "
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             flat[f"{preset}.streams_{row['streams']}.bytes_per_s"] = row["bytes_per_s"]
         beside = found["first_byte_beside_running"]
         flat[f"{preset}.ttfb_ms_beside_{beside['running']}"] = beside["ttfb_ms_median"]
-    report = {"machine": machine(), "presets": presets}
+    engine = {"slots": args.slots, "kernels": args.kernels, "cache": args.cache or "the weights' type"}
+    report = {"machine": machine(), "engine": engine, "presets": presets}
     write_report(report, flat, args.out, "serve")
     return 0
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..errors import BardflowError
 from ..model.inference.sampling import full_precision, pick
@@ -172,6 +173,7 @@ class Engine:
         queue_limit: int = 64,
         select_writes: bool | None = None,
         kernels: bool = False,
+        cache_dtype: DTypeLike | None = None,
     ):
         self.graphdef, self.params = nnx.split(model)
         self.window, self.rotary = model.max_seq_len, model.rotary
@@ -186,10 +188,10 @@ class Engine:
         # lies (``RowsCache``): the bytes are then the engine's own, alike alone and in a
         # crowd, but no longer the sampler's bit for bit (docs/serving.md).
         self.kernels = kernels
-        if kernels:
-            self.slot_cache = RowsCache
-        one = model.init_cache(1, self.window, model.token_embed.embedding.dtype)
-        one = tuple(self.slot_cache.laid_out(layer) for layer in one)
+        laid_out = RowsCache.laid_out if kernels else self.slot_cache.laid_out
+        # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step.
+        one = model.init_cache(1, self.window, cache_dtype or model.token_embed.embedding.dtype)
+        one = tuple(laid_out(layer) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the
         # calls leave them, so that a call is sent before the bytes of the one before are read.
@@ -308,29 +310,38 @@ class Engine:
             assert written is not None  # given a cache, the model returns it written
             return logits[0, 0], written
 
+        def slot_step(token, position, slot, caches):  # with the kernels: a slot's rows of the shared caches
+            logits, written = one(token, position, tuple(RowsCache(layer.keys, layer.values, slot) for layer in caches))
+            return logits, tuple(RowsCache(layer.keys, layer.values) for layer in written)
+
         def step(carry, inputs):
             tokens, positions, keys, part = carry
             forced, kept = inputs
-            logits, part = jax.vmap(one)(jnp.where(forced >= 0, forced, tokens), positions, part)
+            tokens = jnp.where(forced >= 0, forced, tokens)
+            if self.kernels:  # each slot stores into and reads its rows of the caches all share
+                slots = jnp.arange(size)
+                logits, part = jax.vmap(slot_step, (0, 0, 0, None), (0, None))(tokens, positions, slots, part)
+            else:
+                logits, part = jax.vmap(one)(tokens, positions, part)
             drawn, drawn_keys = draw(logits, keys)
             return (drawn, positions + 1, jnp.where(kept[:, None], drawn_keys, keys), part), drawn
 
         def cut(layer):  # the slots' first ``fill`` positions
-            part = self.slot_cache(*(half[:size] for half in layer))
-            return part if self.kernels else part.first(fill)  # the kernels read up to ``fill`` in place
+            return self.slot_cache(*(half[:size] for half in layer)).first(fill)
 
         def put(layer, part):
             return type(layer)(
                 *(jax.lax.dynamic_update_slice(w, p, (0, 0, 0, 0)) for w, p in zip(layer, part, strict=True))
             )
 
-        parts = tuple(map(cut, caches))
+        # The kernels read each slot's cache where it lies, up to ``fill``: nothing cut out or put back.
+        parts = caches if self.kernels else tuple(map(cut, caches))
         fed = fed[:size].T  # (steps, size)
         kept = jnp.arange(STEPS_A_CALL)[:, None] >= kept_from[None, :size]
         keys_in = jnp.where((fed[0] >= 0)[:, None], jax.vmap(seeded)(fed_seeds[:size]), keys[:size])
         start = (tokens[:size], positions[:size], keys_in, parts)
         (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, (fed, kept))
-        caches = tuple(map(put, caches, written))
+        caches = written if self.kernels else tuple(map(put, caches, written))
         return drawn, tokens.at[:size].set(last), keys.at[:size].set(drawn_keys), caches
 
     def _move_slot(self, caches, tokens, keys, source, target):

@@ -1,5 +1,7 @@
 """The hand-written gradients give what autodiff of the plain formulas gives."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,24 +119,34 @@ def test_pallas_blocks_are_the_largest_tile_that_divides_the_context():
 
 @pytest.mark.parametrize("slots", [8, 3])  # eight slots a grid step, and one
 def test_the_decode_kernels_store_in_place_and_attend_as_the_sampler_s_attention(slots):
-    """Each slot's new key lands at its own position and nowhere else; each slot's query over
-    its cache up to its own position gives ``attend``'s result to float32 rounding (three
-    one-pass bfloat16 products stand for the six of full precision)."""
-    heads, head_dim, window, fill = 2, 16, 32, 16
+    """Each slot's new key lands at its own position of the cache all slots share and nowhere
+    else (the slots past the call's untouched); each slot's query over its cache up to its own
+    position gives ``attend``'s result to float32 rounding (three one-pass bfloat16 products
+    stand for the six of full precision). Mapped over the slots with the cache unmapped, as the
+    engine calls them, the one-slot kernels give the same."""
+    heads, head_dim, window, fill, shared = 2, 16, 32, 16, 10
     width = heads * head_dim
     keys = jax.random.split(jax.random.key(3), 4)
-    cache = jax.random.normal(keys[0], (slots, window, width))
-    values = jax.random.normal(keys[1], (slots, window, width))
+    cache = jax.random.normal(keys[0], (shared, window, width))
+    values = jax.random.normal(keys[1], (shared, window, width))
     new = jax.random.normal(keys[2], (slots, 1, width))
     query = jax.random.normal(keys[3], (slots, 1, width))
     at = jnp.arange(slots, dtype=jnp.int32) * 5 % fill
+    slot = jnp.arange(slots, dtype=jnp.int32)
 
-    stored = decode_kernels.store_all(cache, new, at)
-    np.testing.assert_array_equal(stored, cache.at[jnp.arange(slots), at].set(new[:, 0]))
+    stored = decode_kernels.store_all(cache, new, at, slot)
+    np.testing.assert_array_equal(stored, cache.at[slot, at].set(new[:, 0]))
+    mapped = jax.vmap(decode_kernels.store, (None, 0, 0, 0), None)(cache, new[:, 0], at, slot)
+    np.testing.assert_array_equal(mapped, stored)
 
-    got = decode_kernels.attend_all(query, stored, values, at, fill, head_dim)
+    got = decode_kernels.attend_all(query, stored, values, at, slot, fill, head_dim)
     by_heads = lambda x: x.reshape(x.shape[0], heads, head_dim).swapaxes(0, 1)  # noqa: E731 - (heads, positions, head_dim)
-    for slot in range(slots):
-        visible = jnp.arange(fill)[None, :] <= at[slot]
-        want = attend(by_heads(query[slot]), by_heads(stored[slot, :fill]), by_heads(values[slot, :fill]), visible)
-        np.testing.assert_allclose(got[slot, 0], want.swapaxes(0, 1).reshape(width), rtol=2e-6, atol=2e-6)
+    for one in range(slots):
+        visible = jnp.arange(fill)[None, :] <= at[one]
+        want = attend(by_heads(query[one]), by_heads(stored[one, :fill]), by_heads(values[one, :fill]), visible)
+        np.testing.assert_allclose(got[one, 0], want.swapaxes(0, 1).reshape(width), rtol=2e-6, atol=2e-6)
+    attend_one = functools.partial(decode_kernels.attend, fill=fill, head_dim=head_dim)
+    mapped = jax.vmap(attend_one, (0, None, None, 0, 0))(query[:, 0], stored, values, at, slot)
+    np.testing.assert_allclose(mapped, got[:, 0], rtol=1e-6, atol=1e-6)
+    alone = attend_one(query[-1, 0], stored, values, at[-1], slot[-1])  # one slot, not the first
+    np.testing.assert_allclose(alone, got[-1, 0], rtol=1e-6, atol=1e-6)

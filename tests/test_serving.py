@@ -20,6 +20,7 @@ from flax import nnx
 
 from bardflow.config.settings import build_config
 from bardflow.model.inference.sampling import generate
+from bardflow.model.network import decode_kernels
 from bardflow.model.network.transformer import build_model
 from bardflow.serving.api import MAX_BODY, create_app
 from bardflow.serving.engine import (
@@ -185,6 +186,23 @@ def test_with_the_decode_kernels_a_request_gets_the_same_bytes_in_a_crowd_as_alo
         reason == "length" and len(data) == count
         for (data, reason), (_, count, _) in zip(results[8], requests, strict=True)
     )
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_with_the_decode_kernels_every_decode_program_lowers_for_a_tpu(rope_model, monkeypatch, cache):
+    """Pallas's TPU lowering (Mosaic's) runs on a CPU too: every decode program of the engine
+    with the kernels, exported for a TPU, holds each layer's two stores and its attention, so a
+    kernel that Mosaic cannot lower fails here, without a chip (its compile is the chip's)."""
+    monkeypatch.setattr(decode_kernels, "_interpret", lambda: False)  # the kernels as a TPU runs them
+    engine = Engine(rope_model, slots=8, kernels=True, cache_dtype=cache)
+    inputs = engine._call_inputs({})
+    for size in decode_sizes(engine.slots):
+        for fill in fills(engine.window):
+            with jax.default_matmul_precision("highest"):  # as the engine lowers them
+                exported = jax.export.export(engine._decode_jit, platforms=["tpu"])(
+                    engine.params, engine.caches, size, fill, engine.tokens, engine.keys, *inputs
+                )
+            assert exported.mlir_module().count("tpu_custom_call") == 3 * len(engine.caches), (size, fill)
 
 
 def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):

@@ -95,41 +95,55 @@ class SlotCache(LayerCache):
         return attend(query, *(self if filled is None else self.first(filled)), visible, positions_last=True)
 
 
-class RowsCache(LayerCache):
-    """A layer's cache for one of the serving engine's slots, read and written by Pallas TPU
-    kernels (``decode_kernels.py``): (1, window, heads * head_dim), each position one row of
-    every head side by side, so that a store in place writes 8 positions (a tile), not 128.
-    A step of one new key reads the cache in place up to ``filled`` (no part cut out); a
-    prompt of several takes XLA's path."""
+class RowsCache(NamedTuple):
+    """A layer's cache for the serving engine's slots, read and written by Pallas TPU kernels
+    (``decode_kernels.py``): (slots, window, heads * head_dim), each position one row of every
+    head side by side, so that a store in place writes a tile of 8 positions, not 128. A decode
+    step of one new key runs for one ``slot`` of the cache all slots share (the engine maps it
+    over its slots, the cache unmapped): it stores in place and reads the cache where it lies, up
+    to ``filled``. A prompt of several keys takes XLA's path over one slot's (window, heads *
+    head_dim), ``slot`` unset."""
+
+    keys: jax.Array
+    values: jax.Array
+    slot: jax.Array | None = None
 
     @property
     def window(self) -> int:
         return self.keys.shape[-2]
 
     @classmethod
-    def laid_out(cls, layer: LayerCache) -> LayerCache:
-        return cls(*(half.swapaxes(0, 1).reshape(1, half.shape[1], -1) for half in layer))
+    def laid_out(cls, layer: LayerCache) -> RowsCache:
+        """One sequence's ``layer`` (heads, window, head_dim) as one slot's rows."""
+        return cls(*(half.swapaxes(0, 1).reshape(half.shape[1], -1) for half in layer))
 
     def heads_first(self, heads: int) -> LayerCache:
-        """This cache as ``LayerCache`` lays it out (heads, window, head_dim)."""
-        return LayerCache(*(half[0].reshape(half.shape[1], heads, -1).swapaxes(0, 1) for half in self))
+        """One slot's cache as ``LayerCache`` lays it out (heads, window, head_dim)."""
+        return LayerCache(*(half.reshape(half.shape[0], heads, -1).swapaxes(0, 1) for half in (self.keys, self.values)))
 
-    def written(self, keys, values, at) -> LayerCache:
+    def written(self, keys, values, at) -> RowsCache:
         heads, length, head_dim = keys.shape
-        rows = [x.swapaxes(0, 1).reshape(1, length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values)]
+        rows = [x.swapaxes(0, 1).reshape(length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values)]
         if length != 1:
-            return RowsCache(*(jax.lax.dynamic_update_slice(c, r, (0, at, 0)) for c, r in zip(self, rows, strict=True)))
-        return RowsCache(*(decode_kernels.store(c[0], r[0, 0], at)[None] for c, r in zip(self, rows, strict=True)))
+            keys, values = (jax.lax.dynamic_update_slice(c, r, (at, 0)) for c, r in zip(self[:2], rows, strict=True))
+            return RowsCache(keys, values)
+        assert self.slot is not None, "one key at a time is stored by the kernels, into a slot of the shared cache"
+        keys, values = (decode_kernels.store(c, r[0], at, self.slot) for c, r in zip(self[:2], rows, strict=True))
+        return RowsCache(keys, values, self.slot)
 
     def attended(self, query, visible, filled: int | None = None):
         heads, queries, head_dim = query.shape
         if queries != 1:
             return self.heads_first(heads).attended(query, visible, filled)
+        assert self.slot is not None, "one query at a time is read by the kernels, from a slot of the shared cache"
         upto = jnp.sum(visible[0]) - 1  # the last position this query sees
         out = decode_kernels.attend(
-            query.reshape(-1), self.keys[0], self.values[0], upto, filled or self.window, head_dim
+            query.reshape(-1), self.keys, self.values, upto, self.slot, filled or self.window, head_dim
         )
         return out.reshape(heads, 1, head_dim)
+
+
+Cache = LayerCache | RowsCache  # a layer's keys and values as the model reads and writes them
 
 
 class Linear(nnx.Linear):
@@ -211,7 +225,7 @@ class CausalSelfAttention(nnx.Module):
         self,
         x,
         positions,
-        cache: LayerCache | None = None,
+        cache: Cache | None = None,
         last_only: bool = False,
         span: int | None = None,
         filled: int | None = None,
@@ -234,7 +248,7 @@ class CausalSelfAttention(nnx.Module):
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return self.out(mixed.reshape(x.shape)), None
         q, k, v = (t.reshape(x.shape) for t in (q, k, v))
-        read = LayerCache(self._heads_first(k), self._heads_first(v))
+        read: Cache = LayerCache(self._heads_first(k), self._heads_first(v))
         if cache is not None:  # these positions' keys and values join the cache
             # A ring: past the window, position p overwrites the key of p - window, which
             # has left the context (rotary positions; learned ones end at the window).
@@ -270,7 +284,7 @@ class Block(nnx.Module):
         self,
         x,
         positions,
-        cache: LayerCache | None = None,
+        cache: Cache | None = None,
         last_only: bool = False,
         span: int | None = None,
         keys=None,
@@ -299,7 +313,7 @@ class Transformer(nnx.Module):
         self,
         tokens,
         positions=None,
-        cache: tuple[LayerCache, ...] | None = None,
+        cache: tuple[Cache, ...] | None = None,
         last_only: bool = False,
         span: int | None = None,
         remat: bool = False,
