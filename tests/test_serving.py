@@ -38,6 +38,15 @@ from bardflow.serving.engine import (
 MODEL_ID = "bardflow-test"
 ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring
 LEARNED = build_config("tiny").model
+# Six requests for three or more slots: some wait, join and leave; one runs past the context.
+SIX_REQUESTS = [
+    (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
+    (b"To be", 40, Sampling(temperature=0.0)),
+    (b"A" * 30, 25, Sampling(temperature=1.2, seed=3)),
+    (b"KING", 50, Sampling(temperature=0.5, seed=11)),
+    (b"x", 10, Sampling(temperature=0.9, seed=5)),
+    (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +132,7 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
         compiled = engine.compilations
         assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (9, [2, 3], [8, 16, 32], [16, 32])
         assert engine.programs() == compiled == len(asked), asked
-        requests = [
-            (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
-            (b"To be", 40, Sampling(temperature=0.0)),
-            (b"A" * 30, 25, Sampling(temperature=1.2, seed=3)),
-            (b"KING", 50, Sampling(temperature=0.5, seed=11)),
-            (b"x", 10, Sampling(temperature=0.9, seed=5)),
-            (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
-        ]
+        requests = SIX_REQUESTS
         with xla_compiles() as asked:
             results = served(engine, requests)  # six requests over three slots: some wait, join, leave
         assert not asked
@@ -161,14 +163,7 @@ def test_with_the_decode_kernels_a_request_gets_the_same_bytes_in_a_crowd_as_alo
     """The Pallas decode kernels (Pallas's interpreter here) sum in another order than the
     sampler, so the bytes they give are the engine's own: the same for a request served alone
     as among others joining and leaving, and nothing compiles after warming."""
-    requests = [
-        (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
-        (b"To be", 40, Sampling(temperature=0.0)),
-        (b"A" * 30, 25, Sampling(temperature=1.2, seed=3)),
-        (b"KING", 50, Sampling(temperature=0.5, seed=11)),
-        (b"x", 10, Sampling(temperature=0.9, seed=5)),
-        (b"JULIET:\nO", 33, Sampling(temperature=1.0, seed=2)),
-    ]
+    requests = SIX_REQUESTS
     results = {}
     for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
         engine = Engine(rope_model, slots=slots, queue_limit=8, kernels=True)
