@@ -39,6 +39,7 @@ from jax.typing import DTypeLike
 
 from ..errors import BardflowError
 from ..model.inference.sampling import full_precision, pick
+from ..model.network.decode_kernels import tile_rows
 from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
@@ -150,7 +151,8 @@ def fills(window: int) -> list[int]:
     if window % 4:
         return [window]
     parts = [window // 4, window // 2, window]
-    while parts[0] % 2 == 0 and parts[0] // 2 >= SHORTEST_FILL:
+    # Halved only into whole 8-position tiles, as the decode kernels read the cache.
+    while parts[0] % 16 == 0 and parts[0] // 2 >= SHORTEST_FILL:
         parts.insert(0, parts[0] // 2)
     return parts
 
@@ -161,6 +163,18 @@ def decode_sizes(slots: int) -> list[int]:
     Cutting out more costs more in copies than the idle slots' arithmetic (measured on a CPU:
     docs/serving.md); one slot alone takes two, where XLA:CPU compiles a faster step."""
     return [size for size in (2, 4, 8) if size < slots] + [slots]
+
+
+def _check_tiles(window: int, rows: int) -> None:
+    """The decode kernels read the cache in parts of whole 8-position tiles and store a key's
+    tile of ``rows`` positions (16 in a bfloat16 cache): the context must split so."""
+    uneven = [fill for fill in fills(window) if fill % 8]
+    if uneven or window % rows:
+        raise ServingError(
+            f"the decode kernels read the cache in tiles of 8 positions (store {rows}), and this model's "
+            f"context of {window} bytes is read in parts of {fills(window)}: serve it without the kernels, or "
+            f"train a context that is a multiple of {max(32, rows)}"
+        )
 
 
 class Engine:
@@ -190,7 +204,10 @@ class Engine:
         self.kernels = kernels
         laid_out = RowsCache.laid_out if kernels else self.slot_cache.laid_out
         # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step.
-        one = model.init_cache(1, self.window, cache_dtype or model.token_embed.embedding.dtype)
+        dtype = cache_dtype or model.token_embed.embedding.dtype
+        if kernels:
+            _check_tiles(self.window, tile_rows(dtype))
+        one = model.init_cache(1, self.window, dtype)
         one = tuple(laid_out(layer) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the

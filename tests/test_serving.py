@@ -109,6 +109,7 @@ def test_a_call_reads_the_shortest_part_of_the_cache_that_holds_its_positions():
         assert parts[0] == window // 4 or SHORTEST_FILL <= parts[0] < 2 * SHORTEST_FILL
     assert fills(1024) == [128, 256, 512, 1024]  # gpt2: 200 bytes of a new request read 128, then 256
     assert fills(100) == [25, 50, 100] and fills(30) == [30]
+    assert fills(1056) == [264, 528, 1056]  # 264 halves into 132: not whole 8-position tiles
 
 
 @pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
@@ -181,6 +182,17 @@ def test_with_the_decode_kernels_a_request_gets_the_same_bytes_in_a_crowd_as_alo
         reason == "length" and len(data) == count
         for (data, reason), (_, count, _) in zip(results[8], requests, strict=True)
     )
+
+
+def test_the_decode_kernels_refuse_a_context_that_is_not_read_in_whole_tiles():
+    odd = build_model(build_config("tiny", {"model.positions": "rope", "model.max_seq_len": 36}).model, 0)
+    with pytest.raises(ServingError) as refused:
+        Engine(odd, slots=2, kernels=True)
+    assert str(refused.value) == (
+        "the decode kernels read the cache in tiles of 8 positions (store 8), and this model's context of 36 bytes "
+        "is read in parts of [9, 18, 36]: serve it without the kernels, or train a context that is a multiple of 32"
+    )
+    Engine(odd, slots=2)  # XLA's path reads any part
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
