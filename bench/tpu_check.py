@@ -14,7 +14,8 @@ own time limit, each reported passed / failed / skipped with the reason:
             bfloat16 weights, against the HBM bound (``bench/sampler.py``)
   serve     the serving engine for ``codelab`` and ``gpt2``: 1, 8 and 64 concurrent sequences
             against the sampler alone and the HBM bound (``bench/serve.py``; in-process: the
-            host opens no socket), one process a preset
+            host opens no socket), one process a preset; ``gpt2`` again with the Pallas decode
+            kernels and a bfloat16 cache
   pipeline  ``bardflow run`` under Prefect where the host lets a server listen; where no socket
             opens it says so in one line (the quality part has run the stages' work)
 
@@ -37,7 +38,12 @@ from pathlib import Path
 from bench.gpu_check import SHARED_CORPUS, Check, _last_line, check_parser, run_parts, where_it_ran
 
 BUDGET_S = 540  # 9 minutes less a margin for the installs
-SERVE_PRESETS = ("codelab", "gpt2")
+# The serving engine's runs: a name for its figures, the preset, the engine's options.
+SERVE_RUNS = (
+    ("codelab", "codelab", ()),
+    ("gpt2", "gpt2", ()),
+    ("gpt2-kernels-bfloat16", "gpt2", ("--kernels", "--cache", "bfloat16")),
+)
 # The model's tests a device changes (the hand-written CPU kernels' are held to float32 digits
 # a TPU's products do not keep: tests/test_kernels.py's Pallas ones run here instead).
 TPU_TESTS = [
@@ -169,16 +175,17 @@ class TpuCheck(Check):
         ends = time.monotonic() + limit_s
         found: dict = {"presets": {}, "summary": {}}
         self.figures["serve"] = found
-        for preset in SERVE_PRESETS:
-            folder = self.work / "serve" / preset
-            command = (sys.executable, "-m", "bench.serve", "--presets", preset, *shape, "--out", str(folder))
+        for name, preset, options in SERVE_RUNS:
+            folder = self.work / "serve" / name
+            command = (sys.executable, "-m", "bench.serve", "--presets", preset, *options, *shape, "--out", str(folder))
             try:
                 self.sh("serve", *command, limit_s=ends - time.monotonic())
             except TimeoutError as error:
-                raise TimeoutError(f"{preset}: {error}") from None
+                raise TimeoutError(f"{name}: {error}") from None
             report = self.report_of(folder, "*-serve.json")
-            found["presets"].update(report["presets"])
-            found["summary"].update(report["summary"])
+            found["presets"][name] = report["presets"][preset]
+            summary = report["summary"].items()
+            found["summary"].update({name + key.removeprefix(preset): value for key, value in summary})
         return {}
 
     def pipeline(self, limit_s: float) -> dict:

@@ -193,6 +193,11 @@ def _serve_command(commands) -> None:
         help="TPU only: Pallas kernels store and read the cache in place (faster over many slots; "
         "a request's bytes are then the server's own, not the sampler's bit for bit)",
     )
+    serve.add_argument(
+        "--cache",
+        choices=["float32", "bfloat16"],
+        help="the key/value cache's type (default: the weights'); bfloat16 reads half the bytes a step",
+    )
     serve.set_defaults(refresh=[], join_timeout=3600)
 
 

@@ -432,7 +432,7 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--kernels runs Pallas TPU kernels, and JAX here runs on {jax.default_backend()} (they would run "
                 "in an interpreter, slowly); drop --kernels"
             )
-    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens, args.kernels)
+    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens, args.kernels, args.cache)
     check_port(settings.host, settings.port)
     if args.host not in LOCAL_HOSTS:
         print(

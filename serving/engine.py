@@ -38,7 +38,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from ..errors import BardflowError
-from ..model.inference.sampling import full_precision, pick
+from ..model.inference.sampling import matmul_precision, pick
 from ..model.network.decode_kernels import tile_rows
 from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
 
@@ -226,10 +226,14 @@ class Engine:
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
         # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
-        # on a TPU too, whatever else is in flight.
+        # on a TPU too, whatever else is in flight. With the kernels, whose sums take three
+        # one-pass products and whose bytes are the engine's own anyway, the model's products
+        # take three too (measured faster: docs/serving.md).
+        self.precision = "high" if kernels else "highest"
         self._decode_jit = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill_jit = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
-        self._decode, self._prefill = full_precision(self._decode_jit), full_precision(self._prefill_jit)
+        self._decode = matmul_precision(self._decode_jit, self.precision)
+        self._prefill = matmul_precision(self._prefill_jit, self.precision)
         self._move = jax.jit(self._move_slot, donate_argnums=(0,))
         self.active: list[Sequence | None] = [None] * slots
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -417,7 +421,7 @@ class Engine:
             self.caches, self.tokens, self.keys = self._move(self.caches, self.tokens, self.keys, *slots)
 
         programs = []  # (its first run, the program lowered)
-        with jax.default_matmul_precision("highest"):  # as ``full_precision`` runs them
+        with jax.default_matmul_precision(self.precision):  # as ``matmul_precision`` runs them
             for size in decode_sizes(self.slots):
                 for fill in fills(self.window):
                     lowered = self._decode_jit.lower(

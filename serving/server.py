@@ -34,8 +34,9 @@ class ServeError(BardflowError, RuntimeError):
 @dataclass(frozen=True)
 class ServeSettings:
     """Where and how much: the address, the slots decoded together, the requests that may wait
-    for a slot (then 503), the most bytes one sequence may ask for, and whether the decode step
-    runs the Pallas TPU kernels (``Engine(kernels=...)``)."""
+    for a slot (then 503), the most bytes one sequence may ask for, whether the decode step
+    runs the Pallas TPU kernels (``Engine(kernels=...)``), and the cache's type (None: the
+    weights')."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -43,6 +44,7 @@ class ServeSettings:
     queue: int = 64
     max_tokens: int = 4096
     kernels: bool = False
+    cache: str | None = None
 
 
 def check_port(host: str, port: int) -> None:
@@ -116,7 +118,7 @@ def serve(
 ) -> int:
     """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
     compiled before the first request (a terminal bar), told how many are done after each."""
-    engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels)
+    engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels, cache_dtype=settings.cache)
     try:
         with (
             _stop_signals(_stop_compiling),

@@ -160,14 +160,19 @@ def test_a_warm_up_stopped_midway_compiles_no_more_than_is_under_way(rope_model)
     assert 1 <= len(asked) <= 1 + workers < engine.programs(), asked
 
 
-def test_with_the_decode_kernels_a_request_gets_the_same_bytes_in_a_crowd_as_alone(rope_model):
+@pytest.mark.parametrize(("kernels", "cache"), [(True, None), (True, "bfloat16"), (False, "bfloat16")])
+def test_with_the_decode_kernels_or_a_bfloat16_cache_a_request_gets_the_same_bytes_in_a_crowd_as_alone(
+    rope_model, kernels, cache
+):
     """The Pallas decode kernels (Pallas's interpreter here) sum in another order than the
-    sampler, so the bytes they give are the engine's own: the same for a request served alone
-    as among others joining and leaving, and nothing compiles after warming."""
+    sampler, and a bfloat16 cache rounds the keys it keeps, so the bytes they give are the
+    engine's own: the same for a request served alone as among others joining and leaving, and
+    nothing compiles after warming."""
     requests = SIX_REQUESTS
     results = {}
     for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
-        engine = Engine(rope_model, slots=slots, queue_limit=8, kernels=True)
+        engine = Engine(rope_model, slots=slots, queue_limit=8, kernels=kernels, cache_dtype=cache)
+        assert engine.caches[0].keys.dtype == (cache or "float32")
         engine.warm()
         compiled = engine.compilations
         engine.start()
@@ -205,7 +210,7 @@ def test_with_the_decode_kernels_every_decode_program_lowers_for_a_tpu(rope_mode
     inputs = engine._call_inputs({})
     for size in decode_sizes(engine.slots):
         for fill in fills(engine.window):
-            with jax.default_matmul_precision("highest"):  # as the engine lowers them
+            with jax.default_matmul_precision(engine.precision):  # as the engine lowers them
                 exported = jax.export.export(engine._decode_jit, platforms=["tpu"])(
                     engine.params, engine.caches, size, fill, engine.tokens, engine.keys, *inputs
                 )

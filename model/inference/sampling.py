@@ -28,16 +28,17 @@ class PromptError(BardflowError, ValueError):
     """A prompt or sampling setting cannot be used."""
 
 
-def full_precision(run: Callable[..., T]) -> Callable[..., T]:
+def matmul_precision(run: Callable[..., T], precision: str = "highest") -> Callable[..., T]:
     """``run`` (a jitted function) traced and run with float32 matrix products in full on
     every device. A TPU's default rounds their operands to bfloat16, and how it rounds depends
     on the program's shapes: there a sequence drew other bytes in a batch than alone, and other
     bytes in the serving engine than in this sampler (docs/serving.md). A CPU's products are
-    full already."""
+    full already. ``precision="high"``: three one-pass bfloat16 products on a TPU, where full
+    precision takes six (float32 short of its last bits)."""
 
     @wraps(run)
     def precise(*args):
-        with jax.default_matmul_precision("highest"):
+        with jax.default_matmul_precision(precision):
             return run(*args)
 
     return precise
@@ -52,7 +53,7 @@ def pick(logits, keys, temperature):
     return pairs[:, 0], jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1))
 
 
-@full_precision
+@matmul_precision
 @partial(jax.jit, static_argnums=(0, 6))  # graphdef, max_new
 def _sliding_loop(graphdef, params, context, temperature, keys, count, max_new):
     """``count`` bytes per row from a full window that slides left by one per byte: every
@@ -88,7 +89,7 @@ def _noise(keys, count, size: int, vocab: int):
     return keys, gumbel(subs)
 
 
-@full_precision
+@matmul_precision
 @partial(jax.jit, static_argnums=(0, 10), donate_argnums=(3,))  # graphdef, size; the cache is updated in place
 def _cached_loop(graphdef, params, context, cache, start, length, done, count, temperature, keys, size):  # noqa: PLR0913 - a jitted loop's traced inputs
     """Feeds the context one byte at a time through the model with its key/value cache,
