@@ -134,7 +134,9 @@ def serve(
         url = f"http://{settings.host}:{settings.port}"
         example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
         where = "this machine only" if settings.host in LOCAL_HOSTS else "reachable from other machines"
-        said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots, compiled in {seconds:.1f} s; "
+        how = ", the decode kernels" if settings.kernels else ""
+        how += f", a {settings.cache} cache" if settings.cache else ""
+        said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots{how}, compiled in {seconds:.1f} s; "
 
         def listening() -> None:
             print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
