@@ -203,7 +203,8 @@ class Engine:
         # crowd, but no longer the sampler's bit for bit (docs/serving.md).
         self.kernels = kernels
         laid_out = RowsCache.laid_out if kernels else self.slot_cache.laid_out
-        # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step.
+        # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step
+        # and rounds each key, so its bytes too are the engine's own.
         dtype = cache_dtype or model.token_embed.embedding.dtype
         if kernels:
             _check_tiles(self.window, tile_rows(dtype))
