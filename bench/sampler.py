@@ -25,14 +25,18 @@ def bandwidth(device_kind: str) -> float | None:
     return next((rate for name, rate in BANDWIDTH.items() if name.lower() in device_kind.lower()), None)
 
 
-def step_bytes(model, rows: int, prompt: int, new_bytes: int, window: int, width: int) -> float:
-    """Bytes one sampling step reads on average: the weights, and each layer's keys and values
-    up to the position (the whole window once it wraps)."""
+def step_bytes(
+    model, rows: int, prompt: int, new_bytes: int, window: int, width: int, cache_width: int | None = None
+) -> float:
+    """Bytes one sampling step reads on average: the weights (``width`` bytes a value), and each
+    layer's keys and values (``cache_width``, by default the same) up to the position (the
+    whole window once it wraps)."""
     from bardflow.model.network.transformer import count_params
 
     attn = model.blocks[0].attn
     positions = [min(p + 1, window) for p in range(prompt, prompt + new_bytes)]
-    cache = 2 * len(model.blocks) * rows * attn.num_heads * attn.head_dim * width * sum(positions) / len(positions)
+    cache = 2 * len(model.blocks) * rows * attn.num_heads * attn.head_dim * (cache_width or width)
+    cache *= sum(positions) / len(positions)
     return count_params(model) * width + cache
 
 

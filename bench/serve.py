@@ -144,10 +144,12 @@ def measure(
         "streams": rows,
         "first_byte_beside_running": beside,
     }
+    cache_type = engine.caches[0].keys.dtype
+    found["engine"] = {"kernels": engine.kernels, "cache": str(cache_type), "precision": engine.precision}
     rate = bandwidth(jax.devices()[0].device_kind)
     if rate:  # one decode step reads every weight once and each slot's cache as far as it is filled
         found["decode_step_bound_bytes_per_s"] = round(
-            slots * rate / step_bytes(model, slots, 8, new_bytes, window, 4), 1
+            slots * rate / step_bytes(model, slots, 8, new_bytes, window, 4, cache_type.itemsize), 1
         )
     return found
 
@@ -187,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             flat[f"{preset}.streams_{row['streams']}.bytes_per_s"] = row["bytes_per_s"]
         beside = found["first_byte_beside_running"]
         flat[f"{preset}.ttfb_ms_beside_{beside['running']}"] = beside["ttfb_ms_median"]
-    engine = {"slots": args.slots, "kernels": args.kernels, "cache": args.cache or "the weights' type"}
-    report = {"machine": machine(), "engine": engine, "presets": presets}
+    report = {"machine": machine(), "presets": presets}
     write_report(report, flat, args.out, "serve")
     return 0
 
