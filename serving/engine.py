@@ -39,7 +39,7 @@ from jax.typing import DTypeLike
 
 from ..errors import BardflowError
 from ..model.inference.sampling import matmul_precision, pick
-from ..model.network.decode_kernels import tile_rows
+from ..model.network.decode_kernels import SUBLANES, tile_rows
 from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
@@ -165,15 +165,16 @@ def decode_sizes(slots: int) -> list[int]:
     return [size for size in (2, 4, 8) if size < slots] + [slots]
 
 
-def _check_tiles(window: int, rows: int) -> None:
-    """The decode kernels read the cache in parts of whole 8-position tiles and store a key's
-    tile of ``rows`` positions (16 in a bfloat16 cache): the context must split so."""
-    uneven = [fill for fill in fills(window) if fill % 8]
-    if uneven or window % rows:
+def _check_tiles(window: int, dtype: DTypeLike) -> None:
+    """The decode kernels read the cache in parts of whole tiles of ``SUBLANES`` positions and
+    store a key's tile (16 positions in a bfloat16 cache): the context must split so. Any
+    multiple of four tiles does, as ``fills`` halves it."""
+    rows = tile_rows(dtype)
+    if any(fill % SUBLANES for fill in fills(window)) or window % rows:
         raise ServingError(
-            f"the decode kernels read the cache in tiles of 8 positions (store {rows}), and this model's "
+            f"the decode kernels read the cache in tiles of {SUBLANES} positions (store {rows}), and this model's "
             f"context of {window} bytes is read in parts of {fills(window)}: serve it without the kernels, or "
-            f"train a context that is a multiple of {max(32, rows)}"
+            f"train a context that is a multiple of {4 * SUBLANES}"
         )
 
 
@@ -207,7 +208,7 @@ class Engine:
         # and rounds each key, so its bytes too are the engine's own.
         dtype = cache_dtype or model.token_embed.embedding.dtype
         if kernels:
-            _check_tiles(self.window, tile_rows(dtype))
+            _check_tiles(self.window, dtype)
         one = model.init_cache(1, self.window, dtype)
         one = tuple(laid_out(layer) for layer in one)
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # a TPU vector's lanes: the 0/1 matrix's columns, one a head
+SUBLANES = 8  # a float32 tile's rows: a part of the cache is read in whole tiles of positions
 ONE_PASS = jax.lax.Precision.DEFAULT
 # A grid step's keys at most (elements): its blocks, double-buffered, and spills fit VMEM.
 BLOCK_ELEMENTS = 8 * 256 * 768
@@ -40,7 +41,7 @@ def _interpret() -> bool:
 
 def tile_rows(dtype) -> int:
     """Positions in one stored tile: 8 rows of 4-byte values, 16 of 2-byte ones."""
-    return 32 // jnp.dtype(dtype).itemsize
+    return SUBLANES * 4 // jnp.dtype(dtype).itemsize
 
 
 def _store_kernel(at_ref, slot_ref, new_ref, tile_ref, out_ref):

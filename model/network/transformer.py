@@ -124,11 +124,11 @@ class RowsCache(NamedTuple):
     def written(self, keys, values, at) -> RowsCache:
         heads, length, head_dim = keys.shape
         rows = [x.swapaxes(0, 1).reshape(length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values)]
+        pairs = list(zip((self.keys, self.values), rows, strict=True))
         if length != 1:
-            keys, values = (jax.lax.dynamic_update_slice(c, r, (at, 0)) for c, r in zip(self[:2], rows, strict=True))
-            return RowsCache(keys, values)
+            return RowsCache(*(jax.lax.dynamic_update_slice(c, r, (at, 0)) for c, r in pairs))
         assert self.slot is not None, "one key at a time is stored by the kernels, into a slot of the shared cache"
-        keys, values = (decode_kernels.store(c, r[0], at, self.slot) for c, r in zip(self[:2], rows, strict=True))
+        keys, values = (decode_kernels.store(c, r[0], at, self.slot) for c, r in pairs)
         return RowsCache(keys, values, self.slot)
 
     def attended(self, query, visible, filled: int | None = None):
