@@ -39,7 +39,7 @@ from jax.typing import DTypeLike
 
 from ..errors import BardflowError
 from ..model.inference.sampling import matmul_precision, pick
-from ..model.network.decode_kernels import SUBLANES, tile_rows
+from ..model.network.decode_kernels import tile_rows
 from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
 
 MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
@@ -166,15 +166,15 @@ def decode_sizes(slots: int) -> list[int]:
 
 
 def _check_tiles(window: int, dtype: DTypeLike) -> None:
-    """The decode kernels read the cache in parts of whole tiles of ``SUBLANES`` positions and
-    store a key's tile (16 positions in a bfloat16 cache): the context must split so. Any
-    multiple of four tiles does, as ``fills`` halves it."""
+    """The decode kernels read the cache in parts of whole tiles of positions, whose tile
+    holding a new key they store (8 positions, 16 in a bfloat16 cache): the context must split
+    so. Any multiple of four tiles does, as ``fills`` halves it."""
     rows = tile_rows(dtype)
-    if any(fill % SUBLANES for fill in fills(window)) or window % rows:
+    if any(fill % rows for fill in fills(window)):
         raise ServingError(
-            f"the decode kernels read the cache in tiles of {SUBLANES} positions (store {rows}), and this model's "
-            f"context of {window} bytes is read in parts of {fills(window)}: serve it without the kernels, or "
-            f"train a context that is a multiple of {4 * SUBLANES}"
+            f"the decode kernels read and store the cache in tiles of {rows} positions, and this model's context of "
+            f"{window} bytes is read in parts of {fills(window)}: serve it without the kernels, or train a context "
+            f"that is a multiple of {4 * rows}"
         )
 
 
@@ -228,9 +228,9 @@ class Engine:
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
         # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
-        # on a TPU too, whatever else is in flight. With the kernels, whose sums take three
-        # one-pass products and whose bytes are the engine's own anyway, the model's products
-        # take three too (measured faster: docs/serving.md).
+        # on a TPU too, whatever else is in flight. With the kernels, whose bytes are the
+        # engine's own anyway, the model's products take three one-pass bfloat16 products
+        # (measured faster: docs/serving.md).
         self.precision = "high" if kernels else "highest"
         self._decode_jit = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill_jit = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))

@@ -117,36 +117,44 @@ def test_pallas_blocks_are_the_largest_tile_that_divides_the_context():
     assert pallas_blocks(1024, largest=1024) == 1024
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", [8, 3])  # eight slots a grid step, and one
-def test_the_decode_kernels_store_in_place_and_attend_as_the_sampler_s_attention(slots):
-    """Each slot's new key lands at its own position of the cache all slots share and nowhere
-    else (the slots past the call's untouched); each slot's query over its cache up to its own
-    position gives ``attend``'s result to float32 rounding (three one-pass bfloat16 products
-    stand for the six of full precision). Mapped over the slots with the cache unmapped, as the
-    engine calls them, the one-slot kernels give the same."""
-    heads, head_dim, window, fill, shared = 2, 16, 32, 16, 10
+def test_the_decode_kernel_stores_each_key_in_place_and_attends_as_the_sampler_s_attention(slots, dtype):
+    """Each slot's new key and value land at its own position of the cache all slots share and
+    nowhere else: not in the slots past the call's, and not at all for a slot whose position
+    lies past the part read (a slot no sequence holds). Each slot's query over its cache up to
+    its own position gives ``attend``'s result to float32 rounding (one-pass bfloat16 products
+    of each float32 value's three parts). Mapped over the slots with the cache unmapped, as the
+    engine calls it, the one-slot kernel gives the same."""
+    heads, head_dim, window, fill, shared = 2, 16, 64, 32, 10
     width = heads * head_dim
-    keys = jax.random.split(jax.random.key(3), 4)
-    cache = jax.random.normal(keys[0], (shared, window, width))
-    values = jax.random.normal(keys[1], (shared, window, width))
-    new = jax.random.normal(keys[2], (slots, 1, width))
-    query = jax.random.normal(keys[3], (slots, 1, width))
-    at = jnp.arange(slots, dtype=jnp.int32) * 5 % fill
+    keys = jax.random.split(jax.random.key(3), 6)
+    cache, values = (jax.random.normal(k, (shared, window, width)).astype(dtype) for k in keys[:2])
+    new_keys, new_values, query = (jax.random.normal(k, (slots, 1, width)) for k in keys[2:5])
+    at = (jnp.arange(slots, dtype=jnp.int32) * 5 % fill).at[-1].set(fill + 3)
+    upto = jnp.minimum(at, fill - 1)
     slot = jnp.arange(slots, dtype=jnp.int32)
 
-    stored = decode_kernels.store_all(cache, new, at, slot)
-    np.testing.assert_array_equal(stored, cache.at[slot, at].set(new[:, 0]))
-    mapped = jax.vmap(decode_kernels.store, (None, 0, 0, 0), None)(cache, new[:, 0], at, slot)
-    np.testing.assert_array_equal(mapped, stored)
-
-    got = decode_kernels.attend_all(query, stored, values, at, slot, fill, head_dim)
-    by_heads = lambda x: x.reshape(x.shape[0], heads, head_dim).swapaxes(0, 1)  # noqa: E731 - (heads, positions, head_dim)
+    mixed, *stored = decode_kernels.attend_all(
+        query, new_keys, new_values, cache, values, at, upto, slot, fill, head_dim
+    )
+    kept = np.asarray(at < fill)
+    for got, old, new in zip(stored, (cache, values), (new_keys, new_values), strict=True):
+        np.testing.assert_array_equal(got, old.at[slot[kept], at[kept]].set(new[kept, 0].astype(dtype)))
+    by_heads = lambda x: x.reshape(x.shape[0], heads, head_dim).swapaxes(0, 1).astype(jnp.float32)  # noqa: E731 - (heads, positions, head_dim)
     for one in range(slots):
-        visible = jnp.arange(fill)[None, :] <= at[one]
-        want = attend(by_heads(query[one]), by_heads(stored[one, :fill]), by_heads(values[one, :fill]), visible)
-        np.testing.assert_allclose(got[one, 0], want.swapaxes(0, 1).reshape(width), rtol=2e-6, atol=2e-6)
+        visible = jnp.arange(fill)[None, :] <= upto[one]
+        want = attend(by_heads(query[one]), *(by_heads(half[one, :fill]) for half in stored), visible)
+        np.testing.assert_allclose(mixed[one, 0], want.swapaxes(0, 1).reshape(width), rtol=2e-6, atol=2e-6)
+
     attend_one = functools.partial(decode_kernels.attend, fill=fill, head_dim=head_dim)
-    mapped = jax.vmap(attend_one, (0, None, None, 0, 0))(query[:, 0], stored, values, at, slot)
-    np.testing.assert_allclose(mapped, got[:, 0], rtol=1e-6, atol=1e-6)
-    alone = attend_one(query[-1, 0], stored, values, at[-1], slot[-1])  # one slot, not the first
-    np.testing.assert_allclose(alone, got[-1, 0], rtol=1e-6, atol=1e-6)
+    rows = (query[:, 0], new_keys[:, 0], new_values[:, 0])
+    mapped = jax.vmap(attend_one, (0, 0, 0, None, None, 0, 0, 0), (0, None, None))(*rows, cache, values, at, upto, slot)
+    np.testing.assert_allclose(mapped[0], mixed[:, 0], rtol=1e-6, atol=1e-6)
+    for got, want in zip(mapped[1:], stored, strict=True):
+        np.testing.assert_array_equal(got, want)
+    one = slots - 2  # one slot alone, not the first
+    alone, *written = attend_one(*(row[one] for row in rows), cache, values, at[one], upto[one], slot[one])
+    np.testing.assert_allclose(alone, mixed[one, 0], rtol=1e-6, atol=1e-6)
+    for got, old, new in zip(written, (cache, values), (new_keys, new_values), strict=True):
+        np.testing.assert_array_equal(got, old.at[one, at[one]].set(new[one, 0].astype(dtype)))

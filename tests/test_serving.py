@@ -38,6 +38,8 @@ from bardflow.serving.engine import (
 MODEL_ID = "bardflow-test"
 ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring
 LEARNED = build_config("tiny").model
+# A bfloat16 cache's decode kernels store tiles of 16 positions: parts of 16, 32 and 64.
+ROPE_64 = build_config("tiny", {"model.positions": "rope", "model.max_seq_len": 64}).model
 # Six requests for three or more slots: some wait, join and leave; one runs past the context.
 SIX_REQUESTS = [
     (b"ROMEO:", 70, Sampling(temperature=0.8, seed=7)),  # past the 32-byte context: the ring
@@ -170,8 +172,9 @@ def test_with_the_decode_kernels_or_a_bfloat16_cache_a_request_gets_the_same_byt
     nothing compiles after warming."""
     requests = SIX_REQUESTS
     results = {}
+    model = build_model(ROPE_64, 0) if kernels and cache == "bfloat16" else rope_model
     for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
-        engine = Engine(rope_model, slots=slots, queue_limit=8, kernels=kernels, cache_dtype=cache)
+        engine = Engine(model, slots=slots, queue_limit=8, kernels=kernels, cache_dtype=cache)
         assert engine.caches[0].keys.dtype == (cache or "float32")
         engine.warm()
         compiled = engine.compilations
@@ -189,24 +192,31 @@ def test_with_the_decode_kernels_or_a_bfloat16_cache_a_request_gets_the_same_byt
     )
 
 
-def test_the_decode_kernels_refuse_a_context_that_is_not_read_in_whole_tiles():
+def test_the_decode_kernels_refuse_a_context_that_is_not_read_in_whole_tiles(rope_model):
     odd = build_model(build_config("tiny", {"model.positions": "rope", "model.max_seq_len": 36}).model, 0)
     with pytest.raises(ServingError) as refused:
         Engine(odd, slots=2, kernels=True)
     assert str(refused.value) == (
-        "the decode kernels read the cache in tiles of 8 positions (store 8), and this model's context of 36 bytes "
+        "the decode kernels read and store the cache in tiles of 8 positions, and this model's context of 36 bytes "
         "is read in parts of [9, 18, 36]: serve it without the kernels, or train a context that is a multiple of 32"
     )
     Engine(odd, slots=2)  # XLA's path reads any part
+    with pytest.raises(
+        ServingError,
+        match=r"tiles of 16 positions, and this model's context of 32 bytes is read in parts of \[8, 16, 32\]",
+    ):
+        Engine(rope_model, slots=2, kernels=True, cache_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
 def test_with_the_decode_kernels_every_decode_program_lowers_for_a_tpu(rope_model, monkeypatch, cache):
     """Pallas's TPU lowering (Mosaic's) runs on a CPU too: every decode program of the engine
-    with the kernels, exported for a TPU, holds each layer's two stores and its attention, so a
-    kernel that Mosaic cannot lower fails here, without a chip (its compile is the chip's)."""
+    with the kernels, exported for a TPU, holds one kernel a layer (its two stores and its
+    attention), so a kernel that Mosaic cannot lower fails here, without a chip (its compile
+    is the chip's)."""
     monkeypatch.setattr(decode_kernels, "_interpret", lambda: False)  # the kernels as a TPU runs them
-    engine = Engine(rope_model, slots=8, kernels=True, cache_dtype=cache)
+    model = build_model(ROPE_64, 0) if cache == "bfloat16" else rope_model
+    engine = Engine(model, slots=8, kernels=True, cache_dtype=cache)
     inputs = engine._call_inputs({})
     for size in decode_sizes(engine.slots):
         for fill in fills(engine.window):
@@ -214,7 +224,7 @@ def test_with_the_decode_kernels_every_decode_program_lowers_for_a_tpu(rope_mode
                 exported = jax.export.export(engine._decode_jit, platforms=["tpu"])(
                     engine.params, engine.caches, size, fill, engine.tokens, engine.keys, *inputs
                 )
-            assert exported.mlir_module().count("tpu_custom_call") == 3 * len(engine.caches), (size, fill)
+            assert exported.mlir_module().count("tpu_custom_call") == len(engine.caches), (size, fill)
 
 
 def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_needs(rope_model):

@@ -61,6 +61,12 @@ class LayerCache(NamedTuple):
         """``attend`` over the first ``filled`` positions (all by default)."""
         return attend(query, *(self if filled is None else self.first(filled)), visible)
 
+    def written_and_attended(self, new: LayerCache, at, query, visible, filled: int | None = None):
+        """``new``'s keys and values stored from ``at`` on, then ``query`` over the cache: the
+        mix and the cache written."""
+        cache = self.written(*new, at)
+        return cache.attended(query, visible, filled), cache
+
 
 class SlotCache(LayerCache):
     """A layer's cache for one of many sequences that ``jax.vmap`` advances together, each at a
@@ -100,9 +106,9 @@ class RowsCache(NamedTuple):
     (``decode_kernels.py``): (slots, window, heads * head_dim), each position one row of every
     head side by side, so that a store in place writes a tile of 8 positions, not 128. A decode
     step of one new key runs for one ``slot`` of the cache all slots share (the engine maps it
-    over its slots, the cache unmapped): it stores in place and reads the cache where it lies, up
-    to ``filled``. A prompt of several keys takes XLA's path over one slot's (window, heads *
-    head_dim), ``slot`` unset."""
+    over its slots, the cache unmapped): one kernel stores the key in place and reads the cache
+    where it lies, up to ``filled``. A prompt of several keys takes XLA's path over one slot's
+    (window, heads * head_dim), ``slot`` unset."""
 
     keys: jax.Array
     values: jax.Array
@@ -122,25 +128,25 @@ class RowsCache(NamedTuple):
         return LayerCache(*(half.reshape(half.shape[0], heads, -1).swapaxes(0, 1) for half in (self.keys, self.values)))
 
     def written(self, keys, values, at) -> RowsCache:
+        """One slot's ``keys`` and ``values`` (heads, t, head_dim) stored from index ``at`` on."""
         heads, length, head_dim = keys.shape
-        rows = [x.swapaxes(0, 1).reshape(length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values)]
-        pairs = list(zip((self.keys, self.values), rows, strict=True))
-        if length != 1:
-            return RowsCache(*(jax.lax.dynamic_update_slice(c, r, (at, 0)) for c, r in pairs))
-        assert self.slot is not None, "one key at a time is stored by the kernels, into a slot of the shared cache"
-        keys, values = (decode_kernels.store(c, r[0], at, self.slot) for c, r in pairs)
-        return RowsCache(keys, values, self.slot)
+        rows = (x.swapaxes(0, 1).reshape(length, heads * head_dim).astype(self.keys.dtype) for x in (keys, values))
+        return RowsCache(*(jax.lax.dynamic_update_slice(c, r, (at, 0)) for c, r in zip(self[:2], rows, strict=True)))
 
     def attended(self, query, visible, filled: int | None = None):
+        return self.heads_first(query.shape[0]).attended(query, visible, filled)
+
+    def written_and_attended(self, new: LayerCache, at, query, visible, filled: int | None = None):
         heads, queries, head_dim = query.shape
-        if queries != 1:
-            return self.heads_first(heads).attended(query, visible, filled)
-        assert self.slot is not None, "one query at a time is read by the kernels, from a slot of the shared cache"
+        if self.slot is None or queries != 1 or new.keys.shape[1] != 1:  # a prompt: XLA's path
+            cache = self.written(*new, at)
+            return cache.attended(query, visible, filled), cache
         upto = jnp.sum(visible[0]) - 1  # the last position this query sees
-        out = decode_kernels.attend(
-            query.reshape(-1), self.keys, self.values, upto, self.slot, filled or self.window, head_dim
+        query_row, key_row, value_row = (x.swapaxes(0, 1).reshape(-1) for x in (query, *new))  # (heads * head_dim,)
+        mixed, keys, values = decode_kernels.attend(
+            query_row, key_row, value_row, self.keys, self.values, at, upto, self.slot, filled or self.window, head_dim
         )
-        return out.reshape(heads, 1, head_dim)
+        return mixed.reshape(heads, 1, head_dim), RowsCache(keys, values, self.slot)
 
 
 Cache = LayerCache | RowsCache  # a layer's keys and values as the model reads and writes them
@@ -248,16 +254,21 @@ class CausalSelfAttention(nnx.Module):
                 mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return self.out(mixed.reshape(x.shape)), None
         q, k, v = (t.reshape(x.shape) for t in (q, k, v))
-        read: Cache = LayerCache(self._heads_first(k), self._heads_first(v))
-        if cache is not None:  # these positions' keys and values join the cache
-            # A ring: past the window, position p overwrites the key of p - window, which
-            # has left the context (rotary positions; learned ones end at the window).
-            read = cache = cache.written(*read, positions[0] % cache.window)
+        new = LayerCache(self._heads_first(k), self._heads_first(v))
+        at = positions[0]
         if last_only:
             q, positions = q[:, -1:], positions[-1:]
+        query = self._heads_first(q)
+        if cache is None:
+            visible = jnp.arange(new.window)[None, :] <= positions[:, None]  # (queries, keys)
+            return self.out(self._heads_last(new.attended(query, visible))), None
         # Only the cache's first ``filled`` slots hold keys yet: read no more.
-        visible = jnp.arange(filled or read.window)[None, :] <= positions[:, None]  # (queries, keys)
-        return self.out(self._heads_last(read.attended(self._heads_first(q), visible, filled))), cache
+        visible = jnp.arange(filled or cache.window)[None, :] <= positions[:, None]
+        # These positions' keys and values join the cache. A ring: past the window, position
+        # p overwrites the key of p - window, which has left the context (rotary positions;
+        # learned ones end at the window).
+        mixed, cache = cache.written_and_attended(new, at % cache.window, query, visible, filled)
+        return self.out(self._heads_last(mixed)), cache
 
 
 class MLP(nnx.Module):
