@@ -151,8 +151,8 @@ def fills(window: int) -> list[int]:
     if window % 4:
         return [window]
     parts = [window // 4, window // 2, window]
-    # Halved only into whole 8-position tiles, as the decode kernels read the cache.
-    while parts[0] % 16 == 0 and parts[0] // 2 >= SHORTEST_FILL:
+    # Halved only into whole 16-position tiles, as the decode kernels store a bfloat16 cache.
+    while parts[0] % 32 == 0 and parts[0] // 2 >= SHORTEST_FILL:
         parts.insert(0, parts[0] // 2)
     return parts
 

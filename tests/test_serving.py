@@ -30,6 +30,7 @@ from bardflow.serving.engine import (
     Sequence,
     ServerFull,
     ServingError,
+    _check_tiles,
     buckets,
     decode_sizes,
     fills,
@@ -111,7 +112,8 @@ def test_a_call_reads_the_shortest_part_of_the_cache_that_holds_its_positions():
         assert parts[0] == window // 4 or SHORTEST_FILL <= parts[0] < 2 * SHORTEST_FILL
     assert fills(1024) == [128, 256, 512, 1024]  # gpt2: 200 bytes of a new request read 128, then 256
     assert fills(100) == [25, 50, 100] and fills(30) == [30]
-    assert fills(1056) == [264, 528, 1056]  # 264 halves into 132: not whole 8-position tiles
+    assert fills(1056) == [264, 528, 1056]  # 264 halves into 132: not whole 16-position tiles
+    assert fills(1088) == [272, 544, 1088]  # nor 136
 
 
 @pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
@@ -201,6 +203,10 @@ def test_the_decode_kernels_refuse_a_context_that_is_not_read_in_whole_tiles(rop
         "is read in parts of [9, 18, 36]: serve it without the kernels, or train a context that is a multiple of 32"
     )
     Engine(odd, slots=2)  # XLA's path reads any part
+    for window in range(32, 4097, 32):  # any context of four tiles or more is read in whole tiles
+        _check_tiles(window, "float32")
+        if window % 64 == 0:
+            _check_tiles(window, "bfloat16")
     with pytest.raises(
         ServingError,
         match=r"tiles of 16 positions, and this model's context of 32 bytes is read in parts of \[8, 16, 32\]",
