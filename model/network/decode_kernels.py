@@ -170,18 +170,6 @@ def attend_all(query, new_keys, new_values, keys, values, at, upto, slot, fill: 
     )
 
 
-def _mapped(args, in_batched, size):
-    return [
-        x if batched else jnp.broadcast_to(x, (size, *jnp.shape(x)))
-        for x, batched in zip(args, in_batched, strict=True)
-    ]
-
-
-def _shared(in_batched) -> None:
-    if any(in_batched):
-        raise NotImplementedError("the decode kernels map over slots of one shared cache: vmap with the cache unmapped")
-
-
 def attend(query, new_key, new_value, keys, values, at, upto, slot, fill: int, head_dim: int):  # noqa: PLR0913 - a kernel's operands
     """Slot ``slot``'s new key and value (width,) stored at ``at`` in the shared cache (slots,
     window, width) and its query (width,) over it -> (width,), keys, values."""
@@ -196,9 +184,13 @@ def attend(query, new_key, new_value, keys, values, at, upto, slot, fill: int, h
 
     @one.def_vmap
     def slots(size, in_batched, query, new_key, new_value, keys, values, at, upto, slot):  # noqa: PLR0913 - the same
-        _shared(in_batched[3:5])
-        mapped = (query, new_key, new_value, at, upto, slot)
-        query, new_key, new_value, at, upto, slot = _mapped(mapped, (*in_batched[:3], *in_batched[5:]), size)
+        if any(in_batched[3:5]):
+            raise NotImplementedError("the decode kernel maps over slots of one shared cache: vmap with it unmapped")
+        rows = (query, new_key, new_value, at, upto, slot)
+        query, new_key, new_value, at, upto, slot = (
+            x if batched else jnp.broadcast_to(x, (size, *jnp.shape(x)))
+            for x, batched in zip(rows, (*in_batched[:3], *in_batched[5:]), strict=True)
+        )
         mixed, keys, values = attend_all(
             query[:, None], new_key[:, None], new_value[:, None], keys, values, at, upto, slot, fill, head_dim
         )
