@@ -9,13 +9,16 @@ character loss is a byte loss. No Prefect: it runs where only the JAX stack is i
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from bench.run import RESULTS, SHARED_CORPUS, machine, write_report
+STARTED = time.perf_counter()  # about the process's start: what a user waits from
+
+import argparse  # noqa: E402 - after the clock starts
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench.run import RESULTS, SHARED_CORPUS, machine, write_report  # noqa: E402
 
 # nanoGPT's README (config/train_shakespeare_char.py): its GPU recipe, and the small CPU one.
 NANOGPT = {
@@ -88,11 +91,17 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
         write_split(folder / "train", split.train, {})
         write_split(folder / "val", split.val, {})
         started = time.perf_counter()
+        walls: dict[int, float] = {}  # steps done -> seconds since the process started, its hooks run
+
+        def on_step(done: int, total: int) -> None:
+            walls[done] = time.perf_counter() - STARTED
+
         summary = run_training(
             request,
             RunFiles(folder / "train", folder / "val", folder / "resume", folder / "state"),
             devices,
             parallel=True,
+            on_step=on_step,
         )
         wall = time.perf_counter() - started
         after = deliver(request, split, folder / "state", folder) if delivered else None
@@ -124,6 +133,10 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
         "tokens_per_s": metrics["tokens_per_s"],
         # Compilation included: the figure a user waits for. Evaluation is not (history's seconds).
         "seconds_to_target": None if reached is None else reached["seconds"] + metrics["compile_s"],
+        # From the process's start (imports, data, compiling and evaluations included) to the
+        # end of the first evaluation at or under the target.
+        "seconds_to_target_from_start": None if reached is None else round(walls[reached["step"] + 1], 2),
+        "compiled": metrics["compiled"],
         "tokens_to_target": None if reached is None else reached["tokens"],
         "curve": curve,
         "kept": metrics.get("kept"),  # train.keep=best: the step whose state the run delivered
@@ -186,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": result["tokens_per_s"],
         "target": target,
         "seconds_to_target": result["seconds_to_target"],
+        "seconds_to_target_from_start": result["seconds_to_target_from_start"],
         "tokens_to_target": result["tokens_to_target"],
+        "programs_compiled": result["compiled"]["programs"],
+        "compiling_s": result["compiled"]["seconds"],
         "mfu": result["mfu"],
         "verified": None if result["delivered"] is None else result["delivered"]["verified"],
     }

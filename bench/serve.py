@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     flat = {}
     for preset, found in presets.items():
+        flat[f"{preset}.compile_s"] = found["compile_s"]  # the engine's programs, before the first request
         flat[f"{preset}.sampler_alone_bytes_per_s"] = found["sampler_alone_batch_1_bytes_per_s"]
         for row in found["streams"]:
             flat[f"{preset}.streams_{row['streams']}.bytes_per_s"] = row["bytes_per_s"]

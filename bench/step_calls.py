@@ -44,6 +44,8 @@ def compiled(cfg, step, count: int, example):
         passes=step.passes(cfg.train.per_device_batch),
         steps=count if count > 1 else 0,
         unroll=step.unroll and count > 1,
+        scanned=step.scanned,
+        generator=step.generator,
     )
     started = time.perf_counter()
     program = program.lower(state, example).compile(compiler_options=step.xla_options)

@@ -11,8 +11,11 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 DO_NOT_TRACK=1
 python="${PYTHON:-python3}"
 index="${BARDFLOW_TPU_INDEX:-/opt/pypi/simple}"
+# What it installs goes into a temporary folder removed when the check ends, passed or not.
+installed="$(mktemp -d)"
+trap 'rm -rf "$installed"' EXIT
 if ! "$python" -c "import flax, optax, orbax.checkpoint, pyarrow, yaml, pydantic" 2>/dev/null; then
-  site="$(mktemp -d)/site"
+  site="$installed/site"
   if [ -d "$index" ]; then
     PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
       --index-url "file://$index" --target "$site" flax optax orbax-checkpoint pyarrow pyyaml pydantic
@@ -24,4 +27,4 @@ if ! "$python" -c "import flax, optax, orbax.checkpoint, pyarrow, yaml, pydantic
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"
 fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m bench.tpu_check --out "${OUT:-bench/results}" "$@"
+"$python" -m bench.tpu_check --out "${OUT:-bench/results}" "$@"

@@ -125,6 +125,8 @@ def build_step(cfg, step, count: int, remat: bool | None = None):
         remat=step.remat if remat is None else remat,
         steps=count if count > 1 else 0,
         unroll=step.unroll and count > 1,
+        scanned=step.scanned,
+        generator=step.generator,
     )
     started = time.perf_counter()
     with interpreted(step.attention):

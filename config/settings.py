@@ -267,6 +267,20 @@ class TrainConfig(_Section, frozen=True):
         "log, eval and checkpoint intervals; one process only",
     )
 
+    layers: Literal["auto", "scanned", "unrolled"] = Field(
+        default="auto",
+        description="how the step runs the model's blocks: unrolled (one after another: each compiled "
+        "apart, the fastest step on an accelerator) or scanned (one loop over their stacked parameters: "
+        "compiled once whatever the depth). The same function either way. auto: the one measured faster to "
+        "a trained model on the platform (model/training/step_settings.py); remat always scans",
+    )
+    dropout_generator: Literal["auto", "threefry2x32", "rbg", "unsafe_rbg"] = Field(
+        default="auto",
+        description="JAX's generator of dropout's random bits (model.dropout > 0): threefry2x32 "
+        "(JAX's default), rbg or unsafe_rbg (XLA's RngBitGenerator: a fraction of threefry's cost on a "
+        "TPU). Each is reproducible from train.init_seed. auto: rbg on a TPU, threefry2x32 elsewhere",
+    )
+
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> TrainConfig:
         if self.warmup_steps >= self.steps:
@@ -439,6 +453,8 @@ class TrainingRequest(_Section, frozen=True):
                     "sharding",
                     "remat",
                     "steps_per_call",
+                    "layers",
+                    "dropout_generator",
                 },
                 "model": {"attention", "dense"},
                 "report": True,
@@ -456,7 +472,24 @@ class TrainingRequest(_Section, frozen=True):
                 del recipe["train"][field]
         if self.model.dropout == ModelConfig.model_fields["dropout"].default:
             del recipe["model"]["dropout"]
+        else:  # other random bits, another trained state; keys of JAX's default generator stay
+            generator = dropout_generator(self.train, self.platform)
+            if generator != DEFAULT_GENERATOR:
+                recipe["train"]["dropout_generator"] = generator
         return recipe
+
+
+DEFAULT_GENERATOR = "threefry2x32"  # JAX's
+
+
+def dropout_generator(train: TrainConfig, platform: str) -> str:
+    """The generator of dropout's bits on ``platform``: ``train.dropout_generator``, or for
+    auto rbg on a TPU (threefry's bits cost a TPU a large part of the ``quality`` step and of
+    its compile time, docs/tpu-check.md) and JAX's default elsewhere (every CPU and GPU loss
+    as before)."""
+    if train.dropout_generator != "auto":
+        return train.dropout_generator
+    return "rbg" if platform == "tpu" else DEFAULT_GENERATOR
 
 
 # The presets, each a file users copy (presets/NAME.yaml, its reasons in its comments), in

@@ -49,7 +49,7 @@ TRAIN_SINGLE = Stage(
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
     builds=(STATE, HISTORY),
-    headline=("tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    headline=("tokens_per_s", "ms_per_step", "compile_s", "final_loss", "val_loss"),
     function="train:build_single",
 )
 # "6": the initial values of "4" above. "5": it reads train_single, whose version it takes
@@ -64,7 +64,7 @@ TRAIN_PARALLEL = Stage(
     settings=RunPlan.parallel_training,
     recipe=TrainingRequest.recipe,
     builds=(STATE, HISTORY),
-    headline=("devices", "tokens_per_s", "ms_per_step", "final_loss", "val_loss"),
+    headline=("devices", "tokens_per_s", "ms_per_step", "compile_s", "final_loss", "val_loss"),
     function="train:build_parallel",
 )
 # "4": an MFU row where the devices' peak is known. "3": both runs timed on the same window

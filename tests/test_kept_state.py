@@ -46,6 +46,21 @@ def test_dropout_zero_is_the_model_and_the_keys_of_before_it():
         request = TrainingRequest(model=model, train=TINY.train, devices=1, platform="cpu")
         assert ("dropout" in request.recipe()["model"]) == bool(rate)
     assert "threefry" not in programs[0.0] and "threefry" in programs[0.2]
+    # XLA's generator where asked (a TPU's auto): its own program, and its own key, since it
+    # draws other masks; on a CPU auto keeps JAX's default, and with it every key of before.
+    graphdef, state = init_state(model, TINY.train)
+    rbg = make_train_step(graphdef, seed=1, generator="rbg").lower(state, tokens).as_text()
+    assert "rng_bit_generator" in rbg and "rng_bit_generator" not in programs[0.2]
+    dropping = TINY.model.model_copy(update={"dropout": 0.2})
+    keys = {
+        platform: TrainingRequest(model=m, train=TINY.train, devices=1, platform=platform).recipe()["train"]
+        for platform, m in (("tpu", dropping), ("cpu", dropping), ("gpu", dropping), ("tpu-none", TINY.model))
+    }
+    assert keys["tpu"]["dropout_generator"] == "rbg"
+    assert not any("dropout_generator" in keys[p] for p in ("cpu", "gpu", "tpu-none"))
+    asked = TINY.train.model_copy(update={"dropout_generator": "unsafe_rbg", "layers": "scanned"})
+    recipe = TrainingRequest(model=dropping, train=asked, devices=1, platform="cpu").recipe()["train"]
+    assert recipe["dropout_generator"] == "unsafe_rbg" and "layers" not in recipe
     plain = TrainingRequest(model=TINY.model, train=TINY.train, devices=1, platform="cpu")
     assert "keep" not in plain.recipe()["train"]
     assert TrainingRequest(model=MODEL, train=TRAIN, devices=1, platform="cpu").recipe()["train"]["keep"] == "best"

@@ -75,7 +75,9 @@ def test_the_model_computes_the_same_with_either_kernel():
         # Compiled whole, as training runs it (op by op, each operation compiles on its own).
         loss, grads = nnx.jit(nnx.value_and_grad(next_byte_loss))(model, tokens)
         results[kernel] = (nnx.jit(lambda m, t: m(t)[0])(model, tokens), loss, nnx.to_pure_dict(grads))
-    assert_close(results["custom"], results["xla"], 1e-5)
+    # A TPU's float32 exp, tanh and erf (in the softmax and gelu, and their gradients) keep
+    # four to five digits even at 'highest' precision; a CPU's keep six.
+    assert_close(results["custom"], results["xla"], 1e-5 if jax.default_backend() == "cpu" else 1e-4)
     # cuDNN's fused attention serves bfloat16 on a GPU; a float32 pass (an evaluation) of a
     # model built for it takes XLA's attention, the same function.
     fused = build_model(base.model_copy(update={"attention": "cudnn"}), seed=0)

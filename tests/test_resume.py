@@ -39,12 +39,12 @@ def leaves(state):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state))]
 
 
-def run(batches, checkpoints=None, stop_at=None, cfg=CFG):
+def run(batches, checkpoints=None, stop_at=None, cfg=CFG, model=TINY.model):
     def on_step(done, total):
         if done == stop_at:
             raise Preempted(done)
 
-    graphdef, state = init_state(TINY.model, cfg)
+    graphdef, state = init_state(model, cfg)
     return train(
         TrainingSetup(
             graphdef,
@@ -67,19 +67,29 @@ SCHEDULED = CFG.model_copy(update={"schedule": "cosine", "warmup_steps": 6, "gra
 MUON = SCHEDULED.model_copy(update={"optimizer": "muon", "beta2": 0.99})
 
 
-@pytest.mark.parametrize("cfg", [CFG, SCHEDULED, MUON], ids=["constant", "cosine+clip", "muon"])
-def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches, cfg):
-    reference = run(batches, cfg=cfg)
+# Dropout from XLA's generator (a TPU's), the blocks scanned and a loop of steps a call: the
+# masks follow from the seed and the step, so the resumed run draws what the whole one drew.
+DROPPING = SCHEDULED.model_copy(update={"dropout_generator": "rbg", "layers": "scanned", "steps_per_call": 5})
+DROPOUT_MODEL = TINY.model.model_copy(update={"dropout": 0.1, "num_layers": 2})
+
+
+@pytest.mark.parametrize(
+    "cfg, model",
+    [(CFG, TINY.model), (SCHEDULED, TINY.model), (MUON, TINY.model), (DROPPING, DROPOUT_MODEL)],
+    ids=["constant", "cosine+clip", "muon", "rbg-dropout+scanned"],
+)
+def test_an_interrupted_run_resumes_and_ends_bitwise_equal(tmp_path, batches, cfg, model):
+    reference = run(batches, cfg=cfg, model=model)
 
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
     with pytest.raises(Preempted):
-        run(batches, checkpoints, stop_at=13, cfg=cfg)
+        run(batches, checkpoints, stop_at=13, cfg=cfg, model=model)
     checkpoints.close()
     kept = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
     assert kept == [5, 10]  # the last two, every 5 steps
 
     checkpoints = TrainingCheckpoints(tmp_path / "ckpt", keep=2)
-    resumed = run(batches, checkpoints, cfg=cfg)
+    resumed = run(batches, checkpoints, cfg=cfg, model=model)
     checkpoints.close()
     assert resumed.resumed_from == 10 and reference.resumed_from is None
     assert without_seconds(resumed.history) == without_seconds(reference.history)

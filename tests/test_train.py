@@ -423,7 +423,7 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
 
 def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_fixed_choice(split, tmp_path):
     from bardflow.model.data.splits import read_split, write_split
-    from bardflow.model.training.evaluation import eval_choice, eval_limit, make_evaluate
+    from bardflow.model.training.evaluation import Evaluation, eval_choice, eval_limit
 
     cfg = TINY.train.model_copy(update={"steps": 12, "log_every": 4})
     placement = Placement.data_parallel(jax.devices())
@@ -446,8 +446,8 @@ def test_training_reads_shards_as_one_split_and_a_bounded_evaluation_streams_a_f
     # Placed a group at a time, the loss is the one of the rows placed at once.
     subset = split.val[chosen].astype(np.int32)
     batches = val_batches(subset, 6, 2)
-    at_once = make_evaluate(graphdef, batches, placement)(runs[1].state)
-    in_groups = make_evaluate(graphdef, batches, placement, group_tokens=2 * batches[0][0].size)(runs[1].state)
+    at_once = Evaluation(graphdef, batches, placement)(runs[1].state)
+    in_groups = Evaluation(graphdef, batches, placement, group_tokens=2 * batches[0][0].size)(runs[1].state)
     assert len(batches) > 4 and in_groups == pytest.approx(at_once, rel=1e-6)
     trained = model_from_state(graphdef, runs[1].state)
     assert at_once == pytest.approx(float(nnx.jit(target_losses)(trained, jnp.asarray(subset)).mean()), rel=1e-5)
@@ -550,6 +550,9 @@ def test_steps_per_call_auto_is_one_on_a_cpu_and_fills_the_hook_intervals_elsewh
         "quality": (5, True),
         "gpt2": (1, False),
     }
+    # A TPU takes the same steps a call as a loop: written out, they compiled several times slower.
+    on_tpu = resolve(quality.model, quality.train, quality.data.seq_len, "tpu")
+    assert (on_tpu.steps_per_call, on_tpu.unroll) == (5, False)
     two = resolve(codelab.model, codelab.train, 256, "gpu", processes=2)
     assert two.steps_per_call == 1
     with pytest.raises(ConfigError, match="steps_per_call=4 runs in one process"):
@@ -595,3 +598,73 @@ def test_a_training_process_s_failure_names_the_fix_that_fits_it(tmp_path):
     aborted = parallel_failure(_failure(0, 1, -6, log, (20, 40)), [], "cpu", 1)
     assert "killed by signal 6" in str(aborted) and "pass --cpu-devices 1" in str(aborted)
     assert "rerun starts from step 0" in str(aborted)
+
+
+def test_the_blocks_scanned_compute_what_they_compute_unrolled_with_the_same_dropout():
+    """``train.layers=scanned``: one loop over the blocks' stacked parameters, the same loss,
+    gradients and dropout masks as the blocks one after another (float rounding apart)."""
+    from bardflow.model.network.transformer import build_model
+    from bardflow.model.training.step import next_byte_loss
+
+    cfg = TINY.model.model_copy(update={"num_layers": 3, "dropout": 0.1, "attention": "xla", "dense": "xla"})
+    model = build_model(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(5), (4, cfg.max_seq_len), 0, 256)
+    found = {}
+    for scanned in (False, True):
+        for key in (None, jax.random.key(7, impl="rbg")):
+            blocks = "scanned" if scanned else "unrolled"
+            loss_fn = lambda m, t, key=key, blocks=blocks: next_byte_loss(m, t, blocks, key)  # noqa: E731
+            found[scanned, key is None] = nnx.jit(nnx.value_and_grad(loss_fn))(model, tokens)
+    for plain in (True, False):
+        (loss_unrolled, grads_unrolled), (loss_scanned, grads_scanned) = found[False, plain], found[True, plain]
+        assert float(loss_scanned) == pytest.approx(float(loss_unrolled), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(grads_unrolled), jax.tree.leaves(grads_scanned), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert abs(float(found[False, True][0]) - float(found[False, False][0])) > 1e-4  # dropout did drop
+
+
+def test_layers_and_dropout_s_generator_resolve_per_platform_and_say_why():
+    from bardflow.config.settings import build_config
+    from bardflow.model.training.step_settings import resolve
+
+    quality = build_config("quality")
+    found = {p: resolve(quality.model, quality.train, quality.data.seq_len, p) for p in ("cpu", "gpu", "tpu")}
+    assert {p: (s.layers, s.generator) for p, s in found.items()} == {
+        "cpu": ("unrolled", "threefry2x32"),
+        "gpu": ("unrolled", "threefry2x32"),
+        "tpu": ("unrolled", "rbg"),
+    }
+    assert all(s.layers_note.startswith("auto: ") for s in found.values())
+    recorded = found["tpu"].as_json()  # what the training manifest's step_settings hold
+    assert (recorded["layers"], recorded["generator"]) == ("unrolled", "rbg") and "TPU" in recorded["layers_note"]
+    asked = resolve(quality.model, quality.train.model_copy(update={"layers": "scanned"}), 256, "tpu")
+    assert (asked.layers, asked.layers_note, asked.scanned) == ("scanned", "train.layers=scanned", True)
+    remat = resolve(quality.model, quality.train.model_copy(update={"remat": True, "layers": "unrolled"}), 256, "cpu")
+    assert remat.scanned and "remat" in remat.layers_note
+    threefry = quality.train.model_copy(update={"dropout_generator": "threefry2x32"})
+    assert resolve(quality.model, threefry, 256, "tpu").generator == "threefry2x32"
+
+
+def test_a_run_compiles_its_programs_ahead_once_each_and_says_how_long(split):
+    """The step (one a call, and four), the evaluation, compiled side by side before training,
+    each once: the evaluation's jitted call finds its program compiled."""
+    model = TINY.model.model_copy(update={"d_model": 40, "num_heads": 2, "ffn_dim": 72})  # programs of its own
+    cfg = TINY.train.model_copy(update={"steps": 9, "log_every": 4, "steps_per_call": 4})
+    graphdef, state = init_state(model, cfg)
+    said: list[str] = []
+    result = train(
+        TrainingSetup(
+            graphdef,
+            state,
+            Batches(split.train, 4),
+            val_batches(split.val[:24], 8),
+            Placement.single(jax.devices()[0]),
+            cfg,
+            note=said.append,
+        )
+    )
+    compiled = result.metrics()["compiled"]
+    assert compiled["programs"] + compiled["from_cache"] == 3, compiled
+    assert [h["step"] for h in result.history if h["val_loss"] is not None] == [0, 4, 8]
+    assert len(said) == 1 and said[0].startswith("compiled the step (unrolled blocks, 4 a call)")
+    assert f"{result.compile_s:.1f} s" in said[0] and result.compile_s > 0

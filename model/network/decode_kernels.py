@@ -98,13 +98,14 @@ def _attend_kernel(  # noqa: PLR0913 - a kernel's refs
             cache.at[one, positions], out.at[slot_ref[first + one], positions], copies.at[half, one]
         )
 
-    for one in range(per):
+    # The grid step's slots as a loop, not written out: Mosaic compiles one slot's code.
+    def attend_one(one, carry):
         at = at_ref[first + one]
         for half, (new, cache) in enumerate(((new_k_ref, k_ref), (new_v_ref, v_ref))):
             # Always, for a slot in flight: the call reads as far as its furthest key. A slot
             # past them may lie further, and is not stored.
             @pl.when(at < fill)
-            def _store(new=new, cache=cache, half=half, one=one, at=at):
+            def _store(new=new, cache=cache, half=half):
                 positions = tile(at)
                 kept = cache[one, positions, :]
                 cache[one, positions, :] = jnp.where(row == jax.lax.rem(at, rows), new[one].astype(kept.dtype), kept)
@@ -119,9 +120,15 @@ def _attend_kernel(  # noqa: PLR0913 - a kernel's refs
         mixed = _folded(_products(_stacked(weights), v_ref[one], ((1,), (0,))), groups)  # (groups, width)
         mixed = mixed / jnp.sum(weights, axis=1, keepdims=True)
         o_ref[one] = jnp.sum(heads * mixed, axis=0, keepdims=True)
-    for one in range(per):
+        return carry
+
+    def wait_one(one, carry):
         for half in range(2):
             pl.when(at_ref[first + one] < fill)(copy_back(one, half).wait)
+        return carry
+
+    jax.lax.fori_loop(0, per, attend_one, 0)
+    jax.lax.fori_loop(0, per, wait_one, 0)
 
 
 def _slots_a_step(count: int, block_bytes: int) -> int:

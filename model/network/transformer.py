@@ -9,7 +9,7 @@ repeats their arithmetic.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +150,7 @@ class RowsCache(NamedTuple):
 
 
 Cache = LayerCache | RowsCache  # a layer's keys and values as the model reads and writes them
+Blocks = Literal["unrolled", "scanned", "recomputed"]  # how a training pass runs the blocks
 
 
 class Linear(nnx.Linear):
@@ -327,7 +328,7 @@ class Transformer(nnx.Module):
         cache: tuple[Cache, ...] | None = None,
         last_only: bool = False,
         span: int | None = None,
-        remat: bool = False,
+        blocks: Blocks = "unrolled",
         dropout_key=None,
         filled: int | None = None,
     ):
@@ -343,8 +344,11 @@ class Transformer(nnx.Module):
         the window recomputed from scratch). ``last_only``: only the last
         position's logits are wanted, (rows, 1, vocab): every layer below the top one still
         runs over all positions (they make the top layer's keys and values), the top layer's
-        query, MLP and the head only over the last. ``remat`` (training): each block's
-        activations are recomputed in the backward pass instead of kept (``_recomputed``).
+        query, MLP and the head only over the last. ``blocks`` (training, ``Blocks``): one
+        after another, or as one loop over their stacked parameters (``_looped``), so that a
+        compiler sees one block whatever the depth (``train.layers``), or that loop with each
+        block's activations recomputed in the backward pass instead of kept (``train.remat``):
+        the same function each way.
         ``dropout_key`` (training): dropout at ``model.dropout`` on the embeddings and on what
         each block's attention and MLP add, as nanoGPT's residual dropout (no key, or rate 0:
         none, and the program is the one without dropout). ``filled`` (with ``cache``): only
@@ -363,8 +367,8 @@ class Transformer(nnx.Module):
             keys = keys[1:].reshape(len(self.blocks), 2)
         layers = cache if cache is not None else (None,) * len(self.blocks)
         updated = []
-        if remat and cache is None and not last_only and span is None:
-            x = _recomputed(self.blocks, x, positions, keys)
+        if blocks != "unrolled" and cache is None and not last_only and span is None:
+            x = _looped(self.blocks, x, positions, keys, recomputed=blocks == "recomputed")
         else:
             for depth, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
                 last = last_only and depth == len(self.blocks) - 1
@@ -382,11 +386,13 @@ class Transformer(nnx.Module):
         return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
 
 
-def _recomputed(blocks, x, positions, keys=None):
-    """The blocks as one loop over their stacked parameters whose body the backward pass
-    recomputes from its input (``jax.checkpoint``): only each block's input is kept. A loop,
-    not the blocks one after another, since XLA:CPU schedules unrolled recomputations early
-    and keeps their results as long as it would have kept the originals."""
+def _looped(blocks, x, positions, keys=None, recomputed: bool = False):
+    """The blocks as one loop over their stacked parameters (the stored parameters stay one
+    set a block: the stacking is part of the step, and its gradient the unstacking).
+    ``recomputed``: the loop's body is recomputed from its input in the backward pass
+    (``jax.checkpoint``), so only each block's input is kept; a loop, not the blocks one after
+    another, since XLA:CPU schedules unrolled recomputations early and keeps their results as
+    long as it would have kept the originals."""
     graphdef, _ = nnx.split(blocks[0])
     stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(nnx.split(block)[1] for block in blocks))
 
@@ -394,7 +400,7 @@ def _recomputed(blocks, x, positions, keys=None):
         state, block_keys = layer
         return nnx.merge(graphdef, state)(x, positions, keys=block_keys)[0], None
 
-    return jax.lax.scan(jax.checkpoint(body), x, (stacked, keys))[0]
+    return jax.lax.scan(jax.checkpoint(body) if recomputed else body, x, (stacked, keys))[0]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

@@ -97,6 +97,7 @@ def compiled_step(model_cfg, train_cfg, placement, seq_len: int, choice: StepCho
             placement.batch_sharding,
             passes=step.passes(train_cfg.per_device_batch),
             remat=step.remat,
+            scanned=step.scanned,
         )
         .lower(state, batch)
         .compile(compiler_options=step.xla_options)

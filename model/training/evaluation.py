@@ -18,14 +18,15 @@ EVAL_SEED = 0
 
 
 @lru_cache(maxsize=16)
-def make_eval_sum(graphdef):
+def make_eval_sum(graphdef, scanned: bool = False):
     """``(state, tokens, weights) -> sum of weight x row loss`` over stacked batches
     (batches, rows, length): rows of weight 0 pad the last batch. One program for the whole
     split: a batch per iteration keeps each pass cache-sized on a CPU, and a single launch per
     evaluation keeps XLA:CPU's queue of programs short. Dozens of small programs launched
     back to back once filled a device's queue of in-flight programs (32) while the other
     emulated device waited in an all-reduce, and with one client thread per core that wait
-    could never end (docs/reliability.md, "Data-parallel training on emulated CPU devices")."""
+    could never end (docs/reliability.md, "Data-parallel training on emulated CPU devices").
+    ``scanned``: the model's blocks as one loop, as the training step runs them."""
 
     @jax.jit
     def eval_sum(state, tokens, weights):
@@ -33,7 +34,9 @@ def make_eval_sum(graphdef):
 
         def one(row_sums, batch):
             rows, row_weights = batch
-            return row_sums + target_losses(model, rows).mean(axis=1) * row_weights, None
+            return row_sums + target_losses(model, rows, "scanned" if scanned else "unrolled").mean(
+                axis=1
+            ) * row_weights, None
 
         row_sums, _ = jax.lax.scan(one, jnp.zeros(weights.shape[1:], jnp.float32), (tokens, weights))
         return jnp.sum(row_sums)  # across devices once, not once per batch
@@ -41,37 +44,60 @@ def make_eval_sum(graphdef):
     return eval_sum
 
 
-def make_evaluate(
-    graphdef, val_batches: list[tuple[np.ndarray, np.ndarray]], placement: Placement, group_tokens: int = GROUP_TOKENS
-):
+class Evaluation:
     """``state -> loss on the evaluated rows`` (every row once; None without one). Rows of at
     most ``group_tokens`` are placed at a time: the usual case is one group, placed once and
     kept, one program per evaluation; more (a large ``train.eval_rows``) are placed in turn
     at each evaluation, each padded to the same batches so one program serves them all."""
-    eval_sum = make_eval_sum(graphdef)
-    count = sum(float(weights.sum()) for _, weights in val_batches)
-    if jax.process_count() > 1:  # each process holds its own rows' weights
-        from jax.experimental import multihost_utils
 
-        count = float(multihost_utils.process_allgather(np.float32(count)).sum())
-    if not count:
-        return lambda state: None
-    per_group = max(1, group_tokens // max(1, val_batches[0][0].size))
-    groups = [val_batches[at : at + per_group] for at in range(0, len(val_batches), per_group)]
-    if len(groups) > 1 and len(groups[-1]) < per_group:  # batches of weight 0: every group one shape
-        rows, weights = groups[-1][0]
-        groups[-1] = groups[-1] + [(np.zeros_like(rows), np.zeros_like(weights))] * (per_group - len(groups[-1]))
+    def __init__(
+        self,
+        graphdef,
+        val_batches: list[tuple[np.ndarray, np.ndarray]],
+        placement: Placement,
+        group_tokens: int = GROUP_TOKENS,
+        scanned: bool = False,
+    ):
+        self.eval_sum = make_eval_sum(graphdef, scanned)
+        self.placement = placement
+        count = sum(float(weights.sum()) for _, weights in val_batches)
+        if jax.process_count() > 1:  # each process holds its own rows' weights
+            from jax.experimental import multihost_utils
 
-    def place(group):
+            count = float(multihost_utils.process_allgather(np.float32(count)).sum())
+        self.count = count
+        self.groups: list = []
+        self.placed = None  # the one group's rows and weights, placed once
+        if not count:
+            return
+        per_group = max(1, group_tokens // max(1, val_batches[0][0].size))
+        groups = [val_batches[at : at + per_group] for at in range(0, len(val_batches), per_group)]
+        if len(groups) > 1 and len(groups[-1]) < per_group:  # batches of weight 0: every group one shape
+            rows, weights = groups[-1][0]
+            groups[-1] = groups[-1] + [(np.zeros_like(rows), np.zeros_like(weights))] * (per_group - len(groups[-1]))
+        self.groups = groups
+        if len(groups) == 1:
+            self.placed = self._place(groups[0])
+
+    def _place(self, group):
         return (
-            placement.put_batch(np.stack([rows for rows, _ in group]), stacked=True),
-            placement.put_batch(np.stack([weights for _, weights in group]), stacked=True),
+            self.placement.put_batch(np.stack([rows for rows, _ in group]), stacked=True),
+            self.placement.put_batch(np.stack([weights for _, weights in group]), stacked=True),
         )
 
-    if len(groups) == 1:
-        rows, weights = place(groups[0])
-        return lambda state: float(eval_sum(state, rows, weights)) / count
-    return lambda state: sum(float(eval_sum(state, *place(group))) for group in groups) / count
+    def lowered(self, state) -> jax.stages.Lowered | None:
+        """The evaluation's program for ``state``, to compile ahead (its jitted call then finds
+        it compiled); None without rows."""
+        if not self.groups:
+            return None
+        return self.eval_sum.lower(state, *(self.placed or self._place(self.groups[0])))
+
+    def __call__(self, state) -> float | None:
+        if not self.count:
+            return None
+        if self.placed is not None:
+            return float(self.eval_sum(state, *self.placed)) / self.count
+        return sum(float(self.eval_sum(state, *self._place(group))) for group in self.groups) / self.count
 
 
 def eval_choice(num_rows: int, limit: int, seed: int = EVAL_SEED) -> np.ndarray | None:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...config.settings import TrainConfig
-from .evaluation import make_evaluate
+from .compiling import CompileCount, compile_all, compiled_so_far
+from .evaluation import Evaluation
 from .memory import check_compiled_fits, free_bytes, step_memory
 from .placement import Placement
 from .run_records import HistoryEntry, KeptState, Layout, StepMetrics
@@ -42,6 +43,7 @@ class TrainResult:
     memory: dict[str, int] | None = None  # the compiled step's per-device bytes (model/training/memory.py)
     resumed_layout: Layout | None = None  # the devices and layout of the checkpoint resumed from
     kept: KeptState | None = None  # train.keep=best: the evaluated step whose state this is
+    compiles: CompileCount = CompileCount()  # what the run compiled, ahead and as it went
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,7 +64,8 @@ class TrainResult:
             "steps": self.steps,
             "global_batch": self.global_batch,
             "devices": self.devices,
-            "compile_s": round(self.compile_s, 3),
+            "compile_s": round(self.compile_s, 3),  # the step's and evaluation's, ahead
+            "compiled": self.compiles.as_json(),  # every program the run compiled
             "elapsed_s": round(self.elapsed_s, 3),
             "resumed_from_step": self.resumed_from,
             "resume_s": round(self.resume_s, 3),
@@ -334,8 +337,8 @@ class TrainingSetup:
     platform's defaults for ``cfg`` by default). Then what the loop keeps and tells:
     ``checkpoints`` (resumed from, saved every ``cfg.checkpoint_every``), ``best`` (where
     ``cfg.keep == "best"`` keeps its state: checkpoints of one, or the device), ``stop_after``
-    (only the first steps of the schedule), ``on_step(done, total)`` and the caller's ``hooks``
-    (a stop signal, a metrics writer)."""
+    (only the first steps of the schedule), ``on_step(done, total)``, the caller's ``hooks``
+    (a stop signal, a metrics writer) and ``note`` (a line for the user)."""
 
     graphdef: Any
     state: Any
@@ -349,6 +352,7 @@ class TrainingSetup:
     stop_after: int | None = None
     on_step: Callable[[int, int], None] | None = None
     hooks: Sequence[Hook] = ()
+    note: Callable[[str], None] | None = None  # tells the user how long compiling took
 
 
 @dataclass
@@ -386,16 +390,11 @@ def _resume(checkpoints, state, record: RunRecord) -> _Resumed:
     )
 
 
-def _builtin_hooks(setup: TrainingSetup) -> list[Hook]:
+def _builtin_hooks(setup: TrainingSetup, evaluate: Evaluation) -> list[Hook]:
     """What runs after every step before the caller's hooks: the loss check, the history and
     evaluation, the best state (``keep: best``), checkpoints and the progress callback."""
     cfg = setup.cfg
-    hooks = [
-        finite_loss_hook(),
-        evaluation_hook(
-            make_evaluate(setup.graphdef, setup.val_batches, setup.placement), cfg.log_every, cfg.eval_every
-        ),
-    ]
+    hooks = [finite_loss_hook(), evaluation_hook(evaluate, cfg.log_every, cfg.eval_every)]
     if cfg.keep == "best":
         hooks.append(best_hook(every(cfg.eval_every or cfg.log_every, and_last=True), setup.best))
     hooks += [checkpoint_hook(cfg.checkpoint_every)] if setup.checkpoints is not None else []
@@ -411,21 +410,33 @@ def train(setup: TrainingSetup) -> TrainResult:
     ``on_step``, then the caller's ``hooks``. With ``cfg.keep == "best"`` the state returned is
     that of the evaluated step of lowest validation loss.
 
-    The batch of step ``s`` is ``batch_at(s)`` and training draws no random numbers,
-    so a resumed run repeats the uninterrupted one exactly. Compilation happens ahead
-    of time and is timed apart: it never counts against throughput or consumes a step.
+    The batch of step ``s`` is ``batch_at(s)``, and dropout's bits come from the seed and
+    the step, so a resumed run repeats the uninterrupted one exactly. Compilation happens
+    ahead of time, on threads while a checkpoint is restored, and is timed apart: it never
+    counts against throughput or consumes a step.
     """
     state, batch_at, placement, cfg, step = setup.state, setup.batch_at, setup.placement, setup.cfg, setup.step
     last = min(setup.stop_after or cfg.steps, cfg.steps)
     record = RunRecord([], setup.checkpoints)
     record.layout = {"devices": len(placement.devices), "layout": placement.layout}
-    resumed = _resume(setup.checkpoints, placement.put_state(state), record)
-    state, start = resumed.state, resumed.start
-    first = placement.put_batch(batch_at(start))
-    global_batch, seq_len = first.shape
+    compiles_before = compiled_so_far()
+    state = placement.put_state(state)
+    local = batch_at(0)  # any step's batch has its shape
+    example = placement.put_batch(local)
+    global_batch, seq_len = example.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     dtype = jnp.dtype(step.precision)
-    calls, compile_s, memory = _compiled_calls(setup, state, first, step, start, last)
+    evaluate = Evaluation(setup.graphdef, setup.val_batches, setup.placement, scanned=step.scanned)
+    compiling = _compile_ahead(setup, state, (local, example), step, evaluate, last)
+    resumed = _resume(setup.checkpoints, state, record)
+    state, start = resumed.state, resumed.start
+    calls, compile_s, memory = compiling.result()
+    if setup.note is not None:
+        setup.note(
+            f"compiled the step ({step.layers} blocks, {step.steps_per_call} a call) and the evaluation "
+            f"in {compile_s:.1f} s"
+        )
+    first = example if start == 0 else placement.put_batch(batch_at(start))
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
@@ -441,7 +452,7 @@ def train(setup: TrainingSetup) -> TrainResult:
         stacked_at,
         range(start, last),
         global_batch * (seq_len - 1),
-        [*_builtin_hooks(setup), *setup.hooks],
+        [*_builtin_hooks(setup, evaluate), *setup.hooks],
         record,
     )
     jax.block_until_ready(state)
@@ -464,43 +475,82 @@ def train(setup: TrainingSetup) -> TrainResult:
         memory=memory,
         resumed_layout=resumed.layout,
         kept=kept,
+        compiles=compiled_so_far() - compiles_before,
     )
 
 
-def _compiled_calls(setup: TrainingSetup, state, first, step: StepSettings, start: int, last: int):
-    """The step compiled ahead of time (one a call, and ``step.steps_per_call`` a call where
-    more than one step is left), the seconds that took, and the compiled step's memory, held
-    against the device's free memory before anything runs."""
-    graphdef, batch_at, placement, cfg = setup.graphdef, setup.batch_at, setup.placement, setup.cfg
+@dataclass
+class _Compiling:
+    """The step's programs (and the evaluation's) compiling on threads: ``result()`` waits
+    for them and gives the calls, the seconds from the start of lowering to the programs
+    ready, and the compiled step's memory, held against the device's free memory."""
+
+    setup: TrainingSetup
+    state: Any
+    step: StepSettings
+    started: float
+    futures: list
+    several: int  # steps a call of the second program; 0: none
+
+    def result(self) -> tuple[StepCalls, float, dict[str, int]]:
+        one, *rest = (future.result() for future in self.futures)
+        calls = StepCalls(one, rest[0], self.several) if self.several else StepCalls(one)
+        compile_s = time.perf_counter() - self.started
+        placement, cfg, step = self.setup.placement, self.setup.cfg, self.step
+        memory = step_memory(calls.several or calls.one, self.state)
+        device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
+        check_compiled_fits(
+            memory,
+            free_bytes(device),
+            f"{device.platform} device {device.id} ({device.device_kind})",
+            placement.layout,
+            step.remat,
+            step.passes(cfg.per_device_batch),
+            len(placement.devices) if device.platform == "cpu" else 1,
+        )
+        return calls, compile_s, memory
+
+
+def _compile_ahead(
+    setup: TrainingSetup, state, batch: tuple[np.ndarray, Any], step: StepSettings, evaluate: Evaluation, last: int
+) -> _Compiling:
+    """The step lowered here for ``batch`` (this process's rows, and placed) — one step a
+    call, and ``step.steps_per_call`` a call where that is more than one and the run has more
+    than a step — with the evaluation, and all of them compiled side by side on threads
+    (``compiling.compile_all``) while the caller restores a checkpoint."""
+    local, example = batch
+    graphdef, placement, cfg = setup.graphdef, setup.placement, setup.cfg
     dtype, passes = jnp.dtype(step.precision), step.passes(cfg.per_device_batch)
     started = time.perf_counter()
     shardings = placement.shardings(state)
     seed = cfg.init_seed if model_from_state(graphdef, state).dropout > 0 else 0  # dropout's; unused without
 
-    def compiled_step(count: int = 0, example=first):
+    def lowered_step(count: int, batch):
         made = make_train_step(
-            graphdef, shardings, placement.batch_sharding, dtype, passes, step.remat, count, step.unroll, seed
+            graphdef,
+            shardings,
+            placement.batch_sharding,
+            dtype,
+            passes,
+            step.remat,
+            count,
+            step.unroll,
+            seed,
+            step.scanned,
+            step.generator,
         )
-        return made.lower(state, example).compile(compiler_options=step.xla_options)
+        return made.lower(state, batch)
 
-    calls = StepCalls(compiled_step())
-    if step.steps_per_call > 1 and last - start > 1:  # an example of the stacked batches: their shape
-        stacked = placement.put_batch(np.stack([batch_at(start)] * step.steps_per_call), stacked=True)
-        calls = StepCalls(calls.one, compiled_step(step.steps_per_call, stacked), step.steps_per_call)
-    compile_s = time.perf_counter() - started
-    memory = step_memory(calls.several or calls.one, state)
-    device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
-    check_compiled_fits(
-        memory,
-        free_bytes(device),
-        f"{device.platform} device {device.id} ({device.device_kind})",
-        placement.layout,
-        step.remat,
-        passes,
-        len(placement.devices) if device.platform == "cpu" else 1,
-    )
-
-    return calls, compile_s, memory
+    several = step.steps_per_call if step.steps_per_call > 1 and last > 1 else 0
+    programs, options = [lowered_step(0, example)], [step.xla_options]
+    if several:  # an example of the stacked batches: their shape
+        programs.append(lowered_step(several, placement.put_batch(np.stack([local] * several), stacked=True)))
+        options.append(step.xla_options)
+    evaluation = evaluate.lowered(state)
+    if evaluation is not None:  # compiled beside the step; its jitted call then finds it compiled
+        programs.append(evaluation)
+        options.append({})
+    return _Compiling(setup, state, step, started, compile_all(programs, options), several)
 
 
 def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptState | None]:

@@ -68,7 +68,8 @@ class StepMetrics(TypedDict):
     steps: int
     global_batch: int
     devices: int
-    compile_s: float
+    compile_s: float  # from lowering the step to its programs and the evaluation's compiled, ahead
+    compiled: dict[str, float | int]  # programs XLA compiled in the run, their seconds, persistent-cache hits
     elapsed_s: float
     resumed_from_step: int | None
     resume_s: float

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ...config.settings import ModelConfig, TrainConfig
 from ...errors import BardflowError
-from ..network.transformer import Transformer, build_model
+from ..network.transformer import Blocks, Transformer, build_model
 from .optimizer import make_optimizer
 from .placement import StateLayout
 from .sharding import DATA_AXIS
@@ -26,29 +26,30 @@ class TrainingError(BardflowError, RuntimeError):
     """Training cannot go on; the message names the step and the cause."""
 
 
-def target_losses(model: Transformer, tokens: jax.Array, remat: bool = False, dropout_key=None) -> jax.Array:
+def target_losses(model: Transformer, tokens: jax.Array, blocks: Blocks = "unrolled", dropout_key=None) -> jax.Array:
     """(rows, length - 1): the loss of predicting each byte of the rows but the first from
     those before it. A row one byte longer than the model's context (``data.every_position``)
     is read without its last byte, which is only a target; otherwise the row is read whole
     and the last position's prediction dropped (causal: the same function, one shape for both).
-    ``remat``: each block's activations are recomputed in the backward pass, not kept;
-    ``dropout_key``: training's dropout (``model.dropout``)."""
+    ``blocks``: how the model runs its blocks (``Transformer``; ``train.layers`` and
+    ``train.remat``); ``dropout_key``: training's dropout (``model.dropout``)."""
     inputs = tokens if tokens.shape[1] <= model.max_seq_len else tokens[:, :-1]
-    logits, _ = model(inputs, remat=remat, dropout_key=dropout_key)
+    logits, _ = model(inputs, blocks=blocks, dropout_key=dropout_key)
     logits = logits[:, : tokens.shape[1] - 1].astype(jnp.float32)  # the loss is always taken in float32
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
 
 
-def next_byte_loss(model: Transformer, tokens: jax.Array, remat: bool = False, dropout_key=None) -> jax.Array:
-    return target_losses(model, tokens, remat, dropout_key).mean()
+def next_byte_loss(model: Transformer, tokens: jax.Array, blocks: Blocks = "unrolled", dropout_key=None) -> jax.Array:
+    return target_losses(model, tokens, blocks, dropout_key).mean()
 
 
-def dropout_key(model: Transformer, optimizer: nnx.Optimizer, seed: int):
+def dropout_key(model: Transformer, optimizer: nnx.Optimizer, seed: int, generator: str = "threefry2x32"):
     """The key of a training step's dropout: ``seed``'s, folded with the optimizer's step count,
-    so that a resumed run draws what the uninterrupted one did; None without dropout."""
+    so that a resumed run draws what the uninterrupted one did; None without dropout.
+    ``generator``: JAX's implementation of the random bits (``StepSettings.generator``)."""
     if model.dropout == 0:
         return None
-    return jax.random.fold_in(jax.random.key(seed), optimizer.step[...])
+    return jax.random.fold_in(jax.random.key(seed, impl=generator), optimizer.step[...])
 
 
 def in_dtype(model: Transformer, dtype) -> Transformer:
@@ -146,6 +147,8 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
     steps: int = 0,
     unroll: bool = False,
     seed: int = 0,
+    scanned: bool = False,
+    generator: str = "threefry2x32",
 ):
     """The compiled step ``(state, tokens) -> (state, loss)``. ``state_sharding``: one
     sharding for the whole state, or a ``StateLayout`` (FSDP: each array split its own way,
@@ -156,10 +159,13 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
     losses)`` with the steps' batches stacked (steps, rows, length) and their losses (steps,),
     nothing read back between them, so a small step never waits on the host. The steps are a
     loop of the one step (``unroll``: written out one after another, which lets a GPU launch
-    them as one graph, at the cost of compiling each). ``seed``: dropout's (``dropout_key``)."""
+    them as one graph, at the cost of compiling each). ``seed`` and ``generator``: dropout's
+    (``dropout_key``). ``scanned``: the model's blocks as one loop (``train.layers``)."""
+
+    blocks = "recomputed" if remat else "scanned" if scanned else "unrolled"
 
     def loss_fn(model, tokens, key):
-        return next_byte_loss(in_dtype(model, dtype), tokens, remat, key)
+        return next_byte_loss(in_dtype(model, dtype), tokens, blocks, key)
 
     mesh = None if batch_sharding is None else batch_sharding.mesh
     if passes == 1:
@@ -169,7 +175,7 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
 
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = loss_and_grads(model, tokens, dropout_key(model, optimizer, seed))
+        loss, grads = loss_and_grads(model, tokens, dropout_key(model, optimizer, seed, generator))
         # The optimizer sees the mesh, so that Muon shares its matrices out among the devices.
         with nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             optimizer.update(model, grads)

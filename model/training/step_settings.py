@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...config.settings import ConfigError, ModelConfig, TrainConfig
+from ...config.settings import ConfigError, ModelConfig, TrainConfig, dropout_generator
 from .run_records import StepChoice
 
 # Runs cuDNN's fused attention once at a run's shapes: (length, heads, head_dim, dtype) -> why
@@ -37,6 +37,17 @@ CPU_TOKENS_PER_PASS = 512
 # H100's bfloat16 peak) dwarfs the host's cost of launching it, and no more than this many.
 FLOPS_PER_CALL = 10e12
 MAX_STEPS_PER_CALL = 16
+# train.layers=auto by platform, with the reason the manifest records (the figures:
+# docs/tpu-check.md and docs/benchmarks.md).
+LAYERS_BY_PLATFORM = {
+    "tpu": (
+        "unrolled",
+        "auto: on a TPU scanned blocks compiled faster but stepped about half again slower, more than a "
+        "run's compile time wins back",
+    ),
+    "gpu": ("unrolled", "auto: unrolled blocks, the step measured on GPUs"),
+    "cpu": ("unrolled", "auto: on a CPU scanned blocks compiled no faster and stepped slower"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,14 @@ class StepSettings:
     remat: bool = False  # train.remat: each block's activations recomputed in the backward pass
     attention_note: str | None = None  # on a GPU or TPU: why its fused attention did not serve
     steps_per_call: int = 1  # optimizer steps per compiled call (train.steps_per_call)
-    unroll: bool = False  # those steps written out one after another (accelerators), or a loop
+    unroll: bool = False  # those steps written out one after another (a GPU), or a loop
+    layers: str = "unrolled"  # train.layers resolved: the model's blocks "unrolled" or "scanned"
+    layers_note: str = ""  # why, for auto
+    generator: str = "threefry2x32"  # dropout's random bits (train.dropout_generator resolved)
+
+    @property
+    def scanned(self) -> bool:
+        return self.layers == "scanned"
 
     def passes(self, per_device_batch: int) -> int:
         return per_device_batch // self.rows_per_pass
@@ -128,6 +146,7 @@ def resolve(
     )
     tuned = platform == "cpu" and (choice["xla"] if choice else "tuned") == "tuned"
     per_call = steps_per_call(model_cfg, train_cfg, seq_len, platform, processes)
+    layers, why = layers_choice(train_cfg, platform)
     return StepSettings(
         kernels["attention"],
         kernels["dense"],
@@ -138,8 +157,23 @@ def resolve(
         train_cfg.remat,
         note,
         per_call,
-        platform != "cpu" and per_call > 1,
+        # A GPU launches written-out steps as one graph; on a TPU a loop of them compiled
+        # several times faster for a few percent of step time (docs/tpu-check.md).
+        platform == "gpu" and per_call > 1,
+        layers,
+        why,
+        dropout_generator(train_cfg, platform),
     )
+
+
+def layers_choice(train_cfg: TrainConfig, platform: str) -> tuple[str, str]:
+    """``train.layers`` resolved, and why: remat's loop, the user's choice, or for auto what
+    was measured on the platform (docs/benchmarks.md, docs/tpu-check.md)."""
+    if train_cfg.remat:
+        return "scanned", "train.remat: the blocks recomputed in one loop"
+    if train_cfg.layers != "auto":
+        return train_cfg.layers, f"train.layers={train_cfg.layers}"
+    return LAYERS_BY_PLATFORM.get(platform, LAYERS_BY_PLATFORM["gpu"])
 
 
 def steps_per_call(

@@ -164,6 +164,7 @@ def run_training(
                 step=step,
                 hooks=hooks,
                 best=best,
+                note=note,
             )
         )
     finally:
