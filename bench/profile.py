@@ -2,8 +2,8 @@
 
 Traces a few steps of the production step (codelab model, batch 32 x 256) with
 ``jax.profiler``, matches each executed operation to the compiled HLO, and sums the
-time per kind: matrix products, layout copies, reductions, the rest. Writes the same
-table as JSON under ``bench/results/``.
+time per kind: the optimizer's update, attention, the other matrix products, layout copies,
+reductions, the rest. Writes the same table as JSON under ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ def kinds_of(hlo: str) -> dict[str, tuple[str, str]]:
             continue
         name, shape, opcode = match.groups()
         op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
-        if "dot_general" in op_name or opcode in ("dot", "convolution"):
+        # The step names two scopes (``jax.named_scope``): the optimizer's update and attention.
+        if "/optimizer/" in op_name:
+            kind = "optimizer"
+        elif "/attention/" in op_name or opcode == "custom-call" and "tpu_custom_call" in line:
+            kind = "attention"
+        elif "dot_general" in op_name or opcode in ("dot", "convolution"):
             kind = "matrix products"
         elif opcode in ("copy", "transpose") or name.startswith(("copy", "transpose")):
             kind = "layout copies"

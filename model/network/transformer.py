@@ -228,6 +228,18 @@ class CausalSelfAttention(nnx.Module):
         x = x.reshape(-1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
         return x.reshape(-1, length, self.num_heads * self.head_dim)
 
+    def _causal(self, q, k, v, span: int | None):
+        """Each position over those before it (within ``span`` of it), by the chosen kernel."""
+        if span is not None and span < q.shape[1]:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(span - 1, 0))
+        if self.custom:
+            return causal_attention(q, k, v)
+        if self.pallas:
+            return pallas_attention(q, k, v, self.pallas)
+        if self.fused and q.dtype in FUSED_DTYPES:  # a float32 evaluation takes XLA's path
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
     def __call__(
         self,
         x,
@@ -243,16 +255,8 @@ class CausalSelfAttention(nnx.Module):
         if self.rotary:
             q, k = rotate(q, positions), rotate(k, positions)
         if cache is None and not last_only:  # every position attends to those before it
-            if span is not None and span < x.shape[1]:  # ... within ``span`` of it
-                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(span - 1, 0))
-            elif self.custom:
-                mixed = causal_attention(q, k, v)
-            elif self.pallas:
-                mixed = pallas_attention(q, k, v, self.pallas)
-            elif self.fused and q.dtype in FUSED_DTYPES:  # a float32 evaluation takes XLA's path
-                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-            else:
-                mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            with jax.named_scope("attention"):  # a profile's kind (bench/profile.py)
+                mixed = self._causal(q, k, v, span)
             return self.out(mixed.reshape(x.shape)), None
         q, k, v = (t.reshape(x.shape) for t in (q, k, v))
         new = LayerCache(self._heads_first(k), self._heads_first(v))

@@ -177,7 +177,10 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = loss_and_grads(model, tokens, dropout_key(model, optimizer, seed, generator))
         # The optimizer sees the mesh, so that Muon shares its matrices out among the devices.
-        with nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with (
+            nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            jax.named_scope("optimizer"),  # a profile's kind (bench/profile.py)
+        ):
             optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
