@@ -78,8 +78,10 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
 
     from bardflow.config.settings import TrainingRequest, build_config
     from bardflow.model.data.splits import encode, write_split
+    from bardflow.model.training.compiling import compiled_so_far
     from bardflow.model.training.training_run import RunFiles, run_training
 
+    compiled_so_far()  # counting from here: every program this process compiles
     cfg = build_config(preset, {"train.eval_every": 0, **overrides})  # a point of the curve at every record
     split = encode(
         corpus.read_bytes(), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.shuffle_seed, cfg.data.every_position
@@ -104,7 +106,9 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
             on_step=on_step,
         )
         wall = time.perf_counter() - started
+        trained = compiled_so_far()
         after = deliver(request, split, folder / "state", folder) if delivered else None
+        delivering = compiled_so_far() - trained
     metrics, history = summary.metrics, summary.history
     reached = first_reaching(history, target)
     curve = [
@@ -136,7 +140,11 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
         # From the process's start (imports, data, compiling and evaluations included) to the
         # end of the first evaluation at or under the target.
         "seconds_to_target_from_start": None if reached is None else round(walls[reached["step"] + 1], 2),
+        # Programs compiled: the training loop's, the whole training run's (its model and
+        # state made, checkpoint checks), and checkpoint, restore, verify and sampling's.
         "compiled": metrics["compiled"],
+        "compiled_in_training": trained.as_json(),
+        "compiled_delivering": delivering.as_json() if delivered else None,
         "tokens_to_target": None if reached is None else reached["tokens"],
         "curve": curve,
         "kept": metrics.get("kept"),  # train.keep=best: the step whose state the run delivered

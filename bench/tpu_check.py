@@ -7,9 +7,9 @@ own time limit, each reported passed / failed / skipped with the reason:
   quality   the ``quality`` preset on TinyShakespeare's real bytes, encoded by bardflow's
             encode code, trained by the training stage's ``run_training`` (best state kept),
             then checkpointed, restored, verified and sampled (``bench/quality.py --deliver``)
-  step      per preset (``bench/tpu_step.py``): the attention kernels and their tiles, the
-            step with each kernel (50 steps' losses against XLA's), steps per call, batch and
-            remat with XLA's memory against the estimate, a profile's slowest operations
+  step      per preset (``bench/tpu_step.py``, nothing in JAX's cache): the programs a run
+            compiles (one step a call, and ``auto``'s steps a call), each's compile time, step
+            time, MFU and XLA's memory against the estimate; a profile by kind
   sampler   the KV-cache sampler for ``gpt2`` and ``codelab`` at batch 1 and 64, float32 and
             bfloat16 weights, against the HBM bound (``bench/sampler.py``)
   serve     the serving engine for ``codelab`` and ``gpt2``: 1, 8 and 64 concurrent sequences
