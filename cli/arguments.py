@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import BardflowError
 from ..flows.environment import DEBUG, PRESET_NAMES
@@ -197,6 +198,28 @@ def _serve_command(commands) -> None:
         "--cache",
         choices=["float32", "bfloat16"],
         help="the key/value cache's type (default: the weights'); bfloat16 reads half the bytes a step",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="a file whose first line is the API key requests must send (Authorization: Bearer KEY); kept out of ps",
+    )
+    serve.add_argument(
+        "--api-key", help="the API key itself (visible in ps: prefer --api-key-file or BARDFLOW_API_KEY)"
+    )
+    serve.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name requests may address besides the bound address and the loopback names "
+        "(repeatable; '*' for any)",
+    )
+    serve.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="serve a non-loopback --host without an API key: anyone who reaches the machine may call it",
     )
     serve.set_defaults(refresh=[], join_timeout=3600)
 

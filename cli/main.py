@@ -46,6 +46,9 @@ from ..tasks.registry import NAMES
 from . import printing
 from .arguments import UsageError, parser
 
+API_KEY_VARIABLE = "BARDFLOW_API_KEY"  # bardflow serve's key, kept out of ps
+MIN_API_KEY = 16  # characters: a key a client can guess is no key
+
 if TYPE_CHECKING:
     from ..flows.pipeline import Preset
     from ..flows.records import RunSummary
@@ -432,11 +435,27 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--kernels runs Pallas TPU kernels, and JAX here runs on {jax.default_backend()} (they would run "
                 "in an interpreter, slowly); drop --kernels"
             )
-    settings = ServeSettings(args.host, args.port, args.slots, args.queue, args.max_tokens, args.kernels, args.cache)
+    api_key = _api_key(args)
+    if args.host not in LOCAL_HOSTS and api_key is None and not args.insecure_no_key:
+        raise UsageError(
+            f"--host {args.host} is reachable from other machines: give an API key (--api-key-file FILE, "
+            "BARDFLOW_API_KEY or --api-key KEY), or --insecure-no-key to let anyone call it"
+        )
+    settings = ServeSettings(
+        args.host,
+        args.port,
+        args.slots,
+        args.queue,
+        args.max_tokens,
+        args.kernels,
+        args.cache,
+        api_key,
+        tuple(args.allow_host),
+    )
     check_port(settings.host, settings.port)
-    if args.host not in LOCAL_HOSTS:
+    if args.host not in LOCAL_HOSTS and api_key is None:
         print(
-            fit(f"bardflow: --host {args.host}: the API is reachable by anyone who can reach this machine"),
+            fit(f"bardflow: --host {args.host} without an API key: anyone who can reach this machine may call it"),
             file=sys.stderr,
         )
     if args.key:
@@ -447,6 +466,30 @@ def _serve(args: argparse.Namespace) -> int:
         root, args.key = summary.store, summary.stages["checkpoint"].key
     model, model_id = _served_model(root, args.key)
     return serve(model, model_id, settings, _compiling)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key requests must send: --api-key-file's first line, else BARDFLOW_API_KEY, else
+    --api-key; None where none is given."""
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(
+                f"--api-key-file {args.api_key_file}: {getattr(error, 'strerror', None) or error}"
+            ) from None
+        key = lines[0].strip() if lines else ""
+    else:
+        key = os.environ.get(API_KEY_VARIABLE) or args.api_key
+        if key is None:
+            return None
+        key = key.strip()
+    if len(key) < MIN_API_KEY or not key.isprintable() or " " in key:
+        raise UsageError(
+            f"the API key must be at least {MIN_API_KEY} printable characters without spaces; make one with "
+            "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+    return key
 
 
 def _compiling(total: int):

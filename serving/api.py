@@ -16,7 +16,7 @@ import codecs
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Engine, Sampling, Sequence, ServerFull, ServingError, random_seed
+from .guard import Guard
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
 MAX_PROMPTS = 64  # prompts x n in one request
@@ -70,7 +71,7 @@ class CompletionRequest(BaseModel):
     def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("give at least one prompt")
-        return prompt
+        return _utf8(prompt)
 
     @field_validator("stop")
     @classmethod
@@ -78,7 +79,7 @@ class CompletionRequest(BaseModel):
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("give at most 4 stop sequences, none empty")
-        return stop
+        return _utf8(stop)
 
     def unsupported(self) -> str | None:
         defaults = {
@@ -95,6 +96,20 @@ class CompletionRequest(BaseModel):
         if self.best_of not in (None, self.n):
             return "best_of"
         return None
+
+
+def _utf8(text):
+    """``text`` (a string or a list of them) where each is UTF-8: JSON's escapes can name half of
+    a surrogate pair alone (``"\\ud800"``), a character no byte sequence holds."""
+    for one in [text] if isinstance(text, str) else text or []:
+        try:
+            one.encode()
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"holds a lone surrogate (\\u{ord(one[error.start]):04x} at character {error.start}), which "
+                "UTF-8 cannot hold; send whole characters"
+            ) from None
+    return text
 
 
 class ApiError(Exception):
@@ -128,9 +143,12 @@ class Choice:
         return self.decoder.decode(chunk, final=final)
 
 
-def create_app(engine: Engine, model_id: str, max_tokens: int = 4096) -> Starlette:
+def create_app(
+    engine: Engine, model_id: str, max_tokens: int = 4096, api_key: str | None = None, hosts: Iterable[str] = ()
+) -> Guard:
     """The HTTP application over ``engine``; ``max_tokens`` is the most bytes a sequence may ask
-    for, ``model_id`` the one model it serves."""
+    for, ``model_id`` the one model it serves; behind ``Guard``'s checks of the key
+    (``api_key``; None: none asked) and the host names requests may address (``hosts``)."""
     created = int(time.time())
 
     async def health(request: Request) -> Response:
@@ -191,7 +209,7 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 4096) -> Starlet
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+    return Guard(Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed}), api_key, hosts)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -24,6 +24,7 @@ from .engine import Engine
 
 GRACE_S = 5
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
+WILDCARDS = ("0.0.0.0", "::", "")  # every address of the machine
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
 
 
@@ -45,6 +46,12 @@ class ServeSettings:
     max_tokens: int = 4096
     kernels: bool = False
     cache: str | None = None
+    api_key: str | None = None  # what requests must send as Authorization: Bearer KEY; None: none
+    allowed_hosts: tuple[str, ...] = ()  # host names requests may address besides these and loopback's
+
+    def hosts(self) -> tuple[str, ...]:
+        """The names a request's ``Host`` may give: the bound address (not a wildcard) and those allowed."""
+        return (*(() if self.host in WILDCARDS else (self.host,)), *self.allowed_hosts)
 
 
 def check_port(host: str, port: int) -> None:
@@ -141,13 +148,15 @@ def serve(
         def listening() -> None:
             print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
             # The command whole on one line, to be copied as it is.
+            # With a key, the variable that holds it: the key itself never goes to a log.
+            auth = ' -H "Authorization: Bearer $BARDFLOW_API_KEY"' if settings.api_key else ""
             print(
-                f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
                 f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
                 flush=True,
             )
 
-        app = create_app(engine, model_id, settings.max_tokens)
+        app = create_app(engine, model_id, settings.max_tokens, settings.api_key, settings.hosts())
         config = uvicorn.Config(
             app,
             host=settings.host,

@@ -344,17 +344,13 @@ def test_the_engine_refuses_what_it_cannot_serve_and_a_full_queue():
         engine.submit([Sequence(b"b", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
 
 
-@pytest.fixture(scope="module")
-def server(rope_model):
-    """The API over an engine of 8 slots, on a loopback port, as ``bardflow serve`` runs it."""
+@contextlib.contextmanager
+def listening(app):
+    """``app`` on uvicorn at a loopback port, as ``bardflow serve`` runs it: its URL."""
     import uvicorn
 
-    engine = Engine(rope_model, slots=8, queue_limit=96)
-    engine.warm()
-    engine.start()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    app = create_app(engine, MODEL_ID, max_tokens=2000)
     running = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -362,10 +358,24 @@ def server(rope_model):
     while not running.started:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
-    running.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        running.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(rope_model):
+    """The API over an engine of 8 slots, on a loopback port."""
+    engine = Engine(rope_model, slots=8, queue_limit=96)
+    engine.warm()
+    engine.start()
+    try:
+        with listening(create_app(engine, MODEL_ID, max_tokens=2000)) as url:
+            yield url, engine
+    finally:
+        engine.stop()
 
 
 def test_the_openai_client_completes_whole_and_streamed(server, rope_model):
@@ -440,10 +450,65 @@ def test_a_stream_event_is_one_line_whatever_its_text():
 
 def test_raw_http_errors_not_json_and_no_such_endpoint(server):
     url, _ = server
-    answer = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30)
+    as_json = {"Content-Type": "application/json"}
+    answer = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=as_json, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "the request body is not JSON"
+    # Half of a surrogate pair, which JSON can escape and UTF-8 cannot hold: a 400 naming it.
+    for field in ('"prompt": "RO\\ud800MEO"', '"prompt": "x", "stop": ["\\udc00"]'):
+        body = f'{{"model": "{MODEL_ID}", {field}, "max_tokens": 8}}'.encode()
+        answer = httpx.post(f"{url}/v1/completions", content=body, headers=as_json, timeout=30)
+        assert answer.status_code == 400 and "lone surrogate" in answer.json()["error"]["message"], answer.text
     assert httpx.get(f"{url}/v1/chat", timeout=30).status_code == 404
     assert httpx.get(f"{url}/v1/completions", timeout=30).json()["error"]["message"].startswith("GET is not allowed")
+
+
+def test_a_key_a_host_and_json_are_asked_of_every_request_but_the_health_probe(server):
+    """``--api-key``: no key, or another, is a 401; a Host this server does not answer for (a
+    rebound name) a 421; a body not sent as JSON (a page's form or text/plain post) a 415; no
+    CORS header lets another site read an answer. Each OpenAI's error object."""
+    _, engine = server
+    key = "k" * 24
+    with listening(create_app(engine, MODEL_ID, max_tokens=2000, api_key=key, hosts=("bard.example",))) as url:
+        port = url.rsplit(":", 1)[1]
+        keyed = {"Authorization": f"Bearer {key}"}
+        body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 4}
+
+        def error(answer, status):
+            assert answer.status_code == status, answer.text
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+            assert not any(name.lower().startswith("access-control") for name in answer.headers)
+            return answer.json()["error"]["message"]
+
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # a probe needs no key
+        assert "Authorization: Bearer KEY" in error(httpx.get(f"{url}/v1/models", timeout=30), 401)
+        wrong = {"Authorization": "Bearer " + "x" * 24}
+        error(httpx.post(f"{url}/v1/completions", json=body, headers=wrong, timeout=30), 401)
+        whole = httpx.post(f"{url}/v1/completions", json=body, headers=keyed, timeout=30)
+        assert whole.status_code == 200 and len(whole.json()["choices"][0]["text"].encode()) <= 4 * 3
+        rebound = {**keyed, "Host": "attacker.example", "Origin": "http://attacker.example"}
+        assert "--allow-host" in error(httpx.post(f"{url}/v1/completions", json=body, headers=rebound, timeout=30), 421)
+        allowed = {**keyed, "Host": f"bard.example:{port}"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=allowed, timeout=30).status_code == 200
+        form = {**keyed, "Content-Type": "text/plain"}
+        text = error(httpx.post(f"{url}/v1/completions", content=json.dumps(body), headers=form, timeout=30), 415)
+        assert "'text/plain'" in text
+
+
+def test_a_request_that_fails_unforeseen_is_a_500_error_object_and_one_log_line(caplog):
+    from bardflow.serving.guard import Guard
+
+    async def failing(scope, receive, send):
+        raise RuntimeError("something no one foresaw")
+
+    async def ask():
+        transport = httpx.ASGITransport(app=Guard(failing))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return await client.get("/v1/models")
+
+    answer = asyncio.run(ask())
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    assert "Traceback" not in answer.text and "Traceback" not in caplog.text
+    assert "GET /v1/models failed: RuntimeError: something no one foresaw" in caplog.text
 
 
 def test_64_concurrent_streams_some_hanging_up_and_the_server_keeps_answering(server, rope_model):
@@ -583,6 +648,16 @@ def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
         assert capsys.readouterr().err.strip().startswith(f"bardflow: error: cannot listen on 127.0.0.1:{port} (")
     assert main(["serve", "zzz", "--slots", "0"]) == 2
     assert capsys.readouterr().err.strip() == "bardflow: error: --slots must be 1 to 1024"
+    # Reachable from other machines: a key, or a word that says anyone may call it.
+    assert main(["serve", "zzz", "--store", str(store), "--host", "0.0.0.0", "--port", str(free)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bardflow: error: --host 0.0.0.0 is reachable from other machines: give an API key (--api-key-file "
+        "FILE, BARDFLOW_API_KEY or --api-key KEY), or --insecure-no-key to let anyone call it"
+    )
+    assert main(["serve", "zzz", "--api-key", "short"]) == 2
+    assert "the API key must be at least 16 printable characters" in capsys.readouterr().err
+    assert main(["serve", "zzz", "--api-key-file", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"bardflow: error: --api-key-file {tmp_path / 'none'}: ")
     assert main(["serve", "zzz", "--store", str(store), "--kernels"]) == 2
     assert capsys.readouterr().err.strip() == (
         "bardflow: error: --kernels runs Pallas TPU kernels, and JAX here runs on cpu (they would run in an "
