@@ -133,10 +133,16 @@ class Choice:
         self.generated = 0
 
     def emit(self, chunk: bytes) -> None:  # the engine's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, chunk, None))
+        self._put((self.index, chunk, None))
 
     def finish(self, reason: str) -> None:  # the engine's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, b"", reason))
+        self._put((self.index, b"", reason))
+
+    def _put(self, piece: tuple[int, bytes, str | None]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+        except RuntimeError:  # the server's loop has closed (it stopped): no one reads this any more
+            pass
 
     def text(self, chunk: bytes, final: bool) -> str:
         self.generated += len(chunk)

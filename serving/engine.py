@@ -272,19 +272,35 @@ class Engine:
             )
 
     def submit(self, sequences: list[Sequence]) -> None:
-        """Queues the sequences (all or none): ``ServerFull`` when the queue has no room."""
+        """Queues the sequences (all or none): ``ServerFull`` when the free slots and the queue
+        have no room for them now, ``ServingError`` when they never would. Waiting sequences
+        whose client has gone leave the queue first."""
         for sequence in sequences:
             self.check(sequence.prompt, sequence.max_tokens)
+        if len(sequences) > self.slots + self.queue_limit:
+            raise ServingError(
+                f"{len(sequences)} sequences in one request (prompts x n), more than this server ever holds "
+                f"({self.slots} slots and a queue of {self.queue_limit}); ask for fewer"
+            )
         with self._wake:
             if self._stopping:
                 raise ServerFull("the server is stopping")
-            if len(self.waiting) + len(sequences) > self.queue_limit:
-                raise ServerFull(
-                    f"{self.count} of {self.slots} slots busy and "
-                    f"{len(self.waiting)} requests waiting (at most {self.queue_limit})"
-                )
-            self.waiting.extend(sequences)
-            self._wake.notify()
+            gone = [s for s in self.waiting if s.cancelled.is_set()]
+            if gone:
+                self.waiting = collections.deque(s for s in self.waiting if not s.cancelled.is_set())
+            # The free slots take waiting sequences first; past them, the queue.
+            room = self.queue_limit + self.slots - self.count
+            full = len(self.waiting) + len(sequences) > room
+            if not full:
+                self.waiting.extend(sequences)
+                self._wake.notify()
+            busy, waiting = self.count, len(self.waiting)
+        for sequence in gone:
+            sequence.finish("cancelled")
+        if full:
+            raise ServerFull(
+                f"{busy} of {self.slots} slots busy and {waiting} sequences waiting (a queue of {self.queue_limit})"
+            )
 
     def load(self) -> dict[str, int]:
         with self._wake:

@@ -339,9 +339,24 @@ def test_the_engine_refuses_what_it_cannot_serve_and_a_full_queue():
         engine.check(b"", 1)
     with pytest.raises(ServingError, match=r"seed 2147483648 is outside 0 .. 2\*\*31 - 1"):
         Sampling(seed=2**31)
-    engine.submit([Sequence(b"a", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
-    with pytest.raises(ServerFull, match="0 of 1 slots busy and 1 requests waiting"):
-        engine.submit([Sequence(b"b", 2, Sampling(), (), lambda chunk: None, lambda reason: None)])
+
+    def one(prompt: bytes, ended=lambda reason: None) -> Sequence:
+        return Sequence(prompt, 2, Sampling(), (), lambda chunk: None, ended)
+
+    # Room for one in the free slot and one in the queue; a third waits for nothing.
+    engine.submit([one(b"a")])
+    engine.submit([one(b"b")])
+    with pytest.raises(ServerFull, match=r"0 of 1 slots busy and 2 sequences waiting \(a queue of 1\)"):
+        engine.submit([one(b"c")])
+    # More than the server ever holds is no "retry later": it is refused for good.
+    with pytest.raises(ServingError, match=r"3 sequences in one request .* \(1 slots and a queue of 1\)"):
+        engine.submit([one(b"d"), one(b"e"), one(b"f")])
+    # A waiting sequence whose client went away leaves the queue (ended as cancelled) for a new one.
+    ended: list[str] = []
+    engine.waiting[-1] = gone = one(b"g", ended.append)
+    gone.cancel()
+    engine.submit([one(b"h")])
+    assert ended == ["cancelled"] and [s.prompt for s in engine.waiting] == [b"a", b"h"]
 
 
 @contextlib.contextmanager
@@ -565,24 +580,25 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot_at_once(serve
 
 
 def test_a_full_server_answers_503_with_retry_after(rope_model):
-    import uvicorn
-
+    """``--queue 0``: a request is served while a slot is free, 503 while none is; one that no
+    slot and queue could ever hold is a 400, not a 503 a client would retry for ever."""
     engine = Engine(rope_model, slots=1, queue_limit=0).start()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    running = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL_ID), log_level="warning"))
-    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    body = {"model": MODEL_ID, "prompt": "x", "max_tokens": 2}
     try:
-        while not running.started:
-            time.sleep(0.02)
-        full = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": "x"}, timeout=30)
-        assert full.status_code == 503 and full.headers["Retry-After"] == "1"
-        assert full.json()["error"]["message"].startswith("the server is full: 0 of 1 slots busy and 0 requests")
+        with listening(create_app(engine, MODEL_ID)) as url:
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200  # idle: served
+            # A long stream holds the one slot.
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "max_tokens": 2000, "stream": True}
+            ) as busy:
+                next(busy.iter_lines())
+                full = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+            assert full.json()["error"]["message"].startswith("the server is full: 1 of 1 slots busy")
+            never = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=30)
+            assert never.status_code == 400 and "more than this server ever holds" in never.json()["error"]["message"]
+            engine.stop()  # while the server's loop still hears the stream's end
     finally:
-        running.should_exit = True
-        thread.join(timeout=10)
         engine.stop()
 
 
