@@ -420,7 +420,13 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """The model a version key or a run's settings name, served until Ctrl-C."""
-    from ..serving.server import LOCAL_HOSTS, ServeSettings, check_port, serve
+    from ..serving.server import LOCAL_HOSTS, ServeSettings, listening_socket, serve
+
+    if args.key is not None and not args.key.strip():
+        raise UsageError(
+            "KEY is empty; give a checkpoint or trained version's key (`bardflow runs` lists them), or leave "
+            "it out to serve a run's settings"
+        )
 
     limits = (("--port", 1, 65535), ("--slots", 1, 1024), ("--queue", 0, 100_000), ("--max-tokens", 1, 1_000_000))
     for name, low, high in limits:
@@ -452,7 +458,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key,
         tuple(args.allow_host),
     )
-    check_port(settings.host, settings.port)
+    listener = listening_socket(settings.host, settings.port)  # held from now: a second server fails at once
     if args.host not in LOCAL_HOSTS and api_key is None:
         print(
             fit(f"bardflow: --host {args.host} without an API key: anyone who can reach this machine may call it"),
@@ -465,7 +471,7 @@ def _serve(args: argparse.Namespace) -> int:
         _, summary = _run(args)  # every stage up to the trained state: cached, or built now
         root, args.key = summary.store, summary.stages["checkpoint"].key
     model, model_id = _served_model(root, args.key)
-    return serve(model, model_id, settings, _compiling)
+    return serve(model, model_id, settings, _compiling, listener)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

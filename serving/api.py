@@ -34,16 +34,19 @@ RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.05
 
 
+MAX_DIGITS = 30  # of a number in a request: no field takes more
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
     """The fields of OpenAI's completions request that a byte model can honour; the others
-    are refused by name rather than ignored."""
+    are refused by name rather than ignored. Strict: ``"8"`` or ``true`` is no number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     prompt: str | list[str]
@@ -239,7 +242,9 @@ async def _parsed(request: Request) -> CompletionRequest:
     except ClientDisconnect:
         raise ApiError(400, "the client went away before its request was read") from None
     try:
-        content = json.loads(raw)
+        content = json.loads(raw, object_pairs_hook=_once_each, parse_int=_integer)
+    except _Refused as refused:
+        raise ApiError(400, str(refused)) from None
     except (ValueError, RecursionError):
         raise ApiError(400, "the request body is not JSON") from None
     if not isinstance(content, dict):
@@ -250,7 +255,27 @@ async def _parsed(request: Request) -> CompletionRequest:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        raise ApiError(400, f"{param}: {message}", param) from None
+        raise ApiError(400, f"{param}: {message}" if param else message, param) from None
+
+
+class _Refused(ValueError):
+    """A body that is JSON, but not one to read: the message says why."""
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every field is given once (``json.loads`` keeps the last of two)."""
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise _Refused(f"{name} is given twice; give it once")
+        found[name] = value
+    return found
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise _Refused(f"a number in the body has {len(text.lstrip('-'))} digits, more than any field takes")
+    return int(text)
 
 
 def _sequences(

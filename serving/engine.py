@@ -265,6 +265,11 @@ class Engine:
             raise ServingError(
                 f"the prompt is {len(prompt)} bytes, over this model's context of {self.window}; shorten it"
             )
+        if not self.rotary and len(prompt) == self.window:
+            raise ServingError(
+                f"the prompt fills this model's context of {self.window} bytes, and its learned positions end "
+                "there: no byte can follow it; shorten the prompt"
+            )
         if not self.rotary and len(prompt) + max_tokens > self.window:
             raise ServingError(
                 f"prompt ({len(prompt)} bytes) + max_tokens ({max_tokens}) is over this model's context of "

@@ -6,6 +6,7 @@ engine (finish reason ``abort``, then ``[DONE]``) before uvicorn's own limit wou
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import socket
 import sys
@@ -54,16 +55,29 @@ class ServeSettings:
         return (*(() if self.host in WILDCARDS else (self.host,)), *self.allowed_hosts)
 
 
-def check_port(host: str, port: int) -> None:
-    """Refuses a port another program holds, before the model is loaded and compiled."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise ServeError(
-                f"cannot listen on {host}:{port} ({error.strerror or error}); pick another with --port"
-            ) from None
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening, before the model is loaded and compiled:
+    a port another program (another ``bardflow serve`` still compiling) holds is refused at
+    once, not after the compile; the server takes it over."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError):
+        raise ServeError(
+            f"--host {host} is not an address or a name this machine resolves; give one of its own"
+        ) from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ServeError(f"cannot listen on {host}:{port} ({error.strerror}); pick another with --port") from None
+        raise ServeError(
+            f"cannot listen on {host}:{port} ({error.strerror or error}); give --host an address of this machine"
+        ) from None
+    return sock
 
 
 class StoppingServer(uvicorn.Server):
@@ -122,9 +136,12 @@ def serve(
     model_id: str,
     settings: ServeSettings,
     compiling: Callable[[int], AbstractContextManager[Callable[[int], None]]] | None = None,
+    listener: socket.socket | None = None,
 ) -> int:
     """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
-    compiled before the first request (a terminal bar), told how many are done after each."""
+    compiled before the first request (a terminal bar), told how many are done after each;
+    ``listener``: the socket bound for it (``listening_socket``; by default bound here)."""
+    listener = listener or listening_socket(settings.host, settings.port)
     engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels, cache_dtype=settings.cache)
     try:
         with (
@@ -169,8 +186,9 @@ def serve(
         # them again once it has stopped: ignored by then, they end the command with its closing
         # line instead of a KeyboardInterrupt's traceback or a death by signal.
         with _stop_signals(lambda signum, frame: None):
-            StoppingServer(config, engine, listening).run()
+            StoppingServer(config, engine, listening).run(sockets=[listener])
     finally:
         engine.stop()
+        listener.close()
     print("bardflow: the server stopped", file=sys.stderr, flush=True)
     return 0

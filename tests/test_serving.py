@@ -335,6 +335,8 @@ def test_the_engine_refuses_what_it_cannot_serve_and_a_full_queue():
         engine.check(b"x" * 33, 1)
     with pytest.raises(ServingError, match=r"learned positions end there\); lower max_tokens to 22"):
         engine.check(b"x" * 10, 23)
+    with pytest.raises(ServingError, match="the prompt fills this model's context of 32 bytes.*shorten the prompt"):
+        engine.check(b"x" * 32, 1)
     with pytest.raises(ServingError, match="the prompt is empty"):
         engine.check(b"", 1)
     with pytest.raises(ServingError, match=r"seed 2147483648 is outside 0 .. 2\*\*31 - 1"):
@@ -442,8 +444,10 @@ def test_the_openai_client_completes_whole_and_streamed(server, rope_model):
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop: Value error, give at most 4 stop sequences"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' is not served here"),
         ({"prompt": "x" * (MAX_BODY + 1)}, 413, f"the request body is over {MAX_BODY} bytes"),
+        ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
     ],
-    ids=["max_tokens", "type", "unknown", "logprobs", "context", "limit", "stops", "model", "size"],
+    ids=["max_tokens", "type", "unknown", "logprobs", "context", "limit", "stops", "model", "size", "text", "bool"],
 )
 def test_a_bad_request_is_openai_s_error_object_with_its_status(server, body, status, words):
     url, _ = server
@@ -468,6 +472,14 @@ def test_raw_http_errors_not_json_and_no_such_endpoint(server):
     as_json = {"Content-Type": "application/json"}
     answer = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=as_json, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "the request body is not JSON"
+    # JSON, but not to be read: a field twice (which would take the last silently), a number
+    # longer than any field takes (Python refuses to read one of over 4,300 digits).
+    for raw, words in (
+        (f'{{"model": "{MODEL_ID}", "prompt": "x", "max_tokens": 2, "max_tokens": 9}}', "max_tokens is given twice"),
+        (f'{{"model": "{MODEL_ID}", "prompt": "x", "max_tokens": {"9" * 5000}}}', "has 5000 digits"),
+    ):
+        answer = httpx.post(f"{url}/v1/completions", content=raw.encode(), headers=as_json, timeout=30)
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text
     # Half of a surrogate pair, which JSON can escape and UTF-8 cannot hold: a 400 naming it.
     for field in ('"prompt": "RO\\ud800MEO"', '"prompt": "x", "stop": ["\\udc00"]'):
         body = f'{{"model": "{MODEL_ID}", {field}, "max_tokens": 8}}'.encode()
@@ -670,6 +682,10 @@ def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
         "bardflow: error: --host 0.0.0.0 is reachable from other machines: give an API key (--api-key-file "
         "FILE, BARDFLOW_API_KEY or --api-key KEY), or --insecure-no-key to let anyone call it"
     )
+    assert main(["serve", "", "--store", str(store)]) == 2
+    assert capsys.readouterr().err.strip().startswith("bardflow: error: KEY is empty; give a checkpoint")
+    assert main(["serve", "zzz", "--store", str(store), "--host", "256.1.1.1", "--insecure-no-key"]) == 1
+    assert "--host 256.1.1.1 is not an address or a name this machine resolves" in capsys.readouterr().err
     assert main(["serve", "zzz", "--api-key", "short"]) == 2
     assert "the API key must be at least 16 printable characters" in capsys.readouterr().err
     assert main(["serve", "zzz", "--api-key-file", str(tmp_path / "none")]) == 2
