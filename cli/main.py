@@ -509,6 +509,7 @@ def _compiling(total: int):
 
 def _served_model(root: str, prefix: str):
     """The model of the checkpoint (else trained) version whose key starts with ``prefix``."""
+    from ..artifacts.store import Store
     from ..cli.runs import RunsError, readable_store
     from ..model.training.checkpoint import load_model
     from ..tasks.checkpoint import MODEL
@@ -521,6 +522,13 @@ def _served_model(root: str, prefix: str):
             raise RunsError(f"{len(found)} {found[0].stage} versions have a key starting {prefix!r}; give more of it")
         if found:
             version = found[0]
+            damaged = Store.damage(version.path, version.manifest["files"])
+            if damaged:  # the seal says what was written; the files' checksums say what is there now
+                raise RunsError(
+                    f"the {version.stage} version {version.key[:12]} is damaged: {', '.join(sorted(damaged)[:3])} "
+                    "no longer match the checksums its manifest holds; rerun the run that made it to rebuild it, "
+                    "or serve another key"
+                )
             model = load_model(version.file(MODEL)) if version.stage == "checkpoint" else trained_model(version)[0]
             return model, f"bardflow-{version.key[:12]}"
     known = ", ".join(v.key[:12] for v in store.versions("checkpoint")[:6]) or "none"

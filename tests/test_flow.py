@@ -422,3 +422,28 @@ def test_serve_stopped_while_it_compiles_ends_in_one_line(workspace, first_run, 
         out, err = process.communicate(timeout=60)
     assert process.returncode == 130 and not out, (out, err)
     assert err.strip() == "bardflow: stopped by SIGINT while compiling the server's programs", err[-2000:]
+
+
+def test_serve_refuses_a_checkpoint_whose_files_no_longer_match_its_checksums(workspace, first_run, tmp_path, capsys):
+    """A bit flipped in a served version's weights: refused in one line naming the file, where
+    the manifest's seal alone would have let it serve."""
+    import shutil
+    import socket
+
+    from bardflow.cli.main import main
+
+    store, _, _ = workspace
+    key = first_run["stages"]["checkpoint"]["key"]
+    copy = tmp_path / "store"
+    shutil.copytree(store / "checkpoint" / key, copy / "checkpoint" / key)
+    weights = max((p for p in (copy / "checkpoint" / key).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", key[:12], "--store", str(copy), "--port", str(port)]) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"bardflow: error: the checkpoint version {key[:12]} is damaged: ") and "\n" not in line
+    assert weights.relative_to(copy / "checkpoint" / key).as_posix() in line
