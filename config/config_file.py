@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import reprlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +95,25 @@ def parse(text: str, source: str) -> Any:
         loader.dispose()
 
 
+def each_once(pairs: list[tuple[str, Any]], twice: Callable[[str], Exception]) -> dict[str, Any]:
+    """A JSON object's ``pairs`` (``json.loads``'s ``object_pairs_hook``), refusing a key given
+    twice with ``twice(key)``, where ``json.loads`` would keep the last silently."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise twice(key)
+        seen[key] = value
+    return seen
+
+
 def parse_json(text: str, source: str) -> Any:
     """JSON as JSON (``1e1`` is the number 10; YAML 1.1 reads it as a string), within the
     same bounds as YAML and, as there, without duplicate keys."""
 
     def mapping(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in seen:
-                raise ConfigError(f"config file {source}: the key {key!r} is given twice; keep one")
-            seen[key] = value
-        return seen
+        return each_once(
+            pairs, lambda key: ConfigError(f"config file {source}: the key {key!r} is given twice; keep one")
+        )
 
     too_deep = ConfigError(
         f"config file {source} nests deeper than {MAX_DEPTH} levels; a config file has sections of settings"

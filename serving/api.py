@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..config.config_file import each_once
 from .engine import Engine, Sampling, Sequence, ServerFull, ServingError, random_seed
 from .guard import Guard
 
@@ -263,13 +264,7 @@ class _Refused(ValueError):
 
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose every field is given once (``json.loads`` keeps the last of two)."""
-    found: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in found:
-            raise _Refused(f"{name} is given twice; give it once")
-        found[name] = value
-    return found
+    return each_once(pairs, lambda name: _Refused(f"{name} is given twice; give it once"))
 
 
 def _integer(text: str) -> int:
