@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -101,6 +102,13 @@ class StoppingServer(uvicorn.Server):
             self.listening()
 
     def handle_exit(self, sig, frame) -> None:
+        if self.ending is not None:
+            # A second signal: the streams end now (``abort``, then ``[DONE]``), not after their
+            # grace, and the shutdown stays graceful (uvicorn's forced exit would cut every
+            # stream mid-chunk and print each cancelled task's traceback).
+            self.ending.cancel()
+            self.engine.stop()
+            return
         super().handle_exit(sig, frame)
         if self.ending is None:
             self.ending = threading.Timer(self.grace_s, self.engine.stop)
@@ -109,9 +117,9 @@ class StoppingServer(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def _stop_signals(handler: Callable[[int, object], None]):
-    """SIGINT and SIGTERM go to ``handler`` within the block; the handlers before, after it."""
-    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+def _stop_signals(handler: Callable[[int, Any], None], signals=(signal.SIGINT, signal.SIGTERM)):
+    """``signals`` go to ``handler`` within the block; the handlers before, after it."""
+    previous = {signum: signal.signal(signum, handler) for signum in signals}
     try:
         yield
     finally:
@@ -185,8 +193,10 @@ def serve(
         # uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
         # them again once it has stopped: ignored by then, they end the command with its closing
         # line instead of a KeyboardInterrupt's traceback or a death by signal.
-        with _stop_signals(lambda signum, frame: None):
-            StoppingServer(config, engine, listening).run(sockets=[listener])
+        server = StoppingServer(config, engine, listening)
+        # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
+        with _stop_signals(lambda signum, frame: None), _stop_signals(server.handle_exit, (signal.SIGHUP,)):
+            server.run(sockets=[listener])
     finally:
         engine.stop()
         listener.close()

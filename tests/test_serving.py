@@ -654,6 +654,46 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
     assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
 
 
+def test_a_second_stop_ends_the_streams_at_once_and_still_with_abort_and_done(rope_model):
+    """A second Ctrl-C does not wait out the grace, nor cut streams mid-chunk as uvicorn's forced
+    exit did: each ends with ``abort`` and ``[DONE]``, and the server stops."""
+    import signal
+
+    import uvicorn
+
+    from bardflow.serving.server import StoppingServer
+
+    engine = Engine(rope_model, slots=2, queue_limit=4)
+    engine.warm()
+    engine.start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    app = create_app(engine, MODEL_ID, max_tokens=10**6)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60)
+    listening = threading.Event()
+    running = StoppingServer(config, engine, listening.set, grace_s=60)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    assert listening.wait(timeout=30)
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
+    lines: list[str] = []
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as answer:
+        for line in answer.iter_lines():
+            lines.append(line)
+            if len(lines) == 10:
+                running.handle_exit(signal.SIGINT, None)
+                stopped = time.monotonic()
+            if len(lines) == 20:
+                running.handle_exit(signal.SIGINT, None)  # the second
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - stopped < 15 and not running.force_exit
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "abort" and [line for line in lines if line][-1] == "data: [DONE]"
+    )
+
+
 def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
     from bardflow.cli.main import main
 
