@@ -5,6 +5,7 @@ engine (finish reason ``abort``, then ``[DONE]``) before uvicorn's own limit wou
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import signal
@@ -16,7 +17,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config.line_width import fit
 from ..errors import BardflowError
@@ -28,6 +31,8 @@ GRACE_S = 5
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
 WILDCARDS = ("0.0.0.0", "::", "")  # every address of the machine
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
+KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this
+MAX_CONNECTIONS = 512  # open at once; past it uvicorn answers 503 (a process's 1,024 descriptors stay enough)
 
 
 class ServeError(BardflowError, RuntimeError):
@@ -79,6 +84,40 @@ def listening_socket(host: str, port: int) -> socket.socket:
             f"cannot listen on {host}:{port} ({error.strerror or error}); give --host an address of this machine"
         ) from None
     return sock
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, which closes a connection whose request is not whole
+    ``REQUEST_TIMEOUT_S`` after it began (or after the connection opened): a client that sends
+    nothing, or a byte now and then, cannot hold a socket for ever and starve real requests of
+    them. Between requests uvicorn's own keep-alive limit closes an idle connection."""
+
+    request_timeout_s: float = 10.0
+
+    def connection_made(self, transport) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = self.loop.call_later(self.request_timeout_s, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+            self._stop_deadline()  # the request is whole (or over): its answer takes what it takes
+        elif self._deadline is None:
+            self._deadline = self.loop.call_later(self.request_timeout_s, self._too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class StoppingServer(uvicorn.Server):
@@ -189,6 +228,9 @@ def serve(
             log_level="warning",
             timeout_graceful_shutdown=UVICORN_LIMIT_S,
             access_log=False,
+            http=TimedH11Protocol,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            limit_concurrency=MAX_CONNECTIONS,
         )
         # uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
         # them again once it has stopped: ignored by then, they end the command with its closing

@@ -521,6 +521,52 @@ def test_a_key_a_host_and_json_are_asked_of_every_request_but_the_health_probe(s
         assert "'text/plain'" in text
 
 
+def test_connections_that_never_finish_a_request_are_closed_and_a_real_request_is_answered(server):
+    """100 connections that send nothing, or a byte of a header now and then, each closed at the
+    request deadline (1 s here, 10 in ``bardflow serve``); meanwhile a real request is answered."""
+    import uvicorn
+
+    from bardflow.serving.server import TimedH11Protocol
+
+    class Quick(TimedH11Protocol):
+        request_timeout_s = 1.0
+
+    _, engine = server
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_app(engine, MODEL_ID), log_level="warning", http=Quick, timeout_graceful_shutdown=1)
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        while not running.started:
+            time.sleep(0.02)
+        port = listener.getsockname()[1]
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]
+        trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        opened = time.monotonic()
+        started = time.monotonic()
+        body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 4}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200 and time.monotonic() - started < 2
+        header = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"
+        closed = 0
+        for at in range(12):  # a byte every 0.25 s: the deadline is the request's, not the last byte's
+            for sock in trickling:
+                with contextlib.suppress(OSError):
+                    sock.sendall(header[at : at + 1])
+            time.sleep(0.25)
+        for sock in silent + trickling:
+            sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                closed += sock.recv(1024) == b""  # the server closed it
+            sock.close()
+        assert closed == 100 and time.monotonic() - opened < 10
+    finally:
+        running.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_a_request_that_fails_unforeseen_is_a_500_error_object_and_one_log_line(caplog):
     from bardflow.serving.guard import Guard
 
