@@ -660,49 +660,13 @@ def test_a_full_server_answers_503_with_retry_after(rope_model):
         engine.stop()
 
 
-def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model):
+@pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
+def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second):
     """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
     signal handler calls), on a server asked at once when it says it listens: the stream in
     flight goes on for the grace, then ends with the finish reason ``abort`` and ``[DONE]``,
-    and the server stops well before uvicorn would cancel it."""
-    import signal
-
-    import uvicorn
-
-    from bardflow.serving.server import StoppingServer
-
-    engine = Engine(rope_model, slots=2, queue_limit=4)
-    engine.warm()
-    engine.start()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        create_app(engine, MODEL_ID, max_tokens=10**6), log_level="warning", timeout_graceful_shutdown=30
-    )
-    listening = threading.Event()  # what prints the server's address: requests answer from then on
-    running = StoppingServer(config, engine, listening.set, grace_s=0.5)
-    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    assert listening.wait(timeout=30)
-    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
-    lines: list[str] = []
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
-    with httpx.stream("POST", url, json=body, timeout=30) as answer:
-        for line in answer.iter_lines():
-            lines.append(line)
-            if len(lines) == 20:  # streaming: now stop the server
-                stopped = time.monotonic()
-                running.handle_exit(signal.SIGTERM, None)
-    thread.join(timeout=30)
-    assert not thread.is_alive() and time.monotonic() - stopped < 10
-    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    assert events[-1]["choices"][0]["finish_reason"] == "abort" and "data: [DONE]" in lines
-    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
-
-
-def test_a_second_stop_ends_the_streams_at_once_and_still_with_abort_and_done(rope_model):
-    """A second Ctrl-C does not wait out the grace, nor cut streams mid-chunk as uvicorn's forced
-    exit did: each ends with ``abort`` and ``[DONE]``, and the server stops."""
+    and the server stops well before uvicorn would cancel it. A second stop (Ctrl-C again)
+    ends it at once, the same way, where uvicorn's forced exit cut it mid-chunk."""
     import signal
 
     import uvicorn
@@ -716,8 +680,8 @@ def test_a_second_stop_ends_the_streams_at_once_and_still_with_abort_and_done(ro
     listener.bind(("127.0.0.1", 0))
     app = create_app(engine, MODEL_ID, max_tokens=10**6)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60)
-    listening = threading.Event()
-    running = StoppingServer(config, engine, listening.set, grace_s=60)
+    listening = threading.Event()  # what prints the server's address: requests answer from then on
+    running = StoppingServer(config, engine, listening.set, grace_s=60 if second else 0.5)
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     assert listening.wait(timeout=30)
@@ -727,17 +691,18 @@ def test_a_second_stop_ends_the_streams_at_once_and_still_with_abort_and_done(ro
     with httpx.stream("POST", url, json=body, timeout=30) as answer:
         for line in answer.iter_lines():
             lines.append(line)
-            if len(lines) == 10:
-                running.handle_exit(signal.SIGINT, None)
+            if len(lines) == 10:  # streaming: now stop the server
                 stopped = time.monotonic()
-            if len(lines) == 20:
-                running.handle_exit(signal.SIGINT, None)  # the second
+                running.handle_exit(signal.SIGINT if second else signal.SIGTERM, None)
+            if second and len(lines) == 20:
+                running.handle_exit(signal.SIGINT, None)
     thread.join(timeout=30)
-    assert not thread.is_alive() and time.monotonic() - stopped < 15 and not running.force_exit
+    assert not thread.is_alive() and time.monotonic() - stopped < 10 and not running.force_exit
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert (
         events[-1]["choices"][0]["finish_reason"] == "abort" and [line for line in lines if line][-1] == "data: [DONE]"
     )
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
 
 
 def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
