@@ -18,12 +18,17 @@ FROM_CACHE = "/jax/compilation_cache/cache_hits"  # one read from the persistent
 
 @dataclass(frozen=True)
 class CompileCount:
-    programs: int = 0  # compiled by XLA
-    seconds: float = 0.0  # XLA's compile time, summed over threads
-    cached: int = 0  # read from the persistent compilation cache
+    asked: int = 0  # programs asked of XLA's compile step (JAX records one read from the cache too)
+    seconds: float = 0.0  # their time, summed over threads
+    cached: int = 0  # of them, read from the persistent compilation cache
+
+    @property
+    def programs(self) -> int:
+        """Compiled by XLA, not read from the cache."""
+        return self.asked - self.cached
 
     def __sub__(self, other: CompileCount) -> CompileCount:
-        return CompileCount(self.programs - other.programs, self.seconds - other.seconds, self.cached - other.cached)
+        return CompileCount(self.asked - other.asked, self.seconds - other.seconds, self.cached - other.cached)
 
     def as_json(self) -> dict[str, float | int]:
         return {"programs": self.programs, "seconds": round(self.seconds, 3), "from_cache": self.cached}
@@ -38,14 +43,12 @@ class _Counter:
     def heard_duration(self, event: str, duration_secs: float, **_) -> None:
         if event == COMPILED:
             with self.lock:
-                self.count = CompileCount(
-                    self.count.programs + 1, self.count.seconds + duration_secs, self.count.cached
-                )
+                self.count = CompileCount(self.count.asked + 1, self.count.seconds + duration_secs, self.count.cached)
 
     def heard(self, event: str, **_) -> None:
         if event == FROM_CACHE:
             with self.lock:
-                self.count = CompileCount(self.count.programs, self.count.seconds, self.count.cached + 1)
+                self.count = CompileCount(self.count.asked, self.count.seconds, self.count.cached + 1)
 
 
 _COUNTER = _Counter()

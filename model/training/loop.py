@@ -425,17 +425,11 @@ def train(setup: TrainingSetup) -> TrainResult:
     example = placement.put_batch(local)
     global_batch, seq_len = example.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
-    dtype = jnp.dtype(step.precision)
     evaluate = Evaluation(setup.graphdef, setup.val_batches, setup.placement, scanned=step.scanned)
     compiling = _compile_ahead(setup, state, (local, example), step, evaluate, last)
     resumed = _resume(setup.checkpoints, state, record)
     state, start = resumed.state, resumed.start
     calls, compile_s, memory = compiling.result()
-    if setup.note is not None:
-        setup.note(
-            f"compiled the step ({step.layers} blocks, {step.steps_per_call} a call) and the evaluation "
-            f"in {compile_s:.1f} s"
-        )
     first = example if start == 0 else placement.put_batch(batch_at(start))
 
     def tokens_at(step: int) -> jax.Array:
@@ -469,7 +463,7 @@ def train(setup: TrainingSetup) -> TrainResult:
         devices=len(placement.devices),
         resumed_from=resumed.from_step,
         resume_s=resumed.seconds,
-        precision=dtype.name,
+        precision=jnp.dtype(step.precision).name,
         rows_per_pass=step.rows_per_pass,
         layout=placement.layout,
         memory=memory,
@@ -482,8 +476,9 @@ def train(setup: TrainingSetup) -> TrainResult:
 @dataclass
 class _Compiling:
     """The step's programs (and the evaluation's) compiling on threads: ``result()`` waits
-    for them and gives the calls, the seconds from the start of lowering to the programs
-    ready, and the compiled step's memory, held against the device's free memory."""
+    for them, tells ``setup.note`` how long that took, and gives the calls, the seconds from
+    the start of lowering to the programs ready, and the compiled step's memory, held against
+    the device's free memory."""
 
     setup: TrainingSetup
     state: Any
@@ -497,6 +492,11 @@ class _Compiling:
         calls = StepCalls(one, rest[0], self.several) if self.several else StepCalls(one)
         compile_s = time.perf_counter() - self.started
         placement, cfg, step = self.setup.placement, self.setup.cfg, self.step
+        if self.setup.note is not None:
+            self.setup.note(
+                f"compiled the step ({step.layers} blocks, {step.steps_per_call} a call) and the evaluation "
+                f"in {compile_s:.1f} s"
+            )
         memory = step_memory(calls.several or calls.one, self.state)
         device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
         check_compiled_fits(

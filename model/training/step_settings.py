@@ -146,7 +146,6 @@ def resolve(
     )
     tuned = platform == "cpu" and (choice["xla"] if choice else "tuned") == "tuned"
     per_call = steps_per_call(model_cfg, train_cfg, seq_len, platform, processes)
-    layers, why = layers_choice(train_cfg, platform)
     return StepSettings(
         kernels["attention"],
         kernels["dense"],
@@ -160,8 +159,7 @@ def resolve(
         # A GPU launches written-out steps as one graph; on a TPU a loop of them compiled
         # several times faster for a few percent of step time (docs/tpu-check.md).
         platform == "gpu" and per_call > 1,
-        layers,
-        why,
+        *layers_choice(train_cfg, platform),  # layers and why
         dropout_generator(train_cfg, platform),
     )
 

@@ -133,12 +133,7 @@ def run_training(
     train_rows = read_split(files.train, (files.shards or {}).get("train"), files.bring)
     val, eval_rows, val_split_rows = _validation(files, request, placement, len(devices), global_batch)
     rows = placement.rows(global_batch)
-    if jax.process_count() > 1:
-        print(
-            f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
-            f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)",
-            flush=True,
-        )
+    _say_rows(rows, global_batch)
     step, tuning = _step_settings(request, placement, train_rows.shape[1], len(devices), note)
     graphdef, state = init_state(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
@@ -179,6 +174,16 @@ def run_training(
         params_digest=params_digest(model_from_state(graphdef, result.state)),
         devices=[str(d) for d in devices],
     )
+
+
+def _say_rows(rows: tuple[int, int], global_batch: int) -> None:
+    """With several processes, which rows of every batch this one reads."""
+    if jax.process_count() > 1:
+        print(
+            f"process {jax.process_index()} of {jax.process_count()}: rows [{rows[0]}, {rows[1]}) of every "
+            f"global batch of {global_batch}, on {jax.local_device_count()} local device(s)",
+            flush=True,
+        )
 
 
 def _step_settings(
