@@ -42,7 +42,7 @@ def variants(base, platform: str) -> dict:
     }
 
 
-def measure(preset: str, smoke: bool, steps: int) -> dict:
+def measure(preset: str, smoke: bool, steps: int, chosen: list[str] | None = None) -> dict:
     import jax
 
     from bardflow.model.training.step_settings import resolve
@@ -53,6 +53,8 @@ def measure(preset: str, smoke: bool, steps: int) -> dict:
     base = resolve(cfg.model, cfg.train, cfg.data.seq_len, platform)
     found = {"preset": preset, "auto": base.as_json(), "variants": {}}
     for name, step in variants(base, platform).items():
+        if chosen and name not in chosen:
+            continue
         started = time.perf_counter()
         figures = step_figures(cfg, step, step.steps_per_call, steps)
         one_s = figures["compile_s"]
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.compile_times", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--presets", default="quality,codelab,gpt2")
+    parser.add_argument("--variants", default="before,loop,auto,scanned", help="which of them to measure")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--smoke", action="store_true", help="small shapes and few steps")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
@@ -84,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"{report['machine']['date']}-{report['machine']['backend']}-compile-times.json"
     for preset in args.presets.split(","):
-        report["presets"][preset] = measure(preset, args.smoke, 2 if args.smoke else args.steps)
+        report["presets"][preset] = measure(
+            preset, args.smoke, 2 if args.smoke else args.steps, args.variants.split(",")
+        )
         out.write_text(json.dumps(report, indent=1))
     print(f"written to {out}")
     return 0
