@@ -468,8 +468,10 @@ def _serve(args: argparse.Namespace) -> int:
         root = store_location(args.store)
         prepare_environment(args.cpu_devices)
     else:
-        _, summary = _run(args)  # every stage up to the trained state: cached, or built now
+        server, summary = _run(args)  # every stage up to the trained state: cached, or built now
         root, args.key = summary.store, summary.stages["checkpoint"].key
+        if server.embedded is not None:
+            server.embedded.stop()  # the run's own Prefect server has done its work: serving needs none
     model, model_id = _served_model(root, args.key)
     return serve(model, model_id, settings, _compiling, listener)
 

@@ -1,12 +1,16 @@
 """The OpenAI-compatible surface over the engine: ``POST /v1/completions`` (streamed as
-server-sent events or whole), ``GET /v1/models`` and ``GET /health``.
+server-sent events or whole), ``GET /v1/models`` and ``GET /health``, and vLLM's tokenizer
+endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) that evaluation tools such as
+lm-evaluation-harness ask for.
 
-A byte model's token is a byte: ``max_tokens`` and the usage count bytes, and text is the
+A byte model's token is a byte: ``max_tokens``, the usage and ``logprobs`` count bytes, a
+prompt may be given as text or as its bytes' values (OpenAI's token arrays), and text is the
 bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
-between two chunks of a stream is sent whole with the second). Errors are OpenAI's error
-object with its status: 400 for a field the server cannot take, 404 for another model, 413
-for a body over ``MAX_BODY``, 503 with ``Retry-After`` when every slot is busy and the queue
-is full; never a traceback. A client that goes away frees its slots at once.
+between two chunks of a stream is sent whole with the second). ``logprobs`` and ``echo``
+(``serving/scoring.py``) are answered whole, not streamed. Errors are OpenAI's error object
+with its status: 400 for a field the server cannot take, 404 for another model, 413 for a
+body over ``MAX_BODY``, 503 with ``Retry-After`` when every slot is busy and the queue is
+full; never a traceback. A client that goes away frees its slots at once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.applications import Starlette
@@ -28,6 +32,7 @@ from starlette.routing import Route
 from ..config.config_file import each_once
 from .engine import Engine, Sampling, Sequence, ServerFull, ServingError, random_seed
 from .guard import Guard
+from .scoring import MOST_ALTERNATIVES, Scorer, Scores
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
 MAX_PROMPTS = 64  # prompts x n in one request
@@ -36,6 +41,7 @@ DISCONNECT_POLL_S = 0.05
 
 
 MAX_DIGITS = 30  # of a number in a request: no field takes more
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class StreamOptions(BaseModel):
@@ -50,8 +56,8 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    prompt: str | list[str]
-    max_tokens: int = Field(default=16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or bytes' values (OpenAI's token arrays)
+    max_tokens: int = Field(default=16, ge=0, description="0 only with echo: the prompt scored, nothing drawn")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=256, description="the most likely bytes kept; 0 or -1: all")
@@ -61,9 +67,9 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, as OpenAI's own servers take it
-    # Refused unless left at OpenAI's defaults: nothing here computes them.
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MOST_ALTERNATIVES)
     echo: bool = False
+    # Refused unless left at OpenAI's defaults: nothing here computes them.
     suffix: str | None = None
     best_of: int | None = None
     presence_penalty: float = 0.0
@@ -72,10 +78,16 @@ class CompletionRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+    def _some_prompt(cls, prompt):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("give at least one prompt")
-        return _utf8(prompt)
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            return _utf8(prompt)
+        for values in [prompt] if isinstance(prompt[0], int) else prompt:
+            wrong = next((value for value in values if not 0 <= value < 256), None)
+            if wrong is not None:
+                raise ValueError(f"token {wrong} is not a byte: this model's tokens are bytes, 0 to 255")
+        return prompt
 
     @field_validator("stop")
     @classmethod
@@ -87,8 +99,6 @@ class CompletionRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         defaults = {
-            "logprobs": None,
-            "echo": False,
             "suffix": None,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
@@ -100,6 +110,14 @@ class CompletionRequest(BaseModel):
         if self.best_of not in (None, self.n):
             return "best_of"
         return None
+
+    def prompts(self) -> list[bytes]:
+        """Each prompt's bytes: text encoded as UTF-8, token arrays as the bytes they name."""
+        if isinstance(self.prompt, str):
+            return [self.prompt.encode()]
+        if isinstance(self.prompt[0], int):
+            return [bytes(self.prompt)]  # pyright: ignore[reportArgumentType] - list[int], checked above
+        return [p.encode() if isinstance(p, str) else bytes(p) for p in self.prompt]
 
 
 def _utf8(text):
@@ -128,13 +146,17 @@ class ApiError(Exception):
 
 
 class Choice:
-    """One sequence of a request, as the client sees it: its index, its text so far (decoded
-    as it arrives) and how it ended."""
+    """One sequence of a request, as the client sees it: its index, its bytes and text so far
+    (decoded as they arrive) and how it ended."""
 
-    def __init__(self, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
-        self.index, self.queue, self.loop = index, queue, loop
+    def __init__(self, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, prompt: bytes):
+        self.index, self.queue, self.loop, self.prompt = index, queue, loop, prompt
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.generated = 0
+        self.data = bytearray()
+
+    @property
+    def generated(self) -> int:
+        return len(self.data)
 
     def emit(self, chunk: bytes) -> None:  # the engine's thread
         self._put((self.index, chunk, None))
@@ -149,7 +171,7 @@ class Choice:
             pass
 
     def text(self, chunk: bytes, final: bool) -> str:
-        self.generated += len(chunk)
+        self.data += chunk
         return self.decoder.decode(chunk, final=final)
 
 
@@ -160,6 +182,7 @@ def create_app(
     for, ``model_id`` the one model it serves; behind ``Guard``'s checks of the key
     (``api_key``; None: none asked) and the host names requests may address (``hosts``)."""
     created = int(time.time())
+    scorer = Scorer(engine.graphdef, engine.params, engine.window)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": model_id, **engine.load()})
@@ -170,24 +193,9 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         try:
-            body = await _parsed(request)
-            if body.model != model_id:
-                raise ApiError(
-                    404,
-                    f"the model {body.model!r} is not served here; this server serves {model_id!r}",
-                    "model",
-                    "not_found_error",
-                )
-            field = body.unsupported()
-            if field:
-                raise ApiError(400, f"{field} is not supported by this server; leave it out", field)
-            if body.max_tokens > max_tokens:
-                raise ApiError(400, f"max_tokens is {body.max_tokens}, over this server's {max_tokens}", "max_tokens")
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-            if len(prompts) * body.n > MAX_PROMPTS:
-                raise ApiError(
-                    400, f"{len(prompts)} prompts x n={body.n} is over {MAX_PROMPTS} sequences a request", "n"
-                )
+            body = await _parsed(request, CompletionRequest)
+            prompts = body.prompts()
+            _check(body, prompts, model_id, max_tokens, scorer)
             loop, queue = asyncio.get_running_loop(), asyncio.Queue()
             choices, sequences = _sequences(body, prompts, queue, loop)
             try:
@@ -212,14 +220,133 @@ def create_app(
             {"index": c.index, "text": texts[c.index], "logprobs": None, "finish_reason": reasons[c.index]}
             for c in choices
         ]
+        if body.echo or body.logprobs is not None:
+            for row, choice in zip(rows, choices, strict=True):
+                shown = choice.prompt + choice.data if body.echo else bytes(choice.data)
+                row["text"] = shown.decode("utf-8", errors="replace")
+                if body.logprobs is not None:
+                    scores = await asyncio.to_thread(scorer.score, choice.prompt + choice.data)
+                    before = 0 if body.echo else len(choice.prompt)
+                    row["logprobs"] = _logprobs(shown, scores, before, body.logprobs)
         return JSONResponse({**head, "choices": rows, "usage": usage_of()})
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await _parsed(request, TokenizeRequest)
+        except ApiError as error:
+            return error.response()
+        tokens = list(body.prompt.encode())
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": scorer.longest()})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await _parsed(request, DetokenizeRequest)
+        except ApiError as error:
+            return error.response()
+        return JSONResponse({"prompt": bytes(body.tokens).decode("utf-8", errors="replace")})
+
+    async def tokenizer_info(request: Request) -> Response:
+        # A byte model has no special tokens: no end of text, no beginning, no padding.
+        info = {"tokenizer_class": "bytes", "eos_token": None, "bos_token": None, "pad_token": None}
+        return JSONResponse({**info, "model_max_length": scorer.longest(), "vocab_size": 256})
 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
     return Guard(Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed}), api_key, hosts)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a text's tokens, here its bytes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True  # accepted: a byte model has none to add
+
+    @field_validator("prompt")
+    @classmethod
+    def _whole(cls, prompt: str) -> str:
+        return _utf8(prompt)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: the text of tokens (bytes' values)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tokens: list[Annotated[int, Field(ge=0, lt=256)]]
+    model: str | None = None
+
+
+def _check(body: CompletionRequest, prompts: list[bytes], model_id: str, most: int, scorer: Scorer) -> None:
+    """Refuses, naming the field, what this server does not serve."""
+    if body.model != model_id:
+        raise ApiError(
+            404,
+            f"the model {body.model!r} is not served here; this server serves {model_id!r}",
+            "model",
+            "not_found_error",
+        )
+    field = body.unsupported()
+    if field:
+        raise ApiError(400, f"{field} is not supported by this server; leave it out", field)
+    if body.max_tokens > most:
+        raise ApiError(400, f"max_tokens is {body.max_tokens}, over this server's {most}", "max_tokens")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens is 0, which only echo takes (the prompt scored, nothing drawn)", "max_tokens")
+    if len(prompts) * body.n > MAX_PROMPTS:
+        raise ApiError(400, f"{len(prompts)} prompts x n={body.n} is over {MAX_PROMPTS} sequences a request", "n")
+    if body.stream and (body.echo or body.logprobs is not None):
+        raise ApiError(400, "echo and logprobs are answered whole here: leave out stream", "stream")
+    if body.logprobs is not None:
+        for prompt in prompts:
+            if len(prompt) + body.max_tokens > scorer.longest():
+                raise ApiError(
+                    400,
+                    f"log-probabilities are computed over one context: prompt ({len(prompt)} bytes) + "
+                    f"max_tokens ({body.max_tokens}) is over this model's {scorer.longest()}; shorten the prompt "
+                    "or lower max_tokens",
+                    "logprobs",
+                )
+
+
+def _logprobs(shown: bytes, scores: Scores, before: int, alternatives: int) -> dict[str, list]:
+    """OpenAI's ``logprobs`` object for the bytes ``shown`` (a choice's text), which start
+    ``before`` bytes into the scored text (0 with echo: the text's first byte has no
+    log-probability); each byte a token, named as OpenAI names tokens (``bytes:\\xNN`` for a
+    byte that is no character alone); ``text_offset``: where each byte's character starts in
+    the text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    decoder, chars = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+    for i, byte in enumerate(shown):
+        position = before + i - 1  # its row in ``scores``
+        tokens.append(_token(byte))
+        offsets.append(chars)
+        chars += len(decoder.decode(bytes([byte])))
+        if position < 0:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen = float(scores.logprobs[position])
+        token_logprobs.append(chosen)
+        top = {
+            _token(int(b)): float(lp)
+            for b, lp in zip(
+                scores.top_bytes[position][:alternatives], scores.top_logprobs[position][:alternatives], strict=True
+            )
+        }
+        top.setdefault(tokens[-1], chosen)  # the chosen byte's, always, as OpenAI's API gives it
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _token(byte: int) -> str:
+    return chr(byte) if byte < 0x80 else f"bytes:\\x{byte:02x}"
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -230,7 +357,7 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
     return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
 
-async def _parsed(request: Request) -> CompletionRequest:
+async def _parsed(request: Request, schema: type[Body]) -> Body:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
         raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
@@ -251,7 +378,7 @@ async def _parsed(request: Request) -> CompletionRequest:
     if not isinstance(content, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return CompletionRequest.model_validate(content)
+        return schema.model_validate(content)
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
@@ -274,26 +401,32 @@ def _integer(text: str) -> int:
 
 
 def _sequences(
-    body: CompletionRequest, prompts: list[str], queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
+    body: CompletionRequest, prompts: list[bytes], queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
 ) -> tuple[list[Choice], list[Sequence]]:
     """One engine sequence per prompt and choice: choice ``i * n + j`` is prompt ``i``'s
-    ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone)."""
+    ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone).
+    With ``max_tokens`` 0 (echo) a choice ends at once, and nothing is drawn."""
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     base = body.seed if body.seed is not None else random_seed()
     top_k = 0 if body.top_k in (0, -1) else body.top_k
     choices, sequences = [], []
     for i, prompt in enumerate(prompts):
         for j in range(body.n):
-            choice = Choice(i * body.n + j, queue, loop)
+            choice = Choice(i * body.n + j, queue, loop, prompt)
+            choices.append(choice)
+            if body.max_tokens == 0:
+                if not prompt:
+                    raise ApiError(400, "the prompt is empty; give at least one character", "prompt")
+                choice.finish("length")
+                continue
             sampling = Sampling(body.temperature, top_k, body.top_p, (base + j) % 2**31)
             stop = tuple(s.encode() for s in stops)
-            choices.append(choice)
-            sequences.append(Sequence(prompt.encode(), body.max_tokens, sampling, stop, choice.emit, choice.finish))
+            sequences.append(Sequence(prompt, body.max_tokens, sampling, stop, choice.emit, choice.finish))
     return choices, sequences
 
 
-def _usage(prompts: list[str], n: int, choices: list[Choice]):
-    prompt_bytes = sum(len(p.encode()) for p in prompts) * n
+def _usage(prompts: list[bytes], n: int, choices: list[Choice]):
+    prompt_bytes = sum(len(p) for p in prompts) * n
 
     def usage() -> dict[str, int]:
         completion = sum(c.generated for c in choices)

@@ -32,7 +32,17 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
 WILDCARDS = ("0.0.0.0", "::", "")  # every address of the machine
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
 KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this
-MAX_CONNECTIONS = 512  # open at once; past it uvicorn answers 503 (a process's 1,024 descriptors stay enough)
+# Open at once (a process's 1,024 descriptors stay enough): past it the connection waiting
+# longest for its request is closed, or the new one answered 503 (TimedH11Protocol).
+MAX_CONNECTIONS = 512
+_FULL = b'{"error": {"message": "the server has as many connections open as it takes; retry later", ' + (
+    b'"type": "server_error", "param": null, "code": null}}'
+)
+FULL_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    + b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_FULL)
+    + _FULL
+)
 
 
 class ServeError(BardflowError, RuntimeError):
@@ -87,16 +97,30 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class TimedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 connection, which closes a connection whose request is not whole
-    ``REQUEST_TIMEOUT_S`` after it began (or after the connection opened): a client that sends
-    nothing, or a byte now and then, cannot hold a socket for ever and starve real requests of
-    them. Between requests uvicorn's own keep-alive limit closes an idle connection."""
+    """uvicorn's HTTP/1.1 connection, with time limits a client cannot stretch:
+
+    - a request not whole ``request_timeout_s`` after it began (or after the connection
+      opened) closes the connection: a client that sends nothing, or a byte now and then,
+      cannot hold a socket for ever (between requests uvicorn's keep-alive limit closes it);
+    - past ``max_connections`` open, a new connection closes the one that has waited longest
+      for its request to be whole, so that slow clients cannot keep a real request out; where
+      every one is a request being answered, the new one gets a 503 and is closed;
+    - an answer the client has not read for ``write_stall_s`` (the socket's buffers full)
+      closes the connection, which frees its slots; once the server is stopping,
+      ``shutdown_stall_s`` (the streams' grace and a second), so that a client that reads
+      nothing cannot hold the stop."""
 
     request_timeout_s: float = 10.0
+    max_connections: int = MAX_CONNECTIONS
+    write_stall_s: float = 30.0
+    shutdown_stall_s: float = GRACE_S + 1.0
 
     def connection_made(self, transport) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         super().connection_made(transport)
+        self._stalled: asyncio.TimerHandle | None = None
         self._deadline: asyncio.TimerHandle | None = self.loop.call_later(self.request_timeout_s, self._too_slow)
+        if len(self.connections) > self.max_connections:
+            self._make_room()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -107,17 +131,56 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_deadline()
+        self._stop_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.write_stall_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stall()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.write_stall_s = min(self.write_stall_s, self.shutdown_stall_s)
+        if self._stalled is not None:
+            self._stop_stall()
+            self._stalled = self.loop.call_later(self.write_stall_s, self._not_reading)
+
+    def _make_room(self) -> None:
+        waiting = [
+            other
+            for other in self.connections
+            if other is not self and isinstance(other, TimedH11Protocol) and other._deadline is not None
+        ]
+        if waiting:
+            min(waiting, key=lambda other: other._deadline.when() if other._deadline else 0.0)._too_slow()
+            return
+        self._stop_deadline()
+        self.transport.write(FULL_ANSWER)
+        self.transport.close()
 
     def _stop_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
 
+    def _stop_stall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
     def _too_slow(self) -> None:
-        self._deadline = None
+        self._stop_deadline()
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _not_reading(self) -> None:
+        self._stalled = None
+        self.transport.abort()  # close() would wait for the unread bytes to go
 
 
 class StoppingServer(uvicorn.Server):
@@ -230,7 +293,6 @@ def serve(
             access_log=False,
             http=TimedH11Protocol,
             timeout_keep_alive=KEEP_ALIVE_S,
-            limit_concurrency=MAX_CONNECTIONS,
         )
         # uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
         # them again once it has stopped: ignored by then, they end the command with its closing

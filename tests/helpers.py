@@ -51,6 +51,19 @@ def require(*modules: str) -> None:
         pytest.skip(f"needs {', '.join(missing)} (the test extra)", allow_module_level=True)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while listed
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def md5_bytes(data: bytes) -> str:
     return hashlib.md5(data).hexdigest()
 

@@ -356,9 +356,12 @@ def assert_curve(found: list[tuple[int, float]], history: list[dict], name: str)
     assert [value for _, value in found] == pytest.approx([h[name] for h in history]), name
 
 
-def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_run, run_env):
+def test_serve_answers_for_the_run_s_model_and_ends_on_sighup(workspace, first_run, run_env):
     """``bardflow serve`` with a run's settings: the stages come back cached, the checkpoint's
-    model answers the openai client greedily as the sampler does, and SIGTERM ends it cleanly."""
+    model answers the openai client greedily as the sampler does, and a closed terminal's SIGHUP
+    ends it cleanly, as SIGTERM does (it killed it mid-stream).
+    ``--server embedded``: the run's own Prefect server is stopped once the model is found, not
+    kept up (and its memory held) for as long as the model serves."""
     import signal
     import socket
     import sys
@@ -367,13 +370,14 @@ def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_
 
     from bardflow.model.inference.sampling import generate
     from bardflow.model.training.checkpoint import load_model
-    from tests.helpers import REPO
+    from tests.helpers import REPO, children
 
     store, common, _ = workspace
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "bardflow", "serve", *common, "--port", str(port), "--slots", "2"]
+    command += ["--server", "embedded"]
     process = subprocess.Popen(
         command, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -383,13 +387,14 @@ def test_serve_answers_for_the_run_s_model_and_ends_on_sigterm(workspace, first_
         assert line.startswith(f"serving bardflow-{key[:12]} at http://127.0.0.1:{port}/v1 (this machine only"), (
             line + (process.stderr.read() if process.poll() is not None and process.stderr else "")
         )
+        assert not children(process.pid)  # the embedded Prefect server is gone
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         answer = client.completions.create(model=f"bardflow-{key[:12]}", prompt="ROMEO:", max_tokens=20, temperature=0)
         model = load_model(store / "checkpoint" / key / "model")
         expected = generate(model, "ROMEO:", 20, 0.0, 0, model.max_seq_len)[6:]
         assert answer.choices[0].text == expected.decode("utf-8", errors="replace")
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGHUP)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0 and err.strip().endswith("bardflow: the server stopped"), err[-2000:]
     # No terminal, so no bar: one line says what the wait before the first line is.

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -435,10 +437,13 @@ def test_the_openai_client_completes_whole_and_streamed(server, rope_model):
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens is 0, which only echo takes"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature: Input should be a valid number"),
         ({"prompt": "x", "colour": "red"}, 400, "colour: unknown field"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported by this server; leave it out"),
+        ({"prompt": "x", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
+        ({"prompt": "x", "logprobs": 1, "stream": True}, 400, "echo and logprobs are answered whole here"),
+        ({"prompt": "x" * 30, "logprobs": 1, "max_tokens": 9}, 400, "prompt (30 bytes) + max_tokens (9) is over"),
+        ({"prompt": [7, 300]}, 400, "token 300 is not a byte"),
         ({"prompt": "x" * 33}, 400, "the prompt is 33 bytes, over this model's context of 32; shorten it"),
         ({"prompt": "x", "max_tokens": 2001}, 400, "max_tokens is 2001, over this server's 2000"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop: Value error, give at most 4 stop sequences"),
@@ -447,7 +452,22 @@ def test_the_openai_client_completes_whole_and_streamed(server, rope_model):
         ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
     ],
-    ids=["max_tokens", "type", "unknown", "logprobs", "context", "limit", "stops", "model", "size", "text", "bool"],
+    ids=[
+        "max_tokens",
+        "type",
+        "unknown",
+        "logprobs",
+        "streamed-logprobs",
+        "scored-context",
+        "token",
+        "context",
+        "limit",
+        "stops",
+        "model",
+        "size",
+        "text",
+        "bool",
+    ],
 )
 def test_a_bad_request_is_openai_s_error_object_with_its_status(server, body, status, words):
     url, _ = server
@@ -465,6 +485,95 @@ def test_a_stream_event_is_one_line_whatever_its_text():
     event = _event({"text": text})
     assert event.splitlines() == [event.removesuffix("\n\n"), ""]  # the data line, then the blank one
     assert json.loads(event.removeprefix("data: ")) == {"text": text}
+
+
+def test_echo_and_logprobs_are_the_model_s_own_evaluation_of_the_bytes(server, rope_model):
+    """``echo`` with ``max_tokens`` 0 (what lm-evaluation-harness asks for a log-likelihood):
+    the prompt's bytes with their log-probabilities, which sum to the training evaluation's
+    loss of those bytes; with ``logprobs`` the drawn bytes' too, in OpenAI's shape."""
+    from bardflow.model.training.step import next_byte_loss
+
+    url, _ = server
+    text = "JULIET:\nAy, m\u00ea Romeo, no"  # 27 bytes, one character of two
+    data = text.encode()
+    body = {"model": MODEL_ID, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 2}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    scored = choice["logprobs"]
+    assert scored["tokens"][:3] == ["J", "U", "L"] and "bytes:\\xc3" in scored["tokens"]
+    assert len(scored["tokens"]) == len(scored["token_logprobs"]) == len(scored["text_offset"]) == len(data)
+    assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+    own = float(nnx.jit(next_byte_loss)(rope_model, jax.numpy.asarray([list(data)])))
+    assert abs(sum(scored["token_logprobs"][1:]) + own * (len(data) - 1)) < 1e-4
+    # Each byte's character's place in the text: the two bytes of "\u00ea" share one.
+    at = data.index("\u00ea".encode())
+    assert scored["text_offset"][at] == scored["text_offset"][at + 1] == text.index("\u00ea")
+    assert scored["text_offset"][at + 2] == text.index("\u00ea") + 1
+    rows = zip(scored["token_logprobs"][1:], scored["tokens"][1:], scored["top_logprobs"][1:], strict=True)
+    for chosen, token, top in rows:
+        assert len(top) <= 3 and top[token] == chosen and chosen <= max(top.values())
+    # Drawn bytes, greedy, asked as the bytes' values: each the likeliest there, the text the
+    # text's own, and their log-probabilities those of the echoed whole.
+    prompt = list(b"ROMEO:")
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    drawn = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert drawn["text"] == alone(rope_model, b"ROMEO:", 12, 0.0, 0).decode("utf-8", errors="replace")
+    assert len(drawn["logprobs"]["tokens"]) == 12
+    for chosen, top in zip(drawn["logprobs"]["token_logprobs"], drawn["logprobs"]["top_logprobs"], strict=True):
+        assert chosen >= max(top.values()) - 1e-4
+    # A token names its byte: the character, or "bytes:\\xNN".
+    generated = [ord(t) if len(t) == 1 else int(t.removeprefix("bytes:\\x"), 16) for t in drawn["logprobs"]["tokens"]]
+    assert bytes(generated) == alone(rope_model, b"ROMEO:", 12, 0.0, 0)
+    whole = {"model": MODEL_ID, "prompt": prompt + generated, "max_tokens": 0, "echo": True, "logprobs": 0}
+    echoed = httpx.post(f"{url}/v1/completions", json=whole, timeout=60).json()["choices"][0]["logprobs"]
+    np.testing.assert_allclose(echoed["token_logprobs"][6:], drawn["logprobs"]["token_logprobs"], atol=1e-5)
+
+
+def test_the_tokenizer_endpoints_evaluation_tools_ask_for(server):
+    """vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``: a byte model's tokens are
+    the text's bytes, and it has no special tokens."""
+    url, _ = server
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "R\u00f4", "add_special_tokens": False}, timeout=30).json()
+    assert tokens == {"tokens": [82, 0xC3, 0xB4], "count": 3, "max_model_len": 33}
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [82, 0xC3, 0xB4]}, timeout=30).json() == {
+        "prompt": "R\u00f4"
+    }
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [256]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens.0"
+    info = httpx.get(f"{url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] is None and info["model_max_length"] == 33 and info["vocab_size"] == 256
+
+
+def test_lm_evaluation_harness_runs_against_the_server_as_a_client(server, rope_model, tmp_path):
+    """``lm_eval --model local-completions`` over the repository's own tasks (``serving/
+    eval_tasks.py``): its log-likelihood task's accuracy is the one the model's own scores
+    give each document, and its generation task runs to the end."""
+    import subprocess
+    import sys
+
+    from bardflow.serving.eval_tasks import write_tasks
+    from bardflow.serving.scoring import Scorer
+    from tests.helpers import play_text
+
+    url, engine = server
+    data = write_tasks(play_text(200_000, seed=5), tmp_path / "tasks", context=33, count=12)[0]
+    args = f"model={MODEL_ID},base_url={url}/v1/completions,tokenizer_backend=remote,max_length=33,num_concurrent=2"
+    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args]
+    command += ["--tasks", "next_line,continue_line", "--include_path", str(tmp_path / "tasks")]
+    command += ["--output_path", str(tmp_path / "results"), "--seed", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())["results"]
+    scorer = Scorer(engine.graphdef, engine.params, engine.window)
+    right, rows = 0, [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(rows) == 12
+    for row in rows:
+        context = row["context"].encode()
+        sums = [float(scorer.score(context + c.encode()).logprobs[len(context) - 1 :].sum()) for c in row["choices"]]
+        right += int(np.argmax(sums)) == row["answer"]
+    assert results["next_line"]["acc,none"] == pytest.approx(right / len(rows))
+    assert 0.0 <= results["continue_line"]["exact_match,none"] <= 1.0
 
 
 def test_raw_http_errors_not_json_and_no_such_endpoint(server):
@@ -521,50 +630,138 @@ def test_a_key_a_host_and_json_are_asked_of_every_request_but_the_health_probe(s
         assert "'text/plain'" in text
 
 
-def test_connections_that_never_finish_a_request_are_closed_and_a_real_request_is_answered(server):
-    """100 connections that send nothing, or a byte of a header now and then, each closed at the
-    request deadline (1 s here, 10 in ``bardflow serve``); meanwhile a real request is answered."""
+@contextlib.contextmanager
+def timed_server(app, protocol, **config):
+    """``app`` on uvicorn at a loopback port with the connection class ``protocol`` (a
+    ``TimedH11Protocol`` with shorter limits); the port."""
     import uvicorn
 
-    from bardflow.serving.server import TimedH11Protocol
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    running = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", http=protocol, timeout_graceful_shutdown=1, **config)
+    )
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        while not running.started:
+            assert thread.is_alive()
+            time.sleep(0.02)
+        yield listener.getsockname()[1]
+    finally:
+        running.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_1100_slow_clients_cannot_keep_a_real_request_out(server):
+    """1,100 connections that send nothing, or a byte of a header now and then, against the cap
+    of open connections ``bardflow serve`` sets: past it each new one closes the one waiting
+    longest, the rest are closed at the request deadline (1 s here, 10 in ``bardflow serve``),
+    and a real request is answered within 2 s all the while."""
+    from bardflow.serving.server import MAX_CONNECTIONS, TimedH11Protocol
 
     class Quick(TimedH11Protocol):
         request_timeout_s = 1.0
 
     _, engine = server
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(engine, MODEL_ID), log_level="warning", http=Quick, timeout_graceful_shutdown=1)
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        while not running.started:
-            time.sleep(0.02)
-        port = listener.getsockname()[1]
-        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]
-        trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    assert Quick.max_connections == MAX_CONNECTIONS
+    with timed_server(create_app(engine, MODEL_ID), Quick) as port:
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(880)]
+        trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(220)]
         opened = time.monotonic()
-        started = time.monotonic()
         body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 4}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
-        assert answer.status_code == 200 and time.monotonic() - started < 2
+        assert answer.status_code == 200 and time.monotonic() - opened < 2
         header = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"
-        closed = 0
         for at in range(12):  # a byte every 0.25 s: the deadline is the request's, not the last byte's
             for sock in trickling:
                 with contextlib.suppress(OSError):
                     sock.sendall(header[at : at + 1])
             time.sleep(0.25)
+        closed = 0
         for sock in silent + trickling:
             sock.settimeout(5)
-            with contextlib.suppress(OSError):
+            try:
                 closed += sock.recv(1024) == b""  # the server closed it
+            except ConnectionResetError:
+                closed += 1  # or reset it: it had sent bytes the server never read
             sock.close()
-        assert closed == 100 and time.monotonic() - opened < 10
-    finally:
-        running.should_exit = True
-        thread.join(timeout=10)
+        assert closed == 1100 and time.monotonic() - opened < 15
+
+
+def test_past_the_cap_of_connections_all_answering_a_new_one_gets_503(server):
+    from bardflow.serving.server import TimedH11Protocol
+
+    class Two(TimedH11Protocol):
+        max_connections = 2
+
+    _, engine = server
+    with timed_server(create_app(engine, MODEL_ID, max_tokens=10**6), Two) as port:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=30) as one, httpx.stream("POST", url, json=body) as two:
+            assert one.status_code == two.status_code == 200
+            third = httpx.post(url, json={**body, "stream": False, "max_tokens": 2}, timeout=30)
+            assert third.status_code == 503 and third.headers["retry-after"] == "1"
+            assert "as many connections open" in third.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while engine.load()["busy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(url, json={**body, "stream": False, "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def small_buffers(**limits):
+    """A ``TimedH11Protocol`` (with ``limits`` for its class attributes) whose sockets send a
+    few KiB before their buffers are full: a client that reads nothing stalls it at once."""
+    from bardflow.serving.server import TimedH11Protocol
+
+    class SmallBuffers(TimedH11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            transport.set_write_buffer_limits(high=4096)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    for name, value in limits.items():
+        setattr(SmallBuffers, name, value)
+    return SmallBuffers
+
+
+def unread_stream(address, engine: Engine) -> socket.socket:
+    """A client that asks for a stream of a million bytes and reads nothing, once it is served."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(address)
+    body = json.dumps({"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}).encode()
+    client.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 30
+    while not engine.load()["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return client
+
+
+def test_a_client_that_reads_nothing_is_cut_and_its_slot_freed(server):
+    """A stream whose client reads nothing (its socket's buffers full) is cut after the stall
+    limit (1 s here, 30 in ``bardflow serve``), and its slot is free again."""
+    _, engine = server
+    with timed_server(create_app(engine, MODEL_ID, max_tokens=10**6), small_buffers(write_stall_s=1.0)) as port:
+        client = unread_stream(("127.0.0.1", port), engine)
+        deadline = time.monotonic() + 30
+        while engine.load()["busy"]:  # a million bytes would take minutes: only the cut frees it
+            assert time.monotonic() < deadline, engine.load()
+            time.sleep(0.05)
+        client.settimeout(5)
+        read = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(1 << 16):  # what was sent before the cut, then the end
+                read += chunk
+        client.close()
+        assert read.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in read
 
 
 def test_a_request_that_fails_unforeseen_is_a_500_error_object_and_one_log_line(caplog):
@@ -660,15 +857,10 @@ def test_a_full_server_answers_503_with_retry_after(rope_model):
         engine.stop()
 
 
-@pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
-def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second):
-    """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
-    signal handler calls), on a server asked at once when it says it listens: the stream in
-    flight goes on for the grace, then ends with the finish reason ``abort`` and ``[DONE]``,
-    and the server stops well before uvicorn would cancel it. A second stop (Ctrl-C again)
-    ends it at once, the same way, where uvicorn's forced exit cut it mid-chunk."""
-    import signal
-
+def stopping_server(rope_model, grace_s: float, **config):
+    """``bardflow serve``'s server (``StoppingServer``, whose stop is what Ctrl-C or SIGTERM
+    calls) over an engine of 2 slots at a loopback port, once it says it listens: requests
+    answer from then on. (The server, its thread, its address, the engine.)"""
     import uvicorn
 
     from bardflow.serving.server import StoppingServer
@@ -679,15 +871,27 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     app = create_app(engine, MODEL_ID, max_tokens=10**6)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60)
-    listening = threading.Event()  # what prints the server's address: requests answer from then on
-    running = StoppingServer(config, engine, listening.set, grace_s=60 if second else 0.5)
+    listening = threading.Event()
+    running = StoppingServer(uvicorn.Config(app, log_level="warning", **config), engine, listening.set, grace_s=grace_s)
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     assert listening.wait(timeout=30)
+    return running, thread, listener.getsockname(), engine
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
+def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second):
+    """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
+    signal handler calls), on a server asked at once when it says it listens: the stream in
+    flight goes on for the grace, then ends with the finish reason ``abort`` and ``[DONE]``,
+    and the server stops well before uvicorn would cancel it. A second stop (Ctrl-C again)
+    ends it at once, the same way, where uvicorn's forced exit cut it mid-chunk."""
+    import signal
+
+    running, thread, address, _ = stopping_server(rope_model, 60 if second else 0.5, timeout_graceful_shutdown=60)
     body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 10**6, "stream": True}
     lines: list[str] = []
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+    url = f"http://127.0.0.1:{address[1]}/v1/completions"
     with httpx.stream("POST", url, json=body, timeout=30) as answer:
         for line in answer.iter_lines():
             lines.append(line)
@@ -703,6 +907,24 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
         events[-1]["choices"][0]["finish_reason"] == "abort" and [line for line in lines if line][-1] == "data: [DONE]"
     )
     assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
+
+
+def test_a_stop_with_a_client_that_reads_nothing_ends_at_the_grace_not_uvicorn_s_limit(rope_model):
+    """SIGTERM while a stream's client reads nothing: the stream is ended at the grace and its
+    connection cut a second later, so the server stops long before uvicorn's limit would
+    cancel the task (its "timeout graceful shutdown exceeded" and a traceback)."""
+    import signal
+
+    config = {"http": small_buffers(shutdown_stall_s=1.0), "timeout_graceful_shutdown": 20}
+    running, thread, address, engine = stopping_server(rope_model, 0.5, **config)
+    client = unread_stream(address, engine)
+    time.sleep(1.0)  # the buffers fill: the server's writes wait on a client that reads nothing
+    stopped = time.monotonic()
+    running.handle_exit(signal.SIGTERM, None)
+    thread.join(timeout=30)
+    took = time.monotonic() - stopped
+    client.close()
+    assert not thread.is_alive() and took < 5 and not running.force_exit, took
 
 
 def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
