@@ -15,6 +15,18 @@ class UsageError(BardflowError, ValueError):
     """The command line asks for something that does not exist."""
 
 
+def preset_name(text: str) -> str:
+    """``--preset``'s value, checked after parsing (argparse's ``choices`` would print its usage
+    block): else one line naming the presets, and the one meant where one is spelled nearly so."""
+    if text in PRESET_NAMES:
+        return text
+    import difflib
+
+    close = difflib.get_close_matches(text, PRESET_NAMES, n=1, cutoff=0.6)
+    meant = f" (did you mean {close[0]}?)" if close else ""
+    raise UsageError(f"--preset {text!r} is no preset{meant}; presets are {', '.join(PRESET_NAMES)}")
+
+
 STORE_HELP = "store: a folder or s3://bucket/prefix, gs://… (default: $BARDFLOW_STORE or ./store)"
 
 
@@ -22,7 +34,7 @@ def _pipeline_options(parser: argparse.ArgumentParser) -> None:
     """What `run`, `sweep` and `serve` share."""
     parser.add_argument(
         "--preset",
-        choices=PRESET_NAMES,
+        metavar="{" + ",".join(PRESET_NAMES) + "}",
         help="codelab (the codelab exactly), cpu (minutes on a laptop), quality (time to quality "
         "on a GPU), tiny (seconds); auto (the default, unless --config names one) picks "
         "codelab on a GPU, else cpu",

@@ -44,7 +44,7 @@ from ..server.process import (
 )
 from ..tasks.registry import NAMES
 from . import printing
-from .arguments import UsageError, parser
+from .arguments import UsageError, parser, preset_name
 
 API_KEY_VARIABLE = "BARDFLOW_API_KEY"  # bardflow serve's key, kept out of ps
 MIN_API_KEY = 16  # characters: a key a client can guess is no key
@@ -347,8 +347,12 @@ def _artifacts(args: argparse.Namespace) -> int:
     ]
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        printing.print_versions(f"versions in {store_location(args.store)}", rows, paths=args.stage is not None)
+        return 0
+    printing.print_versions(f"versions in {store_location(args.store)}", rows, paths=args.stage is not None)
+    if args.stage == "generate" and rows:  # what the stage is for: the newest version's samples
+        newest = max(store.versions("generate"), key=lambda v: v.manifest.get("created", ""))
+        print(f"\nsamples of {newest.key[:12]}, the newest:")
+        printing.print_samples(json.loads(newest.file("samples.json").read_text()))
     return 0
 
 
@@ -561,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("run", "sweep") or (args.command == "serve" and not args.key):
         stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/training/stopping.py)
     try:
+        if getattr(args, "preset", None) is not None:
+            preset_name(args.preset)
         return COMMANDS[args.command](args)
     except stopping.Stopped as stop:
         if stopping.failure():

@@ -32,6 +32,19 @@ def _glance(value: Any) -> str:
     return text[:SHORT_KEY] + "…" if hexadecimal else text
 
 
+def print_samples(samples: list[dict[str, Any]], console=None) -> None:
+    """Each sample: its settings, then its text with the prompt highlighted."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console()
+    for sample in samples:
+        prompt, text = sample["prompt"], sample["text"]
+        rest = text[len(prompt) :] if text.startswith(prompt) else text
+        console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
+        console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     """The stages (readable at 80 columns: short keys, one figure a line) and the samples."""
     from rich.console import Console
@@ -56,11 +69,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             "ran (unchanged): built again with the same output as the stored version, which is kept: "
             "its figures (timings too) are that version's, not this run's"
         )
-    for sample in summary.get("samples", []):
-        prompt, text = sample["prompt"], sample["text"]
-        rest = text[len(prompt) :] if text.startswith(prompt) else text
-        console.print(f"\n[dim]sample, temperature {sample['temperature']}, seed {sample['seed']}:[/dim]")
-        console.print(f"[bold yellow]{escape(prompt)}[/bold yellow]{escape(rest)}", highlight=False)
+    print_samples(summary.get("samples", []), console)
     for line in summary.get("warnings", []):
         console.print(f"\n[bold yellow]warning:[/bold yellow] {escape(line)}")
     if summary.get("tracking"):

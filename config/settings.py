@@ -517,7 +517,9 @@ def _describe(error: ValidationError) -> str:
         if item["type"] == "too_short" and any(other[: len(loc)] == loc and other != loc for other in locations):
             continue
         where = ".".join(str(p) for p in loc) or "config"
-        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+        given = item.get("input")
+        shown = f" (given {given!r})" if isinstance(given, str | int | float) and len(repr(given)) <= 40 else ""
+        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}{shown}")
     return "; ".join(parts)
 
 

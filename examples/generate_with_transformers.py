@@ -7,8 +7,8 @@ alone (no bardflow): the way any model on the Hub is used.
 The folder (the version folder, its ``export`` folder, or the ``hf`` folder inside that) holds
 config.json (GPT-2 for learned positions, GPT-NeoX for rotary ones), model.safetensors,
 tokenizer.json (byte-level: each id is a byte) and generation_config.json. The model saw
-contexts of up to ``max_length`` bytes (generation_config.json): the prompt and the new bytes
-together stay within it (by default, as many as fit, up to 100).
+contexts of up to ``model_max_length`` bytes (tokenizer_config.json): the prompt and the new
+bytes together stay within it (by default, as many as fit, up to 100).
 
 Before transformers reads anything, every file of the transformers folder is checked against
 the export's checksums.json (a damaged, edited or added file is refused), and a config that
@@ -99,15 +99,15 @@ def main() -> None:
 
     folder = hf_folder(args.folder)
     check(folder)
-    from transformers import GenerationConfig, pipeline, set_seed
+    from transformers import pipeline, set_seed
     from transformers.utils import logging as transformers_logging
 
-    # The sample alone on stdout and stderr: no weight-loading bar, and no notice that the
-    # folder's max_length (its context) stands beside this call's max_new_tokens.
+    # The sample alone on stdout and stderr: no weight-loading bar.
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
 
-    room = GenerationConfig.from_pretrained(folder).max_length - len(args.prompt.encode())
+    context = json.loads((folder / "tokenizer_config.json").read_text())["model_max_length"]
+    room = context - len(args.prompt.encode())
     n_bytes = min(100, room) if args.bytes is None else args.bytes
     if not 0 < n_bytes <= room:
         raise SystemExit(

@@ -12,15 +12,17 @@ when the store answered, and the run summary, ``--json`` and the UI all show tha
 from __future__ import annotations
 
 import json
+import signal
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
-from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.runtime import deployment, flow_run
+from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
 from ..artifacts.objects import checked_store
@@ -47,7 +49,7 @@ from .environment import (
 from .records import RunSummary, StageRow
 from .run_config import resolve_run_config
 from .stage_pages import publish
-from .terminal import one_line, quiet_explained_errors
+from .terminal import ExplainedErrorFilter, one_line, quiet_explained_errors
 from .tracking import RunTracking
 
 report.use(ui)  # the stages of this process tell the run's log, the terminal's bars and the UI
@@ -103,6 +105,16 @@ def _stage_task(stage: Stage):
             )
             if built:  # what the UI shows of it, from its figures and files
                 publish(stage.name, version, upstream)
+        except stopping.Stopped as stopped:
+            stopping.end_if_failed()
+            if deployment.id is None:
+                raise  # a terminal's run: the command ends with the line and 130 or 143
+            # A deployment's run cancelled (the UI, `prefect flow-run cancel`: its worker's SIGTERM)
+            # is the user's choice, not a failure: the stage ends Cancelled, saying where to go on.
+            line = as_deployment(str(stopped))
+            logger.warning("cancelled: %s", line, extra=ui.TERMINAL)
+            ExplainedErrorFilter.explained.add(line)  # said once: Prefect's lines repeating it stay off the terminal
+            return Cancelled(message=line)
         except BaseException as error:
             # The run's server is gone (model/training/stopping.py, fail), or cannot write its
             # database (its disk full): the stage has saved what it could and cleaned up on its
@@ -199,6 +211,8 @@ def _run_stage(
     state = STAGE_TASKS[stage.name](
         settings, {name: versions[name] for name in stage.reads}, root, refresh, return_state=True
     )
+    if state.is_cancelled():  # a deployment's run cancelled within the stage: the flow ends Cancelled too
+        raise stopping.Stopped(stopping.requested() or signal.SIGTERM, state.message or f"{stage.name} cancelled")
     version = cast(Version, state.result())
     row = StageRow(
         STATES.get(state.name or "", "ran"),
@@ -208,6 +222,24 @@ def _run_stage(
         round(time.perf_counter() - started, 3),
     )
     return version, row
+
+
+def as_deployment(line: str) -> str:
+    """A stop's line as a deployment's user acts on it: a run of the deployment, not a command."""
+    return line.replace("rerun the same command", "run the deployment again")
+
+
+def _told(story: Callable[[], RunSummary]) -> RunSummary:
+    """The pipeline's story. A deployment's run stopped by its worker's SIGTERM (a cancel from
+    the UI or `prefect flow-run cancel`) ends Cancelled, the user's choice and no failure (the
+    stage has said where to go on); a terminal's run raises, and the command ends with its line
+    and 130 or 143."""
+    try:
+        return story()
+    except stopping.Stopped as stopped:
+        if deployment.id is None:
+            raise
+        return cast(RunSummary, Cancelled(message=as_deployment(str(stopped))))
 
 
 def _summary_rows(summary: dict[str, StageRow]) -> list[dict[str, Any]]:
@@ -250,7 +282,7 @@ def pipeline(
     quiet_explained_errors()
     label_flow_run()
     chosen, config = resolve_run_config(preset, config=config, settings=settings, track=track, corpus=corpus)
-    return run_stages(chosen, preset == "auto", config, store, list(refresh), processes)
+    return _told(partial(run_stages, chosen, preset == "auto", config, store, list(refresh), processes))
 
 
 @flow(name="bardflow-samples", log_prints=True, persist_result=False)
@@ -287,4 +319,4 @@ def samples(
     except ValidationError as error:
         raise ConfigError(f"invalid generation settings: {error.errors()[0]['msg']}") from error
     config = base.model_copy(update={"generate": generate_config})
-    return run_stages(chosen, preset == "auto", config, store, [], processes)
+    return _told(partial(run_stages, chosen, preset == "auto", config, store, [], processes))

@@ -37,6 +37,10 @@ class ExplainedErrorFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ == "CancelledRun" and not debugging():
+            # The engine reading a run that ended Cancelled (a deployment's run cancelled: the
+            # flow returns that state) is no error: the run's state and its stage's line say it.
+            return False
         if isinstance(error, BardflowError) and not debugging():
             record.exc_info, record.exc_text = None, None
             ExplainedErrorFilter.explained.add(one_line(error))

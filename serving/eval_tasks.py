@@ -108,7 +108,7 @@ def write_tasks(corpus: bytes, out: Path, context: int, count: int = 200, seed: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bardflow.serving.eval_tasks",
+        prog=f"python -m {__spec__.name if __spec__ else __name__}",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

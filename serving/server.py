@@ -213,6 +213,14 @@ class StoppingServer(uvicorn.Server):
             return
         super().handle_exit(sig, frame)
         if self.ending is None:
+            busy = self.engine.load()["busy"]
+            if busy:  # a wait of up to the grace follows: say so
+                these = "1 sequence in flight gets" if busy == 1 else f"{busy} sequences in flight get"
+                print(
+                    f"bardflow: stopping: {these} up to {self.grace_s:g} s to finish (Ctrl-C again ends them now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.ending = threading.Timer(self.grace_s, self.engine.stop)
             self.ending.daemon = True
             self.ending.start()

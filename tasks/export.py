@@ -124,10 +124,10 @@ def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> N
             indent=1,
         )
     )
+    # No max_length: beside a call's max_new_tokens transformers warns that both are set on every
+    # generate(); the context is config.json's and the tokenizer's model_max_length.
     (folder / "generation_config.json").write_text(
-        json.dumps(
-            {"max_length": cfg.max_seq_len, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}, indent=1
-        )
+        json.dumps({"pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}, indent=1)
     )
 
 

@@ -9,6 +9,7 @@ stage's, whether the tokenizer's ids are the bytes, and which modules it needed.
 """
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,14 @@ def main(folder: Path, probes: Path) -> dict:
             logits = model(torch.from_numpy(expected[name].astype(np.int64))).logits.numpy()
             reference = expected[name.replace("tokens", "logits")]
             diffs[name] = float(np.max(np.abs(logits - reference))) if logits.shape == reference.shape else float("inf")
-        continuation = greedy(
-            model, expected["prompt"].astype(np.int64), int(expected["greedy"].shape[0]), int(expected["window"])
-        )
+        heard = Heard()  # what transformers warns of on a plain generate() with the folder's settings
+        logging.getLogger("transformers").addHandler(heard)
+        try:
+            continuation = greedy(
+                model, expected["prompt"].astype(np.int64), int(expected["greedy"].shape[0]), int(expected["window"])
+            )
+        finally:
+            logging.getLogger("transformers").removeHandler(heard)
     text = "ROMEO: What, art thou hurt? ¿Qué? Ω\n"
     ids = tokenizer(text)["input_ids"]
     return {
@@ -43,8 +49,18 @@ def main(folder: Path, probes: Path) -> dict:
         "architecture": type(model).__name__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
+        "generate_warnings": heard.lines,
         "bardflow_imported": any(m == "bardflow" or m.startswith("bardflow.") for m in sys.modules),
     }
+
+
+class Heard(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage()[:200])
 
 
 def greedy(model: Any, prompt: np.ndarray, new: int, window: int) -> np.ndarray:

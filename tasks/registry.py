@@ -71,7 +71,7 @@ TRAIN_PARALLEL = Stage(
 # of steps. "2": its curves include validation loss against tokens and against seconds.
 COMPARE = Stage(
     "compare",
-    "4",
+    "5",
     reads=("train_single", "train_parallel"),
     settings=lambda run: {},
     builds=("comparison.json", "throughput.png", "curves.png"),
@@ -109,7 +109,7 @@ def hf_check_tools() -> str:
 
 EXPORT = Stage(
     "export",
-    "6",
+    "7",
     reads=("checkpoint",),
     settings=lambda run: {"hf_check": hf_check_tools()},
     builds=("export",),

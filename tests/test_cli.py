@@ -118,6 +118,9 @@ def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
         (["--processes", "0"], ["--processes must be at least 1"]),
         (["--track", "mlflow=file:///tmp/mlruns"], ["track.mlflow", "sqlite:///"]),
         (["--cpu-devices", "100000"], ["--cpu-devices must be 1 to 512"]),  # the device probe hung for minutes
+        # One line, not argparse's usage block, and the preset meant.
+        (["--preset", "cpuu"], ["--preset 'cpuu' is no preset (did you mean cpu?)", "auto, codelab, cpu"]),
+        (["--set", "train.steps=2OO"], ["train.steps: Input should be a valid integer", "(given '2OO')"]),
     ],
 )
 def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, tmp_path):

@@ -1,6 +1,6 @@
 """The README's "On a GPU worker" path, for real and on CPU: a Prefect server on
-127.0.0.1, the `gpu` process pool, `prefect deploy --all` from this repository's
-prefect.yaml, a worker whose store is a bucket on an S3 server (as a pool of workers
+127.0.0.1, the README's own lines that create the pools and run `prefect deploy --all` from
+this repository's prefect.yaml, a worker whose store is a bucket on an S3 server (as a pool of workers
 shares one), and `prefect deployment run ... --watch`. Then a browser looks at the
 artifacts as a person would."""
 
@@ -20,7 +20,7 @@ import pytest
 
 from bardflow.tasks.registry import NAMES
 from tests.cdp import Browser, chromium_binary
-from tests.helpers import OUTPUT, SHARED_CORPUS, Webhook, call, play_text
+from tests.helpers import OUTPUT, REPO, SHARED_CORPUS, Webhook, call, play_text
 from tests.servers import Server
 
 pytestmark = pytest.mark.flow
@@ -39,19 +39,24 @@ def worker_corpus(tmp_path_factory) -> str:
     return generated.as_uri()
 
 
+def readme_steps() -> list[str]:
+    """The README's commands that make the pools and the deployments ("On a GPU worker")."""
+    section = (REPO / "README.md").read_text().split("## On a GPU worker", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    steps = [line for line in block.splitlines() if "work-pool create" in line or " deploy " in line]
+    assert len(steps) == 2 and steps[-1] == "prefect --no-prompt deploy --all", steps
+    return steps
+
+
 @pytest.fixture(scope="module")
 def deployed(prefect_server: Server, object_server, tmp_path_factory, worker_corpus):
     """The README's commands against the session's server: the `gpu` process pool, every
     deployment of prefect.yaml, and a worker (stopped when the module is done)."""
     store = object_server.prefix("deployed")
     with prefect_server.deployments():
-        for command in (
-            ["work-pool", "create", "--overwrite", "--type", "process", "gpu"],
-            ["work-pool", "create", "--overwrite", "--type", "process", "tpu"],
-            ["--no-prompt", "deploy", "--all"],
-        ):
-            done = prefect_server.run(str(BIN / "prefect"), *command)
-            assert done.returncode == 0, done.stdout + done.stderr
+        for line in readme_steps():  # the pools, then `prefect --no-prompt deploy --all`, exactly as written
+            done = prefect_server.run("bash", "-c", f'PATH="{BIN}:$PATH"; {line}')
+            assert done.returncode == 0, line + "\n" + done.stdout + done.stderr
     # The worker's host has an offline mirror of the corpus, the bucket's credentials and a
     # working folder of its own; flow runs inherit the worker's environment, as on a GPU host.
     worker = prefect_server.start(
@@ -202,7 +207,7 @@ def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployme
 def test_a_cancelled_run_stops_training_the_rerun_resumes_and_a_killed_one_ends_crashed(deployed, run_env):
     """Cancelling, as the UI's Cancel and `prefect flow-run cancel` do: the worker sends SIGTERM, the
     flow run's process saves a checkpoint of the step it reached and exits well within the
-    worker's grace period, the run ends Cancelled, and the rerun resumes from that step. That
+    worker's grace period, the run and its stage end Cancelled, and the rerun resumes from that step. That
     rerun's process is then killed outright (out of memory, say): the worker reports the run
     Crashed within seconds, a message says so (bardflow notify), and the store keeps what the
     reliability table promises. (Training to the end after a stop is test_signals.py's.)"""
@@ -293,10 +298,21 @@ def cancel_in_training(server: Server, run_id: str) -> str:
         assert time.monotonic() - cancelled < 30, "not stopped within the worker's grace period"
         time.sleep(0.3)
     assert state["type"] == "CANCELLED", state
-    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    stopped = [m for m in messages_of(server, run_id) if "stopped by SIGTERM during train_single at step" in m]
-    assert stopped and "checkpoint of step" in stopped[-1]
-    return stopped[-1]
+    # The flow ends Cancelled itself; its process exits once Prefect has sent its last records.
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() - cancelled < 30, "the flow run's process is still there"
+        time.sleep(0.2)
+    # A cancel is the user's choice: the stage ends Cancelled too, not Failed, with one line
+    # that says where a new run of the deployment goes on, and the worker prints no error.
+    assert stage_states(server, run_id)["train_single"] == "Cancelled"
+    prefix = "cancelled: stopped by SIGTERM during train_single at step"
+    stopped = [m for m in messages_of(server, run_id) if m.startswith(prefix)]
+    assert len(stopped) == 1 and "is saved: run the deployment again to resume from it" in stopped[0], stopped
+    # The worker's terminal: that line once, and no engine error or Prefect's repeat of it.
+    terminal = (server.home / "worker.log").read_text()
+    said = stopped[0].removeprefix("cancelled: ")
+    assert terminal.count(said) == 1 and "Engine execution exited with unexpected exception" not in terminal
+    return stopped[0]
 
 
 def messages_of(server: Server, run_id: str) -> list[str]:

@@ -100,6 +100,10 @@ def test_a_fresh_run_builds_every_stage(workspace, first_run, prefect_server):
     exports = call("artifacts", "export", "--store", str(store)).stdout
     assert stages["export"]["path"] in exports and "corpus=corpus.txt" in exports, exports
     assert {row["corpus"].split(" ")[0] for row in listing} == {"corpus.txt"}
+    # generate's listing ends with what the stage is for: its samples.
+    shown = call("artifacts", "generate", "--store", str(store)).stdout
+    assert f"samples of {stages['generate']['key'][:12]}, the newest:" in shown
+    assert samples[1]["text"].splitlines()[0][:20] in shown
 
 
 def test_cached_refreshed_changed_and_healed(workspace, first_run, run_env):

@@ -99,6 +99,7 @@ def test_both_position_kinds_at_two_shapes_compute_in_transformers_what_they_do_
         assert result["max_abs_diff"] <= export.HF_TOLERANCE and result["greedy_equal"], folder.name
         assert result["greedy_bytes"] == len(reference["greedy"]) > 0 and result["tokenizer_exact"]
         assert not result["bardflow_imported"]
+        assert result["generate_warnings"] == [], result["generate_warnings"]  # e.g. max_length beside max_new_tokens
     # A learned-position model's window slides past its context (32 and 128 bytes) in both.
     assert results[0]["greedy_bytes"] == results[2]["greedy_bytes"] == export.GREEDY_BYTES
     assert results[5]["max_abs_diff"] > export.HF_TOLERANCE

@@ -194,6 +194,7 @@ def test_the_pipeline_the_samples_flow_and_the_sweep_are_distinct_flows_in_the_u
         "generate": "bardflow-samples",
         "sweep": "bardflow-pipeline",
         "pipeline-tpu": "bardflow-pipeline",
+        "pipeline-cpu": "bardflow-pipeline",
     }
     # Each loads as `prefect deploy` and a worker's flow run load it (a file path would not
     # import: the package's modules import each other relatively).

@@ -880,7 +880,7 @@ def stopping_server(rope_model, grace_s: float, **config):
 
 
 @pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
-def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second):
+def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second, capsys):
     """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
     signal handler calls), on a server asked at once when it says it listens: the stream in
     flight goes on for the grace, then ends with the finish reason ``abort`` and ``[DONE]``,
@@ -907,6 +907,8 @@ def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(
         events[-1]["choices"][0]["finish_reason"] == "abort" and [line for line in lines if line][-1] == "data: [DONE]"
     )
     assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1])
+    grace = "60" if second else "0.5"  # said at once, where the wait was silent
+    assert f"bardflow: stopping: 1 sequence in flight gets up to {grace} s to finish" in capsys.readouterr().err
 
 
 def test_a_stop_with_a_client_that_reads_nothing_ends_at_the_grace_not_uvicorn_s_limit(rope_model):

@@ -52,3 +52,29 @@ def test_a_worker_slow_to_end_ends_without_a_keyboard_interrupt(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "1 passed" in out, out[-3000:]
     assert "KeyboardInterrupt" not in out and "Unraisable" not in out, out[-3000:]
+
+
+@pytest.mark.slow  # a pytest session of its own, in a clone
+def test_the_readme_s_inner_loop_collects_as_written_in_a_fresh_clone(tmp_path):
+    """The README's inner loop, the ``pytest`` command itself (not ``python -m pytest``, which
+    puts the folder on the path), in a fresh clone: it collects every test, where it once
+    stopped at ``No module named 'tests'``. And the README stays a guide: 300 lines at most."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    found = re.search(r'`(\.venv/bin/pytest -m "not slow"[^`]*)`', readme)
+    assert found, "the README names its inner loop"
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    pytest_bin = str(Path(sys.executable).parent / "pytest")
+    command = shlex.split(found.group(1).replace(".venv/bin/pytest", pytest_bin, 1))
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run(
+        [*command, "--collect-only", "-q"], cwd=clone, env=env, capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "ModuleNotFoundError" not in out, out[-3000:]
+    assert re.search(r"\d+/\d+ tests collected \(\d+ deselected\)", out), out[-3000:]
