@@ -41,21 +41,9 @@ from typing import Any, cast
 from typing_extensions import TypedDict
 
 from ..errors import StoreError
+from .manifest import FileEntry, Manifest, manifest_intact, on_demand
 from .resume import ResumeFolder
-from .store import (
-    MANIFEST,
-    Builder,
-    FileEntry,
-    Manifest,
-    Store,
-    Version,
-    VersionStore,
-    describe_files,
-    manifest_intact,
-    on_demand,
-    valid_key,
-    valid_stage,
-)
+from .store import MANIFEST, Builder, Store, Version, VersionStore, describe_files, valid_key, valid_stage
 
 SCHEMES = ("s3", "gs", "gcs")
 REMOTE = "remote.json"  # in a mirrored version: the URI and the ETags it was downloaded with

@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.run import machine
+from bench.report import machine
 
 STEPS = 8
 

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
+from bench.report import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 STALL_S = 5  # XLA logs "may be stuck" once a collective has waited this long
 ABORT_S = 60  # and ends the process (SIGABRT) after this long

@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine
+from bench.report import RESULTS, machine
 
 
 def variants(base, platform: str) -> dict:

@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
+from bench.report import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 MEMORY_BOUND_MIB = 512
 

@@ -137,7 +137,7 @@ def equality(steps: int, codelab_batch: int) -> dict:
     from bardflow.model.training.loop import TrainingSetup, train
     from bardflow.model.training.placement import Placement
     from bardflow.model.training.step import init_state
-    from bench.run import SHARED_CORPUS
+    from bench.report import SHARED_CORPUS
 
     text = SHARED_CORPUS.read_bytes()
     devices = jax.devices()
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
         )
         os.environ["JAX_PLATFORMS"] = "cpu"
-    from bench.run import RESULTS, machine, write_report
+    from bench.report import RESULTS, machine, write_report
 
     settings = dict(item.split("=", 1) for item in args.settings)
     report: dict = {

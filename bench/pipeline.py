@@ -13,7 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.run import REPO, RESULTS, bench_pipeline, machine, write_report
+from bench.report import REPO, RESULTS, machine, write_report
+from bench.run import bench_pipeline
 
 
 def main(argv: list[str] | None = None) -> int:

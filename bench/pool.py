@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.commands import bardflow, tiny
-from bench.run import REPO, RESULTS, machine, write_report
+from bench.report import REPO, RESULTS, machine, write_report
 
 LOCKED = "database is locked"
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.run import RESULTS, SHARED_CORPUS, alternating, machine, write_report
+from bench.report import RESULTS, SHARED_CORPUS, alternating, machine, write_report
 
 PRECISIONS = ("float32", "bfloat16")
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine
+from bench.report import RESULTS, machine
 
 
 def kinds_of(hlo: str) -> dict[str, tuple[str, str]]:

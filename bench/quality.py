@@ -18,7 +18,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.run import RESULTS, SHARED_CORPUS, machine, write_report  # noqa: E402
+from bench.report import RESULTS, SHARED_CORPUS, machine, write_report  # noqa: E402
 
 # nanoGPT's README (config/train_shakespeare_char.py): its GPU recipe, and the small CPU one.
 NANOGPT = {

@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -21,10 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.commands import bardflow
-
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO = Path(__file__).resolve().parents[1]
-SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+from bench.report import REPO, RESULTS, SHARED_CORPUS, alternating, machine, write_report
 
 
 class Mode(NamedTuple):
@@ -47,38 +43,6 @@ MODES = {
     "quick": Mode(4, 3, 300, "codelab", ("cpu", "codelab"), (10, 60, 2), "tiny"),
     "smoke": Mode(1, 2, 20, "tiny", ("tiny",), (2, 2, 1), "tiny"),
 }
-
-
-def machine() -> dict:
-    import jax
-
-    from bardflow.artifacts.store import library_versions
-    from bardflow.model.training.cpu_tuning import cpu_signature
-
-    signature = cpu_signature()  # the CPU model and the vector instructions that decide its speed
-    return {
-        "cpu": signature["cpu"],
-        "cpu_flags": signature["flags"],
-        "cores": os.cpu_count(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "python": platform.python_version(),
-        "libraries": library_versions(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
-def alternating(runs, rounds: int) -> list[list[float]]:
-    """Each run once per round, in turn: drift hits all of them alike. Every run is called
-    once first and its figure dropped, so that no timed round includes a compilation (a
-    program compiled at its first call, a sampler's new shapes)."""
-    for run in runs:
-        run()
-    results = [[] for _ in runs]
-    for _ in range(rounds):
-        for run, values in zip(runs, results, strict=True):
-            values.append(run())
-    return results
 
 
 def summary(a: list[float], b: list[float]) -> dict:
@@ -412,20 +376,6 @@ def checkout(revision: str):
             subprocess.run(
                 ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True
             )
-
-
-def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
-    """The report as JSON under ``folder`` (its ``flat`` summary included) and the summary as a table."""
-    report["summary"] = flat
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{report['machine']['date']}-{report['machine']['backend']}-{name}.json"
-    out.write_text(json.dumps(report, indent=1, default=str))
-    width = max(map(len, flat))
-    for key, value in flat.items():
-        # Rates with one decimal; ratios and loss differences with four significant digits.
-        shown = (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}") if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
-    return out
 
 
 PIPELINE_FIGURES = ("fresh_s", "cached_embedded_s", "cached_kept_s", "generate_only_kept_s", "val_loss")

@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine, write_report
+from bench.report import RESULTS, machine, write_report
 
 BANDWIDTH = {"TPU v5 lite": 819e9, "H200": 4.8e12, "H100": 3.35e12}  # bytes/s, the makers' data sheets
 SMOKE = {"model.num_layers": 1, "model.d_model": 64, "model.num_heads": 2, "model.ffn_dim": 128}

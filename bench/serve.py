@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine, write_report
+from bench.report import RESULTS, machine, write_report
 from bench.sampler import SMOKE, bandwidth, step_bytes
 
 

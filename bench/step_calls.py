@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, alternating, machine, write_report
+from bench.report import RESULTS, alternating, machine, write_report
 
 FUSED_LOSS_BOUND = 0.02  # relative: bfloat16 keeps 8 bits of mantissa; two kernels' sums round apart
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.commands import bardflow, tiny
-from bench.run import REPO, RESULTS, SHARED_CORPUS, machine, write_report
+from bench.report import REPO, RESULTS, SHARED_CORPUS, machine, write_report
 
 
 def timed_run(env: dict, store: str, workdir: Path, extra: list[str]) -> dict:

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine
+from bench.report import RESULTS, machine
 
 LOSS_BOUND = 0.02  # relative, as bench/step_calls.py's: bfloat16 keeps 8 bits of mantissa
 # The smoke shapes: each preset's model, two layers wide 64 over 128 bytes (one Pallas tile).

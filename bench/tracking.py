@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import RESULTS, machine, write_report
+from bench.report import RESULTS, machine, write_report
 
 
 def record_ms(target, records: int) -> list[float]:
@@ -47,7 +47,7 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     from bardflow.model.training.step import init_state, make_train_step
     from bardflow.model.training.step_settings import resolve
     from bardflow.model.training.trackers import history_hook
-    from bench.run import alternating
+    from bench.report import alternating
 
     cfg = build_config("cpu")
     batch, seq_len, log_every = cfg.train.per_device_batch, cfg.data.seq_len, cfg.train.log_every

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import BardflowError
 from ..flows.environment import DEBUG, PRESET_NAMES
+from ..serving.limits import ServeSettings
 from ..tasks.registry import NAMES
 
 
@@ -189,16 +190,29 @@ def _serve_command(commands) -> None:
     )
     serve.add_argument("key", nargs="?", metavar="KEY", help="a checkpoint or trained version's key, or its prefix")
     _pipeline_options(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    chosen = ServeSettings  # the defaults the server's record holds
     serve.add_argument(
-        "--slots", type=int, default=8, help="sequences decoded together in one compiled step (default 8)"
+        "--host", default=chosen.host, help=f"address to bind (default {chosen.host}: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=chosen.port, help=f"port to listen on (default {chosen.port})")
+    serve.add_argument(
+        "--slots",
+        type=int,
+        default=chosen.slots,
+        help="sequences decoded together in one compiled step; give it the streams you expect at once "
+        f"(default {chosen.slots})",
     )
     serve.add_argument(
-        "--queue", type=int, default=64, help="sequences that may wait for a slot before requests get 503 (default 64)"
+        "--queue",
+        type=int,
+        default=chosen.queue,
+        help=f"sequences that may wait for a slot before requests get 503 (default {chosen.queue})",
     )
     serve.add_argument(
-        "--max-tokens", type=int, default=4096, help="the most bytes one sequence may ask for (default 4096)"
+        "--max-tokens",
+        type=int,
+        default=chosen.max_tokens,
+        help=f"the most bytes one sequence may ask for (default {chosen.max_tokens})",
     )
     serve.add_argument(
         "--kernels",

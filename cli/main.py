@@ -1,5 +1,7 @@
-"""``bardflow``: the command line. A thin layer that builds typed parameters and
-calls the flow; heavy imports (Prefect, JAX) wait until the environment is set."""
+"""``bardflow``: the command line. It checks the words, finds or starts the Prefect server and
+runs the flows (``flows/``) for ``run``, ``sweep`` and ``serve``'s stages; the commands that
+read what runs left (``artifacts``, ``runs``, ``serve KEY``) open the store themselves. Heavy
+imports (Prefect, JAX) wait until the environment is set."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..flows.run_config import candidate_configs, command_line_overrides, pick_p
 from ..flows.tracking import check_installed
 from ..model.training import stopping
 from ..model.training.distributed import MAX_CPU_DEVICES, requested_cpu_devices
+from ..server.embedded import start_embedded
 from ..server.process import (
     SERVER_MODE,
     PrefectServer,
@@ -39,15 +42,14 @@ from ..server.process import (
     full_database,
     refuse_full_database,
     silence_prefect,
-    start_embedded,
     start_kept,
 )
+from ..server.status import server_status
 from ..tasks.registry import NAMES
 from . import printing
 from .arguments import UsageError, parser, preset_name
-
-API_KEY_VARIABLE = "BARDFLOW_API_KEY"  # bardflow serve's key, kept out of ps
-MIN_API_KEY = 16  # characters: a key a client can guess is no key
+from .ending import out_of_resources, settle_reports, writers_stuck
+from .serve_command import compiling, requested_api_key, served_model
 
 if TYPE_CHECKING:
     from ..flows.pipeline import Preset
@@ -73,7 +75,7 @@ def _ui(args: argparse.Namespace) -> int:
         if server.starting is not None:
             process.wait_until_up(server.starting)
         record = process.running()
-        whose = "the kept server" + (f": {process.status_line(record)}" if record else "")
+        whose = "the kept server" + (f": {server_status(record)}" if record else "")
     else:
         whose = "PREFECT_API_URL's server" if server.kind == "chosen" else "the kept server"
     print(f"Prefect UI:  {server.ui_url} ({whose})\nArtifacts:   {server.ui_url}/artifacts", flush=True)
@@ -424,7 +426,8 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """The model a version key or a run's settings name, served until Ctrl-C."""
-    from ..serving.server import LOCAL_HOSTS, ServeSettings, listening_socket, serve
+    from ..serving.limits import LOCAL_HOSTS, ServeSettings
+    from ..serving.server import listening_socket, serve
 
     if args.key is not None and not args.key.strip():
         raise UsageError(
@@ -432,10 +435,9 @@ def _serve(args: argparse.Namespace) -> int:
             "it out to serve a run's settings"
         )
 
-    limits = (("--port", 1, 65535), ("--slots", 1, 1024), ("--queue", 0, 100_000), ("--max-tokens", 1, 1_000_000))
-    for name, low, high in limits:
-        if not low <= getattr(args, name[2:].replace("-", "_")) <= high:
-            raise UsageError(f"{name} must be {low} to {high}")
+    numbers = ServeSettings(port=args.port, slots=args.slots, queue=args.queue, max_tokens=args.max_tokens)
+    if numbers.out_of_range():
+        raise UsageError(numbers.out_of_range())
     if args.kernels:
         prepare_environment(args.cpu_devices)
         import jax
@@ -445,7 +447,7 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--kernels runs Pallas TPU kernels, and JAX here runs on {jax.default_backend()} (they would run "
                 "in an interpreter, slowly); drop --kernels"
             )
-    api_key = _api_key(args)
+    api_key = requested_api_key(args)
     if args.host not in LOCAL_HOSTS and api_key is None and not args.insecure_no_key:
         raise UsageError(
             f"--host {args.host} is reachable from other machines: give an API key (--api-key-file FILE, "
@@ -476,72 +478,8 @@ def _serve(args: argparse.Namespace) -> int:
         root, args.key = summary.store, summary.stages["checkpoint"].key
         if server.embedded is not None:
             server.embedded.stop()  # the run's own Prefect server has done its work: serving needs none
-    model, model_id = _served_model(root, args.key)
-    return serve(model, model_id, settings, _compiling, listener)
-
-
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The key requests must send: --api-key-file's first line, else BARDFLOW_API_KEY, else
-    --api-key; None where none is given."""
-    if args.api_key_file is not None:
-        try:
-            lines = args.api_key_file.read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(
-                f"--api-key-file {args.api_key_file}: {getattr(error, 'strerror', None) or error}"
-            ) from None
-        key = lines[0].strip() if lines else ""
-    else:
-        key = os.environ.get(API_KEY_VARIABLE) or args.api_key
-        if key is None:
-            return None
-        key = key.strip()
-    if len(key) < MIN_API_KEY or not key.isprintable() or " " in key:
-        raise UsageError(
-            f"the API key must be at least {MIN_API_KEY} printable characters without spaces; make one with "
-            "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`"
-        )
-    return key
-
-
-def _compiling(total: int):
-    """A bar for the server's programs on a terminal; one line in a log, where a bar is not drawn."""
-    from ..flows.ui import Progress
-
-    if not sys.stderr.isatty():
-        print(f"bardflow: compiling the server's {total} programs", file=sys.stderr, flush=True)
-    return Progress("serve", total, "compiling the server's programs")
-
-
-def _served_model(root: str, prefix: str):
-    """The model of the checkpoint (else trained) version whose key starts with ``prefix``."""
-    from ..artifacts.store import Store
-    from ..cli.runs import RunsError, readable_store
-    from ..model.training.checkpoint import load_model
-    from ..tasks.checkpoint import MODEL
-    from ..tasks.train import trained_model
-
-    store = readable_store(root)
-    for stages in (("checkpoint",), ("train_parallel", "train_single")):
-        found = [v for stage in stages for v in store.versions(stage) if v.key.startswith(prefix)]
-        if len(found) > 1:
-            raise RunsError(f"{len(found)} {found[0].stage} versions have a key starting {prefix!r}; give more of it")
-        if found:
-            version = found[0]
-            damaged = Store.damage(version.path, version.manifest["files"])
-            if damaged:  # the seal says what was written; the files' checksums say what is there now
-                raise RunsError(
-                    f"the {version.stage} version {version.key[:12]} is damaged: {', '.join(sorted(damaged)[:3])} "
-                    "no longer match the checksums its manifest holds; rerun the run that made it to rebuild it, "
-                    "or serve another key"
-                )
-            model = load_model(version.file(MODEL)) if version.stage == "checkpoint" else trained_model(version)[0]
-            return model, f"bardflow-{version.key[:12]}"
-    known = ", ".join(v.key[:12] for v in store.versions("checkpoint")[:6]) or "none"
-    raise RunsError(
-        f"no checkpoint or trained version in {root} has a key starting {prefix!r}; `bardflow artifacts checkpoint` "
-        f"lists them (checkpoints: {known})"
-    )
+    model, model_id = served_model(root, args.key)
+    return serve(model, model_id, settings, compiling, listener)
 
 
 COMMANDS = {
@@ -584,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(error, UsageError) else 1
     except Exception as error:
         signum = stopping.requested()
-        if _out_of_resources(error) and not debugging():
-            print(fit(f"bardflow: error: {_out_of_resources(error)}"), file=sys.stderr)
+        if out_of_resources(error) and not debugging():
+            print(fit(f"bardflow: error: {out_of_resources(error)}"), file=sys.stderr)
             return 1
         if signum is None or debugging():
             raise
@@ -598,29 +536,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signum
-
-
-def _out_of_resources(error: BaseException) -> str | None:
-    """One line for a process that could not get memory or a thread, naming the limits."""
-    if isinstance(error, MemoryError) or "can't start new thread" in str(error):
-        what = "memory" if isinstance(error, MemoryError) else "a new thread"
-        return (
-            f"the run could not get {what} ({type(error).__name__}: {str(error)[:80]}); check this shell's limits "
-            "(ulimit -v for virtual memory, ulimit -u for processes) and the memory free, then rerun the same "
-            "command to go on (finished stages come back cached)"
-        )
-    return None
-
-
-def settle_reports(timeout_s: float = 5.0) -> None:
-    """Sends what Prefect still holds for the server (the failed run's events and logs)
-    before the error line, so that its own drain messages ("Still processing items") come
-    before that line rather than after it."""
-    if "prefect" not in sys.modules or stopping.failure():
-        return
-    from ..server.prefect_private import drain_reports
-
-    drain_reports(timeout_s)
 
 
 def entry() -> None:
@@ -653,18 +568,12 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code[0])
-    if code[0] != 0 and _writers_stuck():
+    if code[0] != 0 and writers_stuck():
         # A checkpoint's background writers that failed leave the others waiting on them for
         # Orbax's coordination timeout, and the interpreter joins them before any exit
         # handler: run the handlers now, and end without the join.
         atexit._run_exitfuncs()
     sys.exit(code[0])
-
-
-def _writers_stuck() -> bool:
-    import threading
-
-    return any(type(t).__name__ == "_SignalingThread" and t.is_alive() for t in threading.enumerate())
 
 
 if __name__ == "__main__":

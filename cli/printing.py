@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..artifacts.store import Metrics
+from ..artifacts.manifest import Metrics
 from ..config.line_width import fit
 from ..tasks.registry import BY_NAME
 from .tables import Column, fitted, short_time

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..artifacts.manifest import Manifest
 from ..artifacts.objects import is_remote, open_store
-from ..artifacts.store import Manifest, Version
+from ..artifacts.store import Version
 from ..errors import BardflowError
 from ..model.data.sources import corpus_name
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..artifacts.store import Metrics
+from ..artifacts.manifest import Metrics
 from ..config.settings import Overrides
 
 

@@ -22,17 +22,26 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..config.line_width import fit
 from ..config.machine import cache_dir
 from ..errors import BardflowError
 from . import keeper
-from .prefect_private import ephemeral_server_command
+from .status import server_status
 
 SERVER_MODE = "BARDFLOW_SERVER"  # kept (the default) or embedded
 IDLE_MINUTES = "BARDFLOW_SERVER_IDLE_MINUTES"
 DEFAULT_IDLE_MINUTES = 30.0
 DEFAULT_PORT = 4200
+
+
+class RunOwnServer(Protocol):
+    """A run's own server (``server/embedded.py``), as the command waits on, watches and stops it."""
+
+    def wait(self, timeout_s: float) -> None: ...
+    def watch(self) -> None: ...
+    def stop(self) -> None: ...
 
 
 class ServerError(BardflowError, RuntimeError):
@@ -139,7 +148,7 @@ class PrefectServer:
 
     api_url: str
     kind: str
-    embedded: EmbeddedServer | None = None
+    embedded: RunOwnServer | None = None
     starting: dict | None = None  # a kept server this command started: its record, until it answers
     # A kept server a run started by itself: the next run starts another if it is gone. One a
     # person started (``bardflow server start``, perhaps on PostgreSQL) is theirs to start again.
@@ -163,7 +172,7 @@ def chosen_server() -> PrefectServer | None:
     return PrefectServer(api.rstrip("/"), "chosen") if api else use_running_server()
 
 
-def _point_prefect_at(server: PrefectServer) -> PrefectServer:
+def point_prefect_at(server: PrefectServer) -> PrefectServer:
     """Prefect's client, here and in every process a run starts, takes its server from
     Prefect's settings, which read the environment: this is the one place bardflow writes it.
     bardflow's own code is handed the ``PrefectServer`` instead."""
@@ -195,7 +204,7 @@ def use_running_server() -> PrefectServer | None:
     record = running()
     if record is None:
         return None
-    return _point_prefect_at(_kept(record))
+    return point_prefect_at(_kept(record))
 
 
 def start_kept(port: int | None = None) -> PrefectServer:
@@ -215,7 +224,7 @@ def start_kept(port: int | None = None) -> PrefectServer:
             file=sys.stderr,
             flush=True,
         )
-    return _point_prefect_at(_kept(record, starting=record if started else None))
+    return point_prefect_at(_kept(record, starting=record if started else None))
 
 
 def _kept(record: dict, starting: dict | None = None) -> PrefectServer:
@@ -476,26 +485,6 @@ def stop() -> bool:
     return True
 
 
-def status_line(record: dict) -> str:
-    """Address, pid, uptime and the idle time left, in one line."""
-    now = time.time()
-    line = f"running at {record['url']} (pid {record['pid']}, up {_duration(now - record.get('started', now))}"
-    idle_s = float(record.get("idle_s") or 0)
-    if idle_s > 0:
-        left = idle_s - (now - float(record.get("idle_since") or record.get("started") or now))
-        line += f", stops after {_duration(max(0.0, left))} more idle"
-    else:
-        line += ", kept until `bardflow server stop`"
-    return line + f"; Prefect home {record.get('prefect_home', '?')})"
-
-
-def _duration(seconds: float) -> str:
-    whole = int(seconds)
-    return (
-        f"{whole // 3600} h {whole % 3600 // 60:02d} min" if whole >= 3600 else f"{whole // 60} min {whole % 60:02d} s"
-    )
-
-
 def command(
     action: str, port: int | None, database: str | None = None, idle_minutes_given: float | None = None
 ) -> None:
@@ -537,84 +526,9 @@ def command(
         print(f"export PREFECT_API_URL={record['url']}/api DO_NOT_TRACK=1")
     else:
         record = running()
-        print(fit(status_line(record), sys.stdout) if record else "not running")
+        print(fit(server_status(record), sys.stdout) if record else "not running")
         if record is None:
             raise SystemExit(3)
-
-
-class EmbeddedServer:
-    """The temporary Prefect server of one `bardflow run` or `sweep` when no server is
-    chosen: what Prefect's client would start by itself (the same app, UI off, 127.0.0.1),
-    but started here, before Prefect and JAX are imported, so it comes up while they load;
-    in a session of its own, so a Ctrl-C to the terminal's process group reaches this
-    process alone and the run can stop in order and still report it; and tied to this
-    process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
-
-    def __init__(self) -> None:
-        from ..model.training.launch import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command, env = ephemeral_server_command(self.port)
-        home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
-        home.mkdir(parents=True, exist_ok=True)  # its database lives there; Prefect's client would make it
-        self.log = home / "bardflow-embedded-server.log"
-        self.stopping = False
-        with open(self.log, "wb") as log:  # the server's own output stays out of the run's
-            self.process = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=keeper.die_with_parent,
-            )
-
-    def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        from ..model.training import stopping
-
-        while not healthy(self.url, timeout_s=1.0):
-            stopping.check("before the run started")
-            if self.process.poll() is not None:
-                raise ServerError(
-                    f"the embedded Prefect server exited with status {self.process.returncode} while "
-                    f"starting; its log {self.log} says why (or start one with `bardflow server start`)"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(
-                    f"the embedded Prefect server did not answer within {timeout_s:.0f} s; raise "
-                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or keep one running with "
-                    "`bardflow server start`"
-                )
-            time.sleep(0.1)
-
-    def watch(self) -> None:
-        """From now on, the server exiting stops the run (training saves its step) with one
-        line: without it, every report of the run would be retried for minutes."""
-        import threading
-
-        def wait() -> None:
-            code = self.process.wait()
-            if not self.stopping:
-                server_gone(
-                    f"the run's Prefect server (pid {self.process.pid}) exited with status {code} mid-run; "
-                    f"rerun the same command to go on ({GOING_ON})"
-                )
-
-        threading.Thread(target=wait, daemon=True).start()
-
-    def stop(self) -> None:
-        self.stopping = True
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
 
 
 GOING_ON = "finished stages come back cached, training resumes from its checkpoint"
@@ -676,28 +590,3 @@ def silence_prefect() -> None:
         logging.getLogger(name).addFilter(lambda record: False)
     # Prefect's log worker writes its failures to send straight to stderr unless this stdlib flag is off.
     logging.raiseExceptions = False
-
-
-def start_embedded() -> PrefectServer:
-    """Starts the run's own server (when ``chosen_server`` found none) and points this process
-    at it. Stopped at exit, or by a forced stop."""
-    import atexit
-
-    from ..model.training import stopping
-
-    server = EmbeddedServer()
-    chosen = _point_prefect_at(PrefectServer(f"{server.url}/api", "embedded", server))
-    # The run's links (Prefect's "View at", MLflow's tag) point where the run can be seen
-    # afterwards: `bardflow ui` serves this Prefect home's runs there; this server is gone.
-    os.environ.setdefault("PREFECT_UI_URL", LATER_UI)
-    print(
-        fit(
-            f"bardflow: starting a temporary Prefect server for this run at {server.url} (keep one running "
-            "with `bardflow server start` to skip this)"
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
-    atexit.register(server.stop)
-    stopping.on_force(server.stop)
-    return chosen

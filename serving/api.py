@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -30,8 +31,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config.config_file import each_once
-from .engine import Engine, Sampling, Sequence, ServerFull, ServingError, random_seed
+from .engine import Engine, Sampling, Sequence, ServerFull, ServingError
 from .guard import Guard
+from .limits import ServeSettings
 from .scoring import MOST_ALTERNATIVES, Scorer, Scores
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
@@ -176,7 +178,11 @@ class Choice:
 
 
 def create_app(
-    engine: Engine, model_id: str, max_tokens: int = 4096, api_key: str | None = None, hosts: Iterable[str] = ()
+    engine: Engine,
+    model_id: str,
+    max_tokens: int = ServeSettings.max_tokens,
+    api_key: str | None = None,
+    hosts: Iterable[str] = (),
 ) -> Guard:
     """The HTTP application over ``engine``; ``max_tokens`` is the most bytes a sequence may ask
     for, ``model_id`` the one model it serves; behind ``Guard``'s checks of the key
@@ -407,7 +413,7 @@ def _sequences(
     ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone).
     With ``max_tokens`` 0 (echo) a choice ends at once, and nothing is drawn."""
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    base = body.seed if body.seed is not None else random_seed()
+    base = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     top_k = 0 if body.top_k in (0, -1) else body.top_k
     choices, sequences = [], []
     for i, prompt in enumerate(prompts):

@@ -4,15 +4,10 @@ slot at the next call (a prompt of up to ``STEPS_A_CALL`` bytes fed to that call
 as the sampler feeds one, a longer one written into the slot's cache by a compiled prefill)
 and leaves it when it ends, is stopped, or its client goes away.
 
-The sequences in flight sit in the lowest slots (one that leaves is replaced by the highest),
-and a decode call runs ``STEPS_A_CALL`` steps over the fewest slots of ``decode_sizes`` that
-hold them all (one stream is not charged for 63 idle slots) and over the shortest part of
-their caches of ``fills`` that holds every position the call reaches (a cache is read as far
-as it is filled, not over the whole context). So the programs are the decode call per size
-and part, and the prefill of one slot per prompt length rounded up to a power of two; all of
-them are compiled before the first request (``Engine.warm``), none after. Each sequence's
-bytes depend on its own prompt, settings and seed alone, never on what the other slots hold,
-so a request gives the bytes it gives alone.
+The sequences in flight sit in the lowest slots, and a decode call runs ``STEPS_A_CALL`` steps
+over the fewest slots and the shortest part of their caches that hold them (``shapes.py``);
+every program is compiled before the first request (``Engine.warm``). A sequence's bytes
+depend on its own prompt, settings and seed alone: a request gives the bytes it gives alone.
 
 The engine runs in a thread of its own, one call ahead of the bytes it hands on: it sends a
 call, then reads the one before while the device runs it. Requests are handed in and their
@@ -38,16 +33,14 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from ..errors import BardflowError
-from ..model.inference.sampling import matmul_precision, pick
+from ..model.inference.sampling import matmul_precision, sample, sample_truncated, seeded
+from ..model.network.caches import LayerCache, RowsCache, SlotCache
 from ..model.network.decode_kernels import tile_rows
-from ..model.network.transformer import LayerCache, RowsCache, SlotCache, Transformer
+from ..model.network.transformer import Transformer
+from .limits import ServeSettings
+from .shapes import buckets, decode_sizes, fills
 
-MIN_BUCKET = 16  # the shortest prefill: shorter prompts share its program
 STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
-# Parts shorter than a quarter of the context stop here: each is one more program per decode
-# size, and with positions along the last axis (a TPU) a shorter part still reads a whole row
-# of 128 lanes.
-SHORTEST_FILL = 128
 WHOLE = (0.0, 0, 1.0)  # the settings of a free slot: temperature, top_k, top_p that cut nothing
 
 
@@ -99,72 +92,6 @@ class Sequence:
         self.cancelled.set()
 
 
-def sample(logits, key, temperature):
-    """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the whole
-    distribution at ``temperature``; (the byte, the key for the next draw): the sampler's own
-    draw (``pick``) for one row."""
-    keys, drawn = pick(logits[None].astype(jnp.float32), key[None], temperature)
-    return drawn[0].astype(jnp.int32), keys[0]
-
-
-def sample_truncated(logits, key, temperature, top_k, top_p):
-    """As ``sample``, from the distribution cut to its ``top_k`` most likely bytes (0: all) and
-    to the fewest whose probabilities reach ``top_p`` (1: all). Left whole by both, it draws
-    what ``sample`` draws: nothing is cut, and the key and the draw are the same."""
-    key, draw = jax.random.split(key)
-    logits = logits.astype(jnp.float32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    ranked = jnp.sort(scaled)[::-1]
-    vocab = logits.shape[-1]
-    kth = ranked[jnp.clip(jnp.where(top_k > 0, top_k, vocab), 1, vocab) - 1]
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
-    # The least likely byte kept: the first whose cumulative probability reaches top_p (all
-    # of them at top_p 1, whatever the sum's rounding).
-    before = jnp.sum(jnp.cumsum(jax.nn.softmax(ranked)) < top_p)
-    cutoff = jnp.where(top_p < 1.0, ranked[jnp.minimum(before, vocab - 1)], -jnp.inf)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    drawn = jax.random.categorical(draw, scaled)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
-
-
-def seeded(seed):
-    """The key data a seed starts from, as the sampler's ``jax.random.key(seed)`` holds it;
-    worked out inside a compiled program (one dispatch and read back per request would cost
-    more than a decode call on a TPU)."""
-    return jax.random.key_data(jax.random.key(seed))
-
-
-def buckets(window: int) -> list[int]:
-    """The prefill lengths: powers of two from ``MIN_BUCKET`` up to the context, and the context."""
-    sizes, size = [], MIN_BUCKET
-    while size < window:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, window]
-
-
-def fills(window: int) -> list[int]:
-    """The parts of a slot's cache a decode call reads: its first quarter, half, or all of it
-    (all of it where the context does not split in four), and shorter halvings down to
-    ``SHORTEST_FILL`` positions (``gpt2``'s 1,024: 128, 256, 512 or 1,024)."""
-    if window % 4:
-        return [window]
-    parts = [window // 4, window // 2, window]
-    # Halved only into whole 16-position tiles, as the decode kernels store a bfloat16 cache.
-    while parts[0] % 32 == 0 and parts[0] // 2 >= SHORTEST_FILL:
-        parts.insert(0, parts[0] // 2)
-    return parts
-
-
-def decode_sizes(slots: int) -> list[int]:
-    """The slot counts a decode call is compiled for: 2, 4 and 8 (below ``slots``), and all
-    ``slots``; the call cuts its slots' filled part out of the cache and puts it back.
-    Cutting out more costs more in copies than the idle slots' arithmetic (measured on a CPU:
-    docs/serving.md); one slot alone takes two, where XLA:CPU compiles a faster step."""
-    return [size for size in (2, 4, 8) if size < slots] + [slots]
-
-
 def _check_tiles(window: int, dtype: DTypeLike) -> None:
     """The decode kernels read the cache in parts of whole tiles of positions, whose tile
     holding a new key they store (8 positions, 16 in a bfloat16 cache): the context must split
@@ -184,8 +111,8 @@ class Engine:
     def __init__(
         self,
         model: Transformer,
-        slots: int = 8,
-        queue_limit: int = 64,
+        slots: int = ServeSettings.slots,
+        queue_limit: int = ServeSettings.queue,
         select_writes: bool | None = None,
         kernels: bool = False,
         cache_dtype: DTypeLike | None = None,
@@ -196,12 +123,12 @@ class Engine:
         # How a decode step stores each slot's new key: a TPU runs the scatter (each slot at a
         # position of its own) as a loop over the slots and streams a select faster, over a
         # cache whose positions run along its last axis (``SlotCache``); a CPU scatters in
-        # place, where the select copies the part read (docs/serving.md).
+        # place, where the select copies the part read (docs/journal.md).
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         self.slot_cache = SlotCache if self.select_writes else LayerCache
         # Or Pallas TPU kernels store each key in place and read each slot's cache where it
         # lies (``RowsCache``): the bytes are then the engine's own, alike alone and in a
-        # crowd, but no longer the sampler's bit for bit (docs/serving.md).
+        # crowd, but no longer the sampler's bit for bit (docs/journal.md).
         self.kernels = kernels
         laid_out = RowsCache.laid_out if kernels else self.slot_cache.laid_out
         # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step
@@ -209,8 +136,7 @@ class Engine:
         dtype = cache_dtype or model.token_embed.embedding.dtype
         if kernels:
             _check_tiles(self.window, dtype)
-        one = model.init_cache(1, self.window, dtype)
-        one = tuple(laid_out(layer) for layer in one)
+        one = tuple(laid_out(layer) for layer in model.init_cache(1, self.window, dtype))
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the
         # calls leave them, so that a call is sent before the bytes of the one before are read.
@@ -227,10 +153,9 @@ class Engine:
         self.feeding: dict[int, tuple[bytes, int]] = {}  # slot: short prompt and seed, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
-        # Float32 products in full, as the sampler's: a request's bytes are then the sampler's
-        # on a TPU too, whatever else is in flight. With the kernels, whose bytes are the
-        # engine's own anyway, the model's products take three one-pass bfloat16 products
-        # (measured faster: docs/serving.md).
+        # Float32 products in full, as the sampler's: a request's bytes are then the sampler's on
+        # a TPU too. With the kernels (bytes the engine's own anyway) three one-pass bfloat16
+        # products, measured faster (docs/journal.md).
         self.precision = "high" if kernels else "highest"
         self._decode_jit = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill_jit = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
@@ -426,7 +351,7 @@ class Engine:
         traced one after another and compiled, each run once as soon as it is (its jitted
         function finds it compiled) while the next compile. On an accelerator they compile side
         by side on the host's cores (compiling one leaves most of them idle); on a CPU one at a
-        time, which measured faster there (docs/serving.md)."""
+        time, which measured faster there (docs/journal.md)."""
         started = time.perf_counter()
         inputs = self._call_inputs({})
 
@@ -673,7 +598,3 @@ def _partial_stop(text: bytes, stop: bytes) -> int:
         if text.endswith(stop[:size]):
             return size
     return 0
-
-
-def random_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF

@@ -14,7 +14,6 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -26,10 +25,9 @@ from ..errors import BardflowError
 from ..model.network.transformer import Transformer
 from .api import create_app
 from .engine import Engine
+from .limits import LOCAL_HOSTS, ServeSettings
 
 GRACE_S = 5
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
-WILDCARDS = ("0.0.0.0", "::", "")  # every address of the machine
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
 KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this
 # Open at once (a process's 1,024 descriptors stay enough): past it the connection waiting
@@ -47,28 +45,6 @@ FULL_ANSWER = (
 
 class ServeError(BardflowError, RuntimeError):
     """The server cannot start as asked; the message names the setting to change."""
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Where and how much: the address, the slots decoded together, the requests that may wait
-    for a slot (then 503), the most bytes one sequence may ask for, whether the decode step
-    runs the Pallas TPU kernels (``Engine(kernels=...)``), and the cache's type (None: the
-    weights')."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    slots: int = 8
-    queue: int = 64
-    max_tokens: int = 4096
-    kernels: bool = False
-    cache: str | None = None
-    api_key: str | None = None  # what requests must send as Authorization: Bearer KEY; None: none
-    allowed_hosts: tuple[str, ...] = ()  # host names requests may address besides these and loopback's
-
-    def hosts(self) -> tuple[str, ...]:
-        """The names a request's ``Host`` may give: the bound address (not a wildcard) and those allowed."""
-        return (*(() if self.host in WILDCARDS else (self.host,)), *self.allowed_hosts)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -14,8 +14,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..artifacts.manifest import canonical_json
 from ..artifacts.objects import Bucket
-from ..artifacts.store import SETTLED_NS, Version, canonical_json, file_identity
+from ..artifacts.store import SETTLED_NS, Version, file_identity
 from ..config.machine import cache_dir
 from ..config.settings import TINYSHAKESPEARE_MD5, TINYSHAKESPEARE_URL, ConfigError, CorpusFigures, DataConfig
 from ..model.data.sources import (

@@ -18,7 +18,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts.store import Builder, Version, VersionStore, version_key
+from ..artifacts.manifest import version_key
+from ..artifacts.store import Builder, Version, VersionStore
 from ..config.settings import ConfigError, PipelineConfig, TrainingRequest
 from ..errors import (
     FREE_SPACE_FIX,

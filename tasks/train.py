@@ -14,8 +14,9 @@ import shutil
 import jax
 from flax import nnx
 
+from ..artifacts.manifest import canonical_json
 from ..artifacts.resume import resume_or_adopt
-from ..artifacts.store import Builder, Version, canonical_json
+from ..artifacts.store import Builder, Version
 from ..config.settings import TrainingRequest
 from ..model.training import stopping
 from ..model.training import trackers as tracking

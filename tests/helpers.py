@@ -116,7 +116,8 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.cli.main import main, settle_reports
+    from bardflow.cli.ending import settle_reports
+    from bardflow.cli.main import main
     from bardflow.model.training import stopping
 
     env = dict(env or os.environ)

@@ -124,7 +124,7 @@ def test_a_batch_of_samples_is_each_seeds_own_sample_and_the_codelab_batch(prese
 def test_every_timed_round_comes_after_an_untimed_warm_up_call():
     """`python -m bench` times rounds with `alternating`: the first call of each run (where a
     program compiles) is made and dropped before the rounds."""
-    from bench.run import alternating
+    from bench.report import alternating
 
     calls = {"a": 0, "b": 0}
 

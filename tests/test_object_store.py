@@ -10,8 +10,9 @@ import uuid
 
 import pytest
 
+from bardflow.artifacts.manifest import version_key
 from bardflow.artifacts.objects import ObjectStore, ObjectStoreError, RemoteResumeFolder, open_store
-from bardflow.artifacts.store import MANIFEST, Store, StoreError, version_key
+from bardflow.artifacts.store import MANIFEST, Store, StoreError
 
 KEY = version_key("demo", "1", {}, {})
 

@@ -26,17 +26,14 @@ from bardflow.model.network import decode_kernels
 from bardflow.model.network.transformer import build_model
 from bardflow.serving.api import MAX_BODY, create_app
 from bardflow.serving.engine import (
-    SHORTEST_FILL,
     Engine,
     Sampling,
     Sequence,
     ServerFull,
     ServingError,
     _check_tiles,
-    buckets,
-    decode_sizes,
-    fills,
 )
+from bardflow.serving.shapes import SHORTEST_FILL, buckets, decode_sizes, fills
 
 MODEL_ID = "bardflow-test"
 ROPE = build_config("tiny", {"model.positions": "rope"}).model  # a 32-byte context whose cache is a ring

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from bardflow.artifacts.store import MANIFEST, Store, StoreError, version_key
+from bardflow.artifacts.manifest import version_key
+from bardflow.artifacts.store import MANIFEST, Store, StoreError
 
 
 def write(text):

@@ -32,7 +32,7 @@ def matmul_precision(run: Callable[..., T], precision: str = "highest") -> Calla
     """``run`` (a jitted function) traced and run with float32 matrix products in full on
     every device. A TPU's default rounds their operands to bfloat16, and how it rounds depends
     on the program's shapes: there a sequence drew other bytes in a batch than alone, and other
-    bytes in the serving engine than in this sampler (docs/serving.md). A CPU's products are
+    bytes in the serving engine than in this sampler (docs/journal.md). A CPU's products are
     full already. ``precision="high"``: three one-pass bfloat16 products on a TPU, where full
     precision takes six (float32 short of its last bits)."""
 
@@ -207,3 +207,41 @@ def generate_batch(
 
 def as_text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
+
+
+# One sequence's draw inside the serving engine's compiled calls (serving/engine.py), where
+# each slot draws with its own settings.
+def sample(logits, key, temperature):
+    """One byte from ``logits`` (vocab,): greedy at temperature 0, else drawn from the whole
+    distribution at ``temperature``; (the byte, the key for the next draw): the sampler's own
+    draw (``pick``) for one row."""
+    keys, drawn = pick(logits[None].astype(jnp.float32), key[None], temperature)
+    return drawn[0].astype(jnp.int32), keys[0]
+
+
+def sample_truncated(logits, key, temperature, top_k, top_p):
+    """As ``sample``, from the distribution cut to its ``top_k`` most likely bytes (0: all) and
+    to the fewest whose probabilities reach ``top_p`` (1: all). Left whole by both, it draws
+    what ``sample`` draws: nothing is cut, and the key and the draw are the same."""
+    key, draw = jax.random.split(key)
+    logits = logits.astype(jnp.float32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = jnp.sort(scaled)[::-1]
+    vocab = logits.shape[-1]
+    kth = ranked[jnp.clip(jnp.where(top_k > 0, top_k, vocab), 1, vocab) - 1]
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
+    # The least likely byte kept: the first whose cumulative probability reaches top_p (all
+    # of them at top_p 1, whatever the sum's rounding).
+    before = jnp.sum(jnp.cumsum(jax.nn.softmax(ranked)) < top_p)
+    cutoff = jnp.where(top_p < 1.0, ranked[jnp.minimum(before, vocab - 1)], -jnp.inf)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    drawn = jax.random.categorical(draw, scaled)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32), key
+
+
+def seeded(seed):
+    """The key data a seed starts from, as the sampler's ``jax.random.key(seed)`` holds it;
+    worked out inside a compiled program (one dispatch and read back per request would cost
+    more than a decode call on a TPU)."""
+    return jax.random.key_data(jax.random.key(seed))
