@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from ..config.config_file import each_once
 from .engine import Engine, Sampling, Sequence, ServerFull, ServingError
-from .guard import Guard
+from .guard import Guard, error_object
 from .limits import ServeSettings
 from .scoring import MOST_ALTERNATIVES, Scorer, Scores
 
@@ -143,8 +143,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(error_object(self.message, self.kind, self.param), status_code=self.status, headers=headers)
 
 
 class Choice:
@@ -227,14 +226,21 @@ def create_app(
             for c in choices
         ]
         if body.echo or body.logprobs is not None:
-            for row, choice in zip(rows, choices, strict=True):
-                shown = choice.prompt + choice.data if body.echo else bytes(choice.data)
-                row["text"] = shown.decode("utf-8", errors="replace")
-                if body.logprobs is not None:
-                    scores = await asyncio.to_thread(scorer.score, choice.prompt + choice.data)
-                    before = 0 if body.echo else len(choice.prompt)
-                    row["logprobs"] = _logprobs(shown, scores, before, body.logprobs)
+            await _with_prompt_and_scores(rows, choices, body, scorer)
         return JSONResponse({**head, "choices": rows, "usage": usage_of()})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        *_tokenizer_routes(scorer.longest()),
+    ]
+    return Guard(Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed}), api_key, hosts)
+
+
+def _tokenizer_routes(longest: int) -> list[Route]:
+    """vLLM's tokenizer endpoints, which evaluation tools ask for: a byte model's tokens are a
+    text's bytes, and it has no special tokens (no end of text, no beginning, no padding)."""
 
     async def tokenize(request: Request) -> Response:
         try:
@@ -242,7 +248,7 @@ def create_app(
         except ApiError as error:
             return error.response()
         tokens = list(body.prompt.encode())
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": scorer.longest()})
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": longest})
 
     async def detokenize(request: Request) -> Response:
         try:
@@ -252,19 +258,27 @@ def create_app(
         return JSONResponse({"prompt": bytes(body.tokens).decode("utf-8", errors="replace")})
 
     async def tokenizer_info(request: Request) -> Response:
-        # A byte model has no special tokens: no end of text, no beginning, no padding.
         info = {"tokenizer_class": "bytes", "eos_token": None, "bos_token": None, "pad_token": None}
-        return JSONResponse({**info, "model_max_length": scorer.longest(), "vocab_size": 256})
+        return JSONResponse({**info, "model_max_length": longest, "vocab_size": 256})
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+    return [
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
-    return Guard(Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed}), api_key, hosts)
+
+
+async def _with_prompt_and_scores(
+    rows: list[dict[str, Any]], choices: list[Choice], body: CompletionRequest, scorer: Scorer
+) -> None:
+    """``echo``: each row's text is its prompt's and its own; ``logprobs``: with the scores of
+    the bytes it shows (one pass over prompt and completion, off the event loop)."""
+    for row, choice in zip(rows, choices, strict=True):
+        shown = choice.prompt + choice.data if body.echo else bytes(choice.data)
+        row["text"] = shown.decode("utf-8", errors="replace")
+        if body.logprobs is not None:
+            scores = await asyncio.to_thread(scorer.score, choice.prompt + choice.data)
+            row["logprobs"] = _logprobs(shown, scores, 0 if body.echo else len(choice.prompt), body.logprobs)
 
 
 class TokenizeRequest(BaseModel):
@@ -311,14 +325,10 @@ def _check(body: CompletionRequest, prompts: list[bytes], model_id: str, most: i
         raise ApiError(400, "echo and logprobs are answered whole here: leave out stream", "stream")
     if body.logprobs is not None:
         for prompt in prompts:
-            if len(prompt) + body.max_tokens > scorer.longest():
-                raise ApiError(
-                    400,
-                    f"log-probabilities are computed over one context: prompt ({len(prompt)} bytes) + "
-                    f"max_tokens ({body.max_tokens}) is over this model's {scorer.longest()}; shorten the prompt "
-                    "or lower max_tokens",
-                    "logprobs",
-                )
+            try:
+                scorer.check(len(prompt), body.max_tokens)
+            except ServingError as error:
+                raise ApiError(400, str(error), "logprobs") from None
 
 
 def _logprobs(shown: bytes, scores: Scores, before: int, alternatives: int) -> dict[str, list]:
@@ -413,7 +423,7 @@ def _sequences(
     ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone).
     With ``max_tokens`` 0 (echo) a choice ends at once, and nothing is drawn."""
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    base = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    base = body.seed if body.seed is not None else secrets.randbits(31)
     top_k = 0 if body.top_k in (0, -1) else body.top_k
     choices, sequences = [], []
     for i, prompt in enumerate(prompts):

@@ -91,8 +91,13 @@ class Guard:
         return None
 
 
+def error_object(message: str, kind: str, param: str | None = None) -> dict[str, dict[str, str | None]]:
+    """OpenAI's error object: what every refusal of this server's answers."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 async def _error(send: Send, status: int, message: str, kind: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    body = json.dumps(error_object(message, kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="bardflow"'))

@@ -42,12 +42,16 @@ class Scorer:
         """The longest text it scores: the context, and one byte more that is only a target."""
         return self.window + 1
 
-    def score(self, data: bytes) -> Scores:
-        if len(data) > self.longest():
+    def check(self, prompt: int, new: int) -> None:
+        """Refuses, in one line, a prompt of ``prompt`` bytes and ``new`` more to score that do not fit."""
+        if prompt + new > self.longest():
             raise ServingError(
-                f"log-probabilities are computed over one context: {len(data)} bytes (prompt and completion) "
+                f"log-probabilities are computed over one context: prompt ({prompt} bytes) + max_tokens ({new}) "
                 f"is over this model's {self.longest()}; shorten the prompt or lower max_tokens"
             )
+
+    def score(self, data: bytes) -> Scores:
+        self.check(len(data), 0)
         length = next(size for size in buckets(self.window) if size >= min(len(data), self.window))
         padded = np.zeros((1, length + (len(data) > self.window)), np.int32)
         padded[0, : len(data)] = np.frombuffer(data, np.uint8)

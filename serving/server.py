@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from ..errors import BardflowError
 from ..model.network.transformer import Transformer
 from .api import create_app
 from .engine import Engine
+from .guard import error_object
 from .limits import LOCAL_HOSTS, ServeSettings
 
 GRACE_S = 5
@@ -33,9 +35,9 @@ KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this
 # Open at once (a process's 1,024 descriptors stay enough): past it the connection waiting
 # longest for its request is closed, or the new one answered 503 (TimedH11Protocol).
 MAX_CONNECTIONS = 512
-_FULL = b'{"error": {"message": "the server has as many connections open as it takes; retry later", ' + (
-    b'"type": "server_error", "param": null, "code": null}}'
-)
+_FULL = json.dumps(
+    error_object("the server has as many connections open as it takes; retry later", "server_error")
+).encode()
 FULL_ANSWER = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
     + b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_FULL)
