@@ -58,7 +58,7 @@ def measure(preset: str, smoke: bool, steps: int, chosen: list[str] | None = Non
         started = time.perf_counter()
         figures = step_figures(cfg, step, step.steps_per_call, steps)
         one_s = figures["compile_s"]
-        if step.steps_per_call > 1:  # the run's other program: a call of one step
+        if step.steps_per_call > 1 and step.unroll:  # the run's other program: a call of one step (a loop needs none)
             one_s = build_step(cfg, dataclasses.replace(step, steps_per_call=1, unroll=False), 1)[1]
         figures["compile_one_step_s"] = round(one_s, 1)
         figures["layers"], figures["unroll"], figures["generator"] = step.layers, step.unroll, step.generator

@@ -93,7 +93,10 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
         write_split(folder / "train", split.train, {})
         write_split(folder / "val", split.val, {})
         started = time.perf_counter()
+        data_ready_s = started - STARTED
         walls: dict[int, float] = {}  # steps done -> seconds since the process started, its hooks run
+
+        noted: list[float] = []  # when the run said it had compiled its step
 
         def on_step(done: int, total: int) -> None:
             walls[done] = time.perf_counter() - STARTED
@@ -104,6 +107,7 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
             devices,
             parallel=True,
             on_step=on_step,
+            note=lambda line: noted.append(time.perf_counter() - STARTED) if line.startswith("compiled") else None,
         )
         wall = time.perf_counter() - started
         trained = compiled_so_far()
@@ -146,6 +150,13 @@ def time_to_quality(preset: str, overrides: dict, target: float, corpus: Path, d
         "compiled_in_training": trained.as_json(),
         "compiled_delivering": delivering.as_json() if delivered else None,
         "tokens_to_target": None if reached is None else reached["tokens"],
+        # Where the time before the first step goes: imports and the data, then the run's
+        # setup and compiling (its state made meanwhile), then the first call.
+        "timeline_s": {
+            "data_ready": round(data_ready_s, 2),
+            "compiled": round(noted[0], 2) if noted else None,
+            "first_step_done": round(walls[min(walls)], 2),
+        },
         "curve": curve,
         "kept": metrics.get("kept"),  # train.keep=best: the step whose state the run delivered
         "step_settings": metrics.get("step_settings"),

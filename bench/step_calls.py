@@ -34,6 +34,7 @@ def start_state(cfg, step):
 def compiled(cfg, step, count: int, example):
     """The compiled step of ``count`` steps a call (1: the one-step program) and its seconds."""
     import jax
+    import numpy as np
 
     from bardflow.model.training.step import make_train_step
 
@@ -48,6 +49,9 @@ def compiled(cfg, step, count: int, example):
         generator=step.generator,
     )
     started = time.perf_counter()
+    if count > 1 and not step.unroll:  # a loop: its length an argument, here always ``count``
+        looped = program.lower(state, example, np.int32(count)).compile(compiler_options=step.xla_options)
+        return (lambda state, tokens: looped(state, tokens, np.int32(count))), time.perf_counter() - started
     program = program.lower(state, example).compile(compiler_options=step.xla_options)
     return program, time.perf_counter() - started
 

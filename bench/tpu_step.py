@@ -108,7 +108,8 @@ def attention_blocks(cfg, repeats: int) -> dict:
 
 
 def build_step(cfg, step, count: int, remat: bool | None = None):
-    """(compiled step, its seconds to compile, the start state, a batch) as a run builds them."""
+    """(compiled step, its seconds to compile, the start state, the arguments after the state:
+    a batch, and where the steps are a loop their count) as a run builds them."""
     import jax
     import numpy as np
 
@@ -117,7 +118,8 @@ def build_step(cfg, step, count: int, remat: bool | None = None):
     graphdef, state = init_state(step.model(cfg.model), cfg.train)
     width = cfg.data.seq_len + int(cfg.data.every_position)
     rows = np.random.default_rng(0).integers(0, 256, (max(count, 1), cfg.train.per_device_batch, width), dtype=np.int32)
-    example = rows if count > 1 else rows[0]
+    looped = count > 1 and not step.unroll
+    inputs = (rows, np.int32(count)) if looped else (rows if count > 1 else rows[0],)
     program = make_train_step(
         graphdef,
         dtype=jax.numpy.dtype(step.precision),
@@ -130,8 +132,8 @@ def build_step(cfg, step, count: int, remat: bool | None = None):
     )
     started = time.perf_counter()
     with interpreted(step.attention):
-        compiled = program.lower(state, example).compile(compiler_options=step.xla_options)
-    return compiled, time.perf_counter() - started, (graphdef, state), example
+        compiled = program.lower(state, *inputs).compile(compiler_options=step.xla_options)
+    return compiled, time.perf_counter() - started, (graphdef, state), inputs
 
 
 def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None) -> dict:
@@ -142,13 +144,13 @@ def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None) -
     from bardflow.model.training.utilization import utilization
 
     remat = step.remat if remat is None else remat
-    compiled, compile_s, (_, state), example = build_step(cfg, step, count, remat)
+    compiled, compile_s, (_, state), inputs = build_step(cfg, step, count, remat)
     memory = step_memory(compiled, state)
     holder = {"state": state}
 
     def run() -> None:
         for _ in range(max(1, steps // max(count, 1))):
-            holder["state"], loss = compiled(holder["state"], example)
+            holder["state"], loss = compiled(holder["state"], *inputs)
         jax.block_until_ready(loss)
 
     ms = timed_ms(run, 3) / (max(1, steps // max(count, 1)) * max(count, 1))
@@ -252,7 +254,7 @@ def profiled(cfg, step, steps: int) -> dict:
 
     from bench.profile import profile
 
-    compiled, _, (_, state), example = build_step(cfg, step, 1)
+    compiled, _, (_, state), (example,) = build_step(cfg, step, 1)
     stream = np.stack([example] * (steps + 1))
     figures = profile(compiled, state, stream, steps)
     figures.pop("state")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -200,11 +201,13 @@ def every(n: int, and_last: bool = False) -> Callable[[StepInfo], bool]:
 @dataclass(frozen=True)
 class StepCalls:
     """The compiled training step: ``one`` takes a step a call; ``several`` (where set) takes
-    ``count`` steps a call, their batches stacked."""
+    ``count`` steps a call, their batches stacked, and where ``looped`` any number up to
+    ``count`` (its third argument; the stack padded), so that no other program is needed."""
 
-    one: Callable
+    one: Callable | None
     several: Callable | None = None
     count: int = 1
+    looped: bool = False
 
 
 _NO_LOSSES = CallLosses(np.zeros(1, np.float32))  # what a hook's needs_state sees: it asks about steps only
@@ -235,9 +238,12 @@ def run_steps(
     step = steps.start
     while step < steps.stop:
         end = _call_end(step, steps.stop, calls.count, hooks, record) if calls.several else step + 1
-        if end - step == calls.count and calls.several is not None:
+        if calls.several is not None and calls.looped:
+            state, losses = calls.several(state, stacked_at(range(step, end)), np.int32(end - step))
+        elif calls.several is not None and end - step == calls.count:
             state, losses = calls.several(state, stacked_at(range(step, end)))
         else:
+            assert calls.one is not None  # every StepCalls but a looped one has it
             end = step + 1
             state, losses = calls.one(state, tokens_at(step))
         read = CallLosses(losses)
@@ -338,7 +344,9 @@ class TrainingSetup:
     ``checkpoints`` (resumed from, saved every ``cfg.checkpoint_every``), ``best`` (where
     ``cfg.keep == "best"`` keeps its state: checkpoints of one, or the device), ``stop_after``
     (only the first steps of the schedule), ``on_step(done, total)``, the caller's ``hooks``
-    (a stop signal, a metrics writer) and ``note`` (a line for the user)."""
+    (a stop signal, a metrics writer) and ``note`` (a line for the user). ``state`` may be a
+    future of the state, made meanwhile (``init_state_meanwhile``), with its ``shapes``: the
+    step compiles from those."""
 
     graphdef: Any
     state: Any
@@ -353,6 +361,7 @@ class TrainingSetup:
     on_step: Callable[[int, int], None] | None = None
     hooks: Sequence[Hook] = ()
     note: Callable[[str], None] | None = None  # tells the user how long compiling took
+    shapes: Any = None  # the state's, where ``state`` is a Future
 
 
 @dataclass
@@ -420,23 +429,27 @@ def train(setup: TrainingSetup) -> TrainResult:
     record = RunRecord([], setup.checkpoints)
     record.layout = {"devices": len(placement.devices), "layout": placement.layout}
     compiles_before = compiled_so_far()
-    state = placement.put_state(state)
     local = batch_at(0)  # any step's batch has its shape
     example = placement.put_batch(local)
     global_batch, seq_len = example.shape
     step = step or resolve(None, cfg, seq_len, placement.devices[0].platform)
     evaluate = Evaluation(setup.graphdef, setup.val_batches, setup.placement, scanned=step.scanned)
-    compiling = _compile_ahead(setup, state, (local, example), step, evaluate, last)
+    placed = placement.placed_shapes(state if setup.shapes is None else setup.shapes)
+    compiling = _compile_ahead(setup, placed, (local, example), step, evaluate, last)
+    state = placement.put_state(state.result() if isinstance(state, Future) else state)
     resumed = _resume(setup.checkpoints, state, record)
     state, start = resumed.state, resumed.start
-    calls, compile_s, memory = compiling.result()
+    calls, compile_s, memory = compiling.result(state)
     first = example if start == 0 else placement.put_batch(batch_at(start))
 
     def tokens_at(step: int) -> jax.Array:
         return first if step == start else placement.put_batch(batch_at(step))
 
     def stacked_at(steps: range) -> jax.Array:
-        return placement.put_batch(np.stack([batch_at(step) for step in steps]), stacked=True)
+        batches = [batch_at(step) for step in steps]
+        if calls.looped:  # a call cut short: the loop takes the first len(steps) of the stack
+            batches += [np.zeros_like(local)] * (calls.count - len(batches))
+        return placement.put_batch(np.stack(batches), stacked=True)
 
     record.started = time.perf_counter()
     state = run_steps(
@@ -481,15 +494,20 @@ class _Compiling:
     the device's free memory."""
 
     setup: TrainingSetup
-    state: Any
     step: StepSettings
     started: float
-    futures: list
-    several: int  # steps a call of the second program; 0: none
+    futures: list  # the one-step program's (unless looped), the several's (if any), the evaluation's
+    several: int  # steps a call of the several-step program; 0: none
+    looped: bool  # that program takes any number of steps up to ``several``: no one-step program
 
-    def result(self) -> tuple[StepCalls, float, dict[str, int]]:
-        one, *rest = (future.result() for future in self.futures)
-        calls = StepCalls(one, rest[0], self.several) if self.several else StepCalls(one)
+    def result(self, state) -> tuple[StepCalls, float, dict[str, int]]:
+        compiled = [future.result() for future in self.futures]
+        if self.looped:
+            calls, largest = StepCalls(None, compiled[0], self.several, looped=True), compiled[0]
+        elif self.several:
+            calls, largest = StepCalls(compiled[0], compiled[1], self.several), compiled[1]
+        else:
+            calls, largest = StepCalls(compiled[0]), compiled[0]
         compile_s = time.perf_counter() - self.started
         placement, cfg, step = self.setup.placement, self.setup.cfg, self.step
         if self.setup.note is not None:
@@ -497,7 +515,7 @@ class _Compiling:
                 f"compiled the step ({step.layers} blocks, {step.steps_per_call} a call) and the evaluation "
                 f"in {compile_s:.1f} s"
             )
-        memory = step_memory(calls.several or calls.one, self.state)
+        memory = step_memory(largest, state)
         device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
         check_compiled_fits(
             memory,
@@ -514,9 +532,11 @@ class _Compiling:
 def _compile_ahead(
     setup: TrainingSetup, state, batch: tuple[np.ndarray, Any], step: StepSettings, evaluate: Evaluation, last: int
 ) -> _Compiling:
-    """The step lowered here for ``batch`` (this process's rows, and placed) — one step a
-    call, and ``step.steps_per_call`` a call where that is more than one and the run has more
-    than a step — with the evaluation, and all of them compiled side by side on threads
+    """The step lowered here for ``state`` (its shapes, placed) and ``batch`` (this process's
+    rows, and placed) — one step a
+    call, or ``step.steps_per_call`` a call where that is more than one and the run has more
+    than a step (as a loop, which takes fewer too; written out, beside the one step a call)
+    — with the evaluation, and all of them compiled side by side on threads
     (``compiling.compile_all``) while the caller restores a checkpoint."""
     local, example = batch
     graphdef, placement, cfg = setup.graphdef, setup.placement, setup.cfg
@@ -539,18 +559,19 @@ def _compile_ahead(
             step.scanned,
             step.generator,
         )
-        return made.lower(state, batch)
+        return made.lower(state, batch) if count == 0 or step.unroll else made.lower(state, batch, np.int32(count))
 
     several = step.steps_per_call if step.steps_per_call > 1 and last > 1 else 0
-    programs, options = [lowered_step(0, example)], [step.xla_options]
+    looped = bool(several) and not step.unroll
+    programs = [] if looped else [lowered_step(0, example)]
     if several:  # an example of the stacked batches: their shape
         programs.append(lowered_step(several, placement.put_batch(np.stack([local] * several), stacked=True)))
-        options.append(step.xla_options)
+    options = [step.xla_options] * len(programs)
     evaluation = evaluate.lowered(state)
     if evaluation is not None:  # compiled beside the step; its jitted call then finds it compiled
         programs.append(evaluation)
         options.append({})
-    return _Compiling(setup, state, step, started, compile_all(programs, options), several)
+    return _Compiling(setup, step, started, compile_all(programs, options), several, looped)
 
 
 def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptState | None]:

@@ -101,6 +101,17 @@ class Placement:
             return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(self.devices[0]), state)
         return layout.tree() if isinstance(layout, StateLayout) else jax.tree.map(lambda _: layout, state)
 
+    def placed_shapes(self, state):
+        """``state``'s shapes (of arrays or of shapes alone) with the shardings ``put_state``
+        gives them: what a program is lowered for before the state exists."""
+        return jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding, weak_type=getattr(leaf, "weak_type", False)
+            ),
+            state,
+            self.state_target(state),
+        )
+
     def put_state(self, state):
         target = self.state_target(state)
         if jax.process_count() == 1:

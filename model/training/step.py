@@ -4,8 +4,10 @@ buffers, so no NNX graph traversal happens per step."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import lru_cache, partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +77,18 @@ def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
     """(graphdef, state) of the model and its optimizer together, made in one compiled
     program (op by op, each initialiser would compile on its own)."""
     return nnx.split(_creator(model_cfg, train_cfg)())
+
+
+def init_state_meanwhile(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[Any, Any, Future]:
+    """``init_state`` on a thread: (graphdef, the state's shapes, the state's future), so that
+    a run lowers and compiles its step from the shapes while the state's own program compiles
+    and runs (on a TPU, seconds of a run's start)."""
+    graphdef, shapes = nnx.split(nnx.eval_shape(_creator(model_cfg, train_cfg)))
+    pool = ThreadPoolExecutor(1, "bardflow-init")
+    try:
+        return graphdef, shapes, pool.submit(lambda: init_state(model_cfg, train_cfg)[1])
+    finally:
+        pool.shutdown(wait=False)
 
 
 @lru_cache(maxsize=16)
@@ -155,12 +169,16 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
     ``model/training/placement.py``; XLA gathers a parameter where it is used and reduces its
     gradient to the parts each device keeps).
 
-    ``steps`` > 0: one call runs that many optimizer steps, ``(state, tokens) -> (state,
-    losses)`` with the steps' batches stacked (steps, rows, length) and their losses (steps,),
-    nothing read back between them, so a small step never waits on the host. The steps are a
-    loop of the one step (``unroll``: written out one after another, which lets a GPU launch
-    them as one graph, at the cost of compiling each). ``seed`` and ``generator``: dropout's
-    (``dropout_key``). ``scanned``: the model's blocks as one loop (``train.layers``)."""
+    ``steps`` > 0: one call runs up to that many optimizer steps, ``(state, tokens, count) ->
+    (state, losses)`` with the steps' batches stacked (steps, rows, length), the first
+    ``count`` of them taken, and their losses (steps,; zero past ``count``), nothing read back
+    between them, so a small step never waits on the host. The steps are a loop of the one
+    step whose length is an argument, so that this one program takes a call cut short by a
+    hook too and a run compiles no other step. ``unroll``: written out one after another,
+    which lets a GPU launch them as one graph, at the cost of compiling each; then
+    ``(state, tokens) -> (state, losses)`` takes all ``steps``, and a shorter call needs the
+    one-step program. ``seed`` and ``generator``: dropout's (``dropout_key``). ``scanned``:
+    the model's blocks as one loop (``train.layers``)."""
 
     blocks = "recomputed" if remat else "scanned" if scanned else "unrolled"
 
@@ -184,19 +202,29 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
             optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    def several(state, tokens):
-        return jax.lax.scan(step, state, tokens, unroll=steps if unroll else 1)
+    def written_out(state, tokens):
+        return jax.lax.scan(step, state, tokens, unroll=steps)
 
-    run = several if steps else step
+    def looped(state, tokens, count):
+        def body(at, carried):
+            state, losses = carried
+            state, loss = step(state, tokens[at])
+            return state, losses.at[at].set(loss)
+
+        return jax.lax.fori_loop(0, count, body, (state, jnp.zeros(tokens.shape[0], jnp.float32)))
+
+    run = (written_out if unroll else looped) if steps else step
     if state_sharding is None or mesh is None:
         return jax.jit(run, donate_argnums=0)
     if isinstance(state_sharding, StateLayout):
         state_sharding = state_sharding.tree()
+    inputs = (state_sharding, batch_sharding)
     if steps:
-        batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))
+        inputs = (state_sharding, NamedSharding(mesh, P(None, DATA_AXIS)))
+        inputs += () if unroll else (NamedSharding(mesh, P()),)
     return jax.jit(
         run,
-        in_shardings=(state_sharding, batch_sharding),
+        in_shardings=inputs,
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
     )

@@ -20,7 +20,7 @@ from .evaluation import eval_choice, eval_limit, val_batches
 from .loop import Hook, StepInfo, TrainingSetup, TrainResult, train
 from .placement import Placement
 from .run_records import HistoryEntry, TrainingMetrics, Tuning
-from .step import init_state, model_from_state
+from .step import init_state_meanwhile, model_from_state
 from .step_settings import CPU_TOKENS_PER_PASS, StepSettings, resolve
 from .utilization import utilization
 
@@ -135,7 +135,7 @@ def run_training(
     rows = placement.rows(global_batch)
     _say_rows(rows, global_batch)
     step, tuning = _step_settings(request, placement, train_rows.shape[1], len(devices), note)
-    graphdef, state = init_state(step.model(request.model), request.train)
+    graphdef, shapes, state = init_state_meanwhile(step.model(request.model), request.train)
     checkpoints = TrainingCheckpoints(files.resume, request.train.keep_checkpoints, files.saved, note=note)
     # train.keep=best: the best state so far, in a folder of its own beside the resumable ones.
     best = (
@@ -160,6 +160,7 @@ def run_training(
                 hooks=hooks,
                 best=best,
                 note=note,
+                shapes=shapes,
             )
         )
     finally:
