@@ -58,7 +58,7 @@ def _unfinished(cleanup: Callable[[], None]) -> Iterator[None]:
 
 def abandon_unfinished() -> None:
     """Removes the build folders and lock files this process holds, for an end that skips
-    every ``finally`` (a forced stop: model/training/stopping.py): a failed run leaves none behind."""
+    every ``finally`` (a forced stop: processes/stopping.py): a failed run leaves none behind."""
     for cleanup in reversed(list(_cleanups)):
         try:
             cleanup()
@@ -359,7 +359,7 @@ class Store(VersionStore):
         path = stage_dir / f".lock-{key}"
         mine = [handle]
 
-        def let_go() -> None:  # a forced end (model/training/stopping.py) skips the finally below
+        def let_go() -> None:  # a forced end (processes/stopping.py) skips the finally below
             with contextlib.suppress(OSError):  # a store turned read-only: the next builder removes it
                 if os.stat(path).st_ino == os.fstat(mine[0].fileno()).st_ino:
                     path.unlink(missing_ok=True)

@@ -1,7 +1,8 @@
 """bardflow: a byte-level transformer trained on TinyShakespeare as a Prefect flow of cached,
 versioned stages. Its parts are the repository's top-level folders, imported as
-``bardflow.errors``, ``bardflow.config``, ``bardflow.model``, ``bardflow.tasks``, ``bardflow.artifacts``,
-``bardflow.server``, ``bardflow.flows``, ``bardflow.serving`` and ``bardflow.cli``: an installed wheel holds them
+``bardflow.errors``, ``bardflow.processes``, ``bardflow.config``, ``bardflow.model``, ``bardflow.tasks``,
+``bardflow.artifacts``, ``bardflow.prefect_server``, ``bardflow.flows``, ``bardflow.serving`` and
+``bardflow.cli``: an installed wheel holds them
 under ``bardflow/`` (pyproject.toml's ``package-dir``), and a checkout on ``PYTHONPATH`` finds
 them beside this folder."""
 

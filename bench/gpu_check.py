@@ -203,7 +203,7 @@ class Check:
         return figures
 
     def deployment(self, limit_s: float) -> dict:
-        from bardflow.model.training.launch import free_port
+        from bardflow.processes.launch import free_port
 
         port = free_port()
         env = {**self.env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}

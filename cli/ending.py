@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ..model.training import stopping
+from ..processes import stopping
 
 
 def out_of_resources(error: BaseException) -> str | None:
@@ -27,7 +27,7 @@ def settle_reports(timeout_s: float = 5.0) -> None:
     before that line rather than after it."""
     if "prefect" not in sys.modules or stopping.failure():
         return
-    from ..server.prefect_private import drain_reports
+    from ..prefect_server.prefect_private import drain_reports
 
     drain_reports(timeout_s)
 

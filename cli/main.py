@@ -11,7 +11,7 @@ import os
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from ..config import config_file
 from ..config.line_width import fit
@@ -28,12 +28,11 @@ from ..flows.environment import (
     prepare_environment,
     store_location,
 )
+from ..flows.records import SweepResult
 from ..flows.run_config import candidate_configs, command_line_overrides, pick_preset
 from ..flows.tracking import check_installed
-from ..model.training import stopping
-from ..model.training.distributed import MAX_CPU_DEVICES, requested_cpu_devices
-from ..server.embedded import start_embedded
-from ..server.process import (
+from ..prefect_server.embedded import start_embedded
+from ..prefect_server.process import (
     SERVER_MODE,
     PrefectServer,
     ServerError,
@@ -44,7 +43,9 @@ from ..server.process import (
     silence_prefect,
     start_kept,
 )
-from ..server.status import server_status
+from ..prefect_server.status import server_status
+from ..processes import stopping
+from ..processes.distributed import MAX_CPU_DEVICES, requested_cpu_devices
 from ..tasks.registry import NAMES
 from . import printing
 from .arguments import UsageError, parser, preset_name
@@ -60,7 +61,7 @@ def _ui(args: argparse.Namespace) -> int:
     """The Prefect UI's address, at once: the server the user chose (PREFECT_API_URL), the kept
     server, or the kept server started now (its own process, its banner in its log, the user's
     Prefect profile untouched). Another address than 127.0.0.1 serves in the foreground."""
-    from ..server import process
+    from ..prefect_server import process
 
     prepare_environment()
     if args.host != "127.0.0.1":
@@ -88,7 +89,7 @@ def _ui_in_foreground(host: str, port: int) -> int:
     url = f"http://{host}:{port}"
     # The UI's browser code asks the server where its API is; tell it this port, not 4200.
     os.environ.setdefault("PREFECT_UI_API_URL", f"{url}/api")
-    os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (server/notify.py)
+    os.environ.setdefault("PREFECT_UI_URL", url)  # the links in notifications (prefect_server/notify.py)
     os.environ.setdefault("PREFECT_SERVER_API_HOST", host)
     os.environ.setdefault("PREFECT_SERVER_API_PORT", str(port))
     print(
@@ -207,7 +208,7 @@ def _terminal_run(verbose: bool, server: PrefectServer):
         server.embedded.wait(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         server.embedded.watch()
     elif server.api_url.startswith(("http://", "https://")):
-        from ..server.process import wait_until_up, watch_chosen
+        from ..prefect_server.process import wait_until_up, watch_chosen
 
         if server.starting is not None:  # the kept server this run started
             preflight.load_training()  # while it starts
@@ -255,7 +256,7 @@ def _run(args: argparse.Namespace) -> tuple[PrefectServer, RunSummary]:
         )
 
 
-def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+def _sweep(args: argparse.Namespace) -> SweepResult:
     from ..flows.sweep_configs import MAX_SWEEP_RUNS, plan, split_ranges
 
     args.settings, ranges = split_ranges(args.settings)
@@ -336,15 +337,15 @@ def _artifacts(args: argparse.Namespace) -> int:
     store = readable_store(store_location(args.store))
     manifests = manifests_of(store)
     rows = [
-        {
-            "stage": v.stage,
-            "key": v.key,
-            "created": v.manifest.get("created"),
-            "bytes": sum(f["bytes"] for f in v.manifest.get("files", {}).values()),
-            "metrics": v.metrics,
-            "corpus": corpus_of(v, manifests),
-            "path": v.location,
-        }
+        printing.VersionRow(
+            stage=v.stage,
+            key=v.key,
+            created=v.manifest.get("created"),
+            bytes=sum(f["bytes"] for f in v.manifest.get("files", {}).values()),
+            metrics=v.metrics,
+            corpus=corpus_of(v, manifests),
+            path=v.location,
+        )
         for v in store.versions(args.stage)
     ]
     if args.json:
@@ -372,7 +373,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from ..server.process import command
+    from ..prefect_server.process import command
 
     command(args.action, args.port, args.database, args.idle_minutes)
     return 0
@@ -390,7 +391,7 @@ def _notify(args: argparse.Namespace) -> int:
             "(`bardflow server start`) or set PREFECT_API_URL"
         )
     check_chosen_server(server)
-    from ..server import notify
+    from ..prefect_server import notify
 
     if args.action == "add":
         created = notify.add(args.url, args.name, args.block)
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         os.environ[DEBUG] = "1"  # the flow's log shows explained errors' tracebacks too
     if args.command in ("run", "sweep") or (args.command == "serve" and not args.key):
-        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (model/training/stopping.py)
+        stopping.install()  # Ctrl-C and SIGTERM stop the run in order (processes/stopping.py)
     try:
         if getattr(args, "preset", None) is not None:
             preset_name(args.preset)

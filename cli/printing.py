@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from ..artifacts.manifest import Metrics
 from ..config.line_width import fit
@@ -14,6 +15,21 @@ from .tables import Column, fitted, short_time
 
 if TYPE_CHECKING:
     from ..config.settings import PipelineConfig
+    from ..flows.records import Sample, SweepResult
+
+
+class VersionRow(TypedDict):
+    """A version in ``bardflow artifacts``' list: its size, figures, the corpus it was made
+    from (``runs.corpus_of``) and its folder."""
+
+    stage: str
+    key: str
+    created: str | None
+    bytes: int
+    metrics: Metrics
+    corpus: str | None
+    path: str
+
 
 SHORT_KEY = 12  # enough to tell versions apart; `bardflow runs --diff` takes prefixes
 
@@ -32,7 +48,7 @@ def _glance(value: Any) -> str:
     return text[:SHORT_KEY] + "…" if hexadecimal else text
 
 
-def print_samples(samples: list[dict[str, Any]], console=None) -> None:
+def print_samples(samples: list[Sample], console=None) -> None:
     """Each sample: its settings, then its text with the prompt highlighted."""
     from rich.console import Console
     from rich.markup import escape
@@ -83,7 +99,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         console.print(fit(link, sys.stdout), soft_wrap=True, highlight=False, markup=False)  # the link whole
 
 
-def print_sweep(result: dict[str, Any]) -> None:
+def print_sweep(result: SweepResult) -> None:
     from rich.console import Console
 
     rows = result["rows"]
@@ -151,7 +167,7 @@ def _setting(value: Any) -> str:
     return f"{number:.4g}" if len(text) > 8 and any(c in text for c in ".eE") else text
 
 
-def print_versions(title: str, rows: list[dict[str, Any]], paths: bool = False) -> None:
+def print_versions(title: str, rows: list[VersionRow], paths: bool = False) -> None:
     """``bardflow artifacts``: one row per version, newest first, each with the corpus it was
     made from; for one stage, then each version's folder, whole, to copy."""
     from rich.console import Console
@@ -174,7 +190,7 @@ def print_versions(title: str, rows: list[dict[str, Any]], paths: bool = False) 
                     None,
                     [
                         headline(row["stage"], row["metrics"]),
-                        row.get("corpus") and f"corpus={row['corpus'].split(' (')[0]}",
+                        row["corpus"] and f"corpus={row['corpus'].split(' (')[0]}",
                     ],
                 )
             ),
@@ -192,7 +208,11 @@ def print_versions(title: str, rows: list[dict[str, Any]], paths: bool = False) 
         )
 
 
-def show(result: dict[str, Any], as_json: bool, table) -> None:
+Shown = TypeVar("Shown", bound=Mapping[str, object])  # a command's result: a JSON object
+
+
+def show(result: Shown, as_json: bool, table: Callable[[Shown], None]) -> None:
+    """A command's result as JSON (``--json``), or as ``table`` prints it."""
     if as_json:
         print(json.dumps(result, indent=1))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..artifacts.manifest import Manifest
 from ..artifacts.objects import is_remote, open_store
@@ -15,6 +15,41 @@ from ..model.data.sources import corpus_name
 
 TRAINED = ("train_single", "train_parallel")
 FIGURES = ("val_loss", "val_bpb", "tokens_per_s", "ms_per_step", "elapsed_s")
+
+
+class RunRow(TypedDict):
+    """A trained version in ``bardflow runs``' list: the settings it differs in from the
+    others listed (their names without ``settings.``/``data.``), and its figures."""
+
+    stage: str
+    key: str
+    created: str | None
+    differs: dict[str, object]
+    val_loss: float | None
+    val_bpb: float | None
+    tokens_per_s: float | None
+    ms_per_step: float | None
+    elapsed_s: float | None
+
+
+class Pair(TypedDict):
+    a: object
+    b: object
+
+
+class FigurePair(TypedDict):
+    a: object
+    b: object
+    b_minus_a: float | None
+
+
+class RunDiff(TypedDict):
+    """Two trained versions side by side (``bardflow runs A B``): what differs, and their figures."""
+
+    a: str
+    b: str
+    differences: dict[str, Pair]
+    figures: dict[str, FigurePair]
 
 
 class RunsError(BardflowError, ValueError):
@@ -105,41 +140,45 @@ def find(versions: list[Version], prefix: str) -> Version:
     return matches[0]
 
 
-def listing(versions: list[Version], manifests: dict[tuple[str, str], Manifest]) -> list[dict[str, Any]]:
+def listing(versions: list[Version], manifests: dict[tuple[str, str], Manifest]) -> list[RunRow]:
     described = [describe(v, manifests) for v in versions]
     varying = [key for key in differing(described) if key.startswith(("settings.", "data.corpus"))]
     return [
-        {
-            "stage": v.stage,
-            "key": v.key,
-            "created": v.manifest.get("created"),
-            "differs": {key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
-            **{name: v.metrics.get(name) for name in FIGURES},
-        }
+        RunRow(
+            stage=v.stage,
+            key=v.key,
+            created=v.manifest.get("created"),
+            differs={key.removeprefix("settings.").removeprefix("data."): d.get(key) for key in varying},
+            val_loss=v.metrics.get("val_loss"),
+            val_bpb=v.metrics.get("val_bpb"),
+            tokens_per_s=v.metrics.get("tokens_per_s"),
+            ms_per_step=v.metrics.get("ms_per_step"),
+            elapsed_s=v.metrics.get("elapsed_s"),
+        )
         for v, d in zip(versions, described, strict=True)
     ]
 
 
-def diff(a: Version, b: Version, manifests: dict[tuple[str, str], Manifest]) -> dict[str, Any]:
+def diff(a: Version, b: Version, manifests: dict[tuple[str, str], Manifest]) -> RunDiff:
     da, db = describe(a, manifests), describe(b, manifests)
-    figures = {}
+    figures: dict[str, FigurePair] = {}
     for name in FIGURES:
         x, y = a.metrics.get(name), b.metrics.get(name)
         change = y - x if isinstance(x, (int, float)) and isinstance(y, (int, float)) else None
-        figures[name] = {"a": x, "b": y, "b_minus_a": change}
-    return {
-        "a": f"{a.stage}/{a.key}",
-        "b": f"{b.stage}/{b.key}",
-        "differences": {key: {"a": da.get(key), "b": db.get(key)} for key in differing([da, db])},
-        "figures": figures,
-    }
+        figures[name] = FigurePair(a=x, b=y, b_minus_a=change)
+    return RunDiff(
+        a=f"{a.stage}/{a.key}",
+        b=f"{b.stage}/{b.key}",
+        differences={key: Pair(a=da.get(key), b=db.get(key)) for key in differing([da, db])},
+        figures=figures,
+    )
 
 
 KEY_SHOWN = 8  # enough to tell versions apart, and what `bardflow runs A B` takes
 SHOWN_SETTINGS = 4  # a table's cell lists this many settings that differ, then how many more
 
 
-def short_settings(differs: dict[str, Any]) -> str:
+def short_settings(differs: dict[str, object]) -> str:
     """A cell's settings, one to a line: each by its last name where that is unambiguous
     (``steps=500`` for train.steps), a corpus by its name alone, at most ``SHOWN_SETTINGS``."""
     last = [key.rsplit(".", 1)[-1] for key in differs]
@@ -153,7 +192,7 @@ def short_settings(differs: dict[str, Any]) -> str:
     return "\n".join(lines[:SHOWN_SETTINGS] + ([f"+{more} more"] if more > 0 else []))
 
 
-def listing_table(rows: list[dict[str, Any]], title: str, width: int | None = None):
+def listing_table(rows: list[RunRow], title: str, width: int | None = None):
     """``listing``'s rows as a table that fits the terminal (or ``width``)."""
     from .tables import Column, fitted, short_time
 
@@ -186,24 +225,31 @@ def listing_table(rows: list[dict[str, Any]], title: str, width: int | None = No
 def show_runs(root: str, keys: list[str] | None, as_json: bool) -> None:
     versions, manifests = trained_versions(root)
     if keys:
-        result: Any = diff(find(versions, keys[0]), find(versions, keys[1]), manifests)
-    else:
-        result = listing(versions, manifests)
-    if as_json:
-        print(json.dumps(result, indent=1))
+        compared = diff(find(versions, keys[0]), find(versions, keys[1]), manifests)
+        if as_json:
+            print(json.dumps(compared, indent=1))
+        else:
+            _print_diff(compared)
         return
+    rows = listing(versions, manifests)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+
+    Console().print(listing_table(rows, f"trained versions in {root}, newest first"))
+
+
+def _print_diff(compared: RunDiff) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    if keys:
-        table = Table(title=f"{result['a']} (A) against {result['b']} (B)")
-        for column in ("", "A", "B", "B − A"):
-            table.add_column(column, overflow="fold")
-        for key, pair in result["differences"].items():
-            table.add_row(key, json.dumps(pair["a"], ensure_ascii=False), json.dumps(pair["b"], ensure_ascii=False), "")
-        for name, figure in result["figures"].items():
-            delta = figure["b_minus_a"]
-            table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
-    else:
-        table = listing_table(result, f"trained versions in {root}, newest first")
+    table = Table(title=f"{compared['a']} (A) against {compared['b']} (B)")
+    for column in ("", "A", "B", "B − A"):
+        table.add_column(column, overflow="fold")
+    for key, pair in compared["differences"].items():
+        table.add_row(key, json.dumps(pair["a"], ensure_ascii=False), json.dumps(pair["b"], ensure_ascii=False), "")
+    for name, figure in compared["figures"].items():
+        delta = figure["b_minus_a"]
+        table.add_row(name, str(figure["a"]), str(figure["b"]), "" if delta is None else f"{delta:+.4g}")
     Console().print(table)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from ..errors import BardflowError
-from ..model.training.distributed import ProcessGroup
+from ..processes.distributed import ProcessGroup
 from .environment import prepare_environment
 
 
@@ -31,7 +31,7 @@ def follow(group: ProcessGroup, join_timeout: int, cpu_devices: int | None) -> N
         file=sys.stderr,
         flush=True,
     )
-    from ..model.training.launch import process_command
+    from ..processes.launch import process_command
     from ..tasks import train_process
 
     code = subprocess.call(process_command(train_process, None, join_timeout))

@@ -10,7 +10,7 @@ from typing import cast
 from ..config.machine import cache_dir, install_hint
 from ..config.settings import PRESETS, ConfigError
 from ..errors import BardflowError
-from ..model.training.distributed import CPU_DEVICE_FLAG
+from ..processes.distributed import CPU_DEVICE_FLAG
 
 DEFAULT_STORE = "store"  # relative to the working directory; git-ignored
 PRESET_NAMES = ("auto", *PRESETS)
@@ -134,13 +134,13 @@ def store_credentials() -> str | None:
 
 
 def label_flow_run() -> None:
-    """Labels the flow run in progress with this process (``server/keeper.py``'s
+    """Labels the flow run in progress with this process (``prefect_server/keeper.py``'s
     ``PROCESS_LABEL``), so that a server can end it as Crashed once the process is gone
     without a word (a ``kill -9`` leaves it Running for good, counted as activity)."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
-    from ..server.keeper import PROCESS_LABEL, process_identity
+    from ..prefect_server.keeper import PROCESS_LABEL, process_identity
 
     if flow_run.id is None:
         return

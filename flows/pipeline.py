@@ -29,11 +29,11 @@ from ..artifacts.objects import checked_store
 from ..artifacts.store import Version, abandon_unfinished
 from ..config.settings import ConfigError, GenerateConfig, Overrides, PipelineConfig, Prompt, TrainingRequest
 from ..errors import BardflowError
-from ..model.training import stopping
-from ..model.training.distributed import hardware
-from ..server import notify
-from ..server.process import full_database, server_gone, serving_this_process
-from ..server.slots import training_slot
+from ..prefect_server import notify
+from ..prefect_server.process import full_database, server_gone, serving_this_process
+from ..prefect_server.slots import training_slot
+from ..processes import stopping
+from ..processes.distributed import hardware
 from ..tasks import report
 from ..tasks.compare import overfitting
 from ..tasks.registry import HISTORY, STAGES
@@ -93,7 +93,7 @@ def _ended(tracked: RunTracking | None, error: BaseException | None = None, stag
 def _stage_task(stage: Stage):
     def run_stage(settings: Any, upstream: dict[str, Version], store: str, force: bool = False):
         logger = get_run_logger()
-        # One training at a time on a host (server/slots.py).
+        # One training at a time on a host (prefect_server/slots.py).
         around = (
             partial(training_slot, stage.name, logger.info, flow_run.id, say=partial(logger.info, extra=ui.TERMINAL))
             if isinstance(settings, TrainingRequest)
@@ -116,7 +116,7 @@ def _stage_task(stage: Stage):
             ExplainedErrorFilter.explained.add(line)  # said once: Prefect's lines repeating it stay off the terminal
             return Cancelled(message=line)
         except BaseException as error:
-            # The run's server is gone (model/training/stopping.py, fail), or cannot write its
+            # The run's server is gone (processes/stopping.py, fail), or cannot write its
             # database (its disk full): the stage has saved what it could and cleaned up on its
             # way here; Prefect can report nothing more. End now, in one line.
             line = full_database(error, serving_this_process()) if isinstance(error, Exception) else None

@@ -5,7 +5,7 @@ line calls these, not the training code behind them."""
 from __future__ import annotations
 
 from ..config.settings import PipelineConfig
-from ..model.training.distributed import ProcessGroup, hardware, probe_devices
+from ..processes.distributed import ProcessGroup, hardware, probe_devices
 
 
 def count_devices_meanwhile() -> None:

@@ -5,10 +5,42 @@ form the command line prints with ``--json`` and a sweep keeps in its search's s
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from ..artifacts.manifest import Metrics
 from ..config.settings import Overrides
+
+
+class Sample(TypedDict):
+    """One of the generate stage's samples (``samples.json``)."""
+
+    prompt: str
+    temperature: float
+    seed: int
+    text: str
+
+
+class BestRun(TypedDict):
+    """A sweep's finished run of lowest validation loss, and its settings as a ``--set`` line."""
+
+    run: int
+    val_loss: float
+    set: str
+    line: str  # the three in a sentence
+
+
+class SweepResult(TypedDict):
+    """What a sweep (or a search) returns: a row per run (the settings that vary, the figures,
+    the versions), each run's record, and the best."""
+
+    preset: str
+    store: str
+    pool: str | None
+    flow_run: str | None
+    rows: list[dict[str, Any]]  # its columns: the settings the runs vary, then comparison_rows' own
+    runs: list[dict[str, Any]]  # Trial.to_json()
+    best: BestRun | None
+    study: NotRequired[str]  # a search's Optuna study
 
 
 @dataclass
@@ -35,7 +67,7 @@ class RunSummary:
     store: str
     flow_run: str
     stages: dict[str, StageRow]
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     tracking: list[str] | None = None
 

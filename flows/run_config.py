@@ -27,7 +27,7 @@ def pick_preset(preset: str) -> str:
     """``auto``: the codelab preset where JAX sees a GPU, the small ``cpu`` one elsewhere."""
     if preset != "auto":
         return preset
-    from ..model.training.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
+    from ..processes.distributed import hardware  # only now: XLA_FLAGS and friends are set by then
 
     on_gpu, elsewhere = AUTO_CHOICES
     return on_gpu if hardware()[1] == "gpu" else elsewhere

@@ -24,14 +24,14 @@ from prefect.logging import get_run_logger
 
 from ..artifacts.objects import checked_store
 from ..config.settings import ConfigError, Overrides, PipelineConfig
-from ..model.training import stopping
 from ..model.training.run_records import HistoryEntry
-from ..server import notify
+from ..prefect_server import notify
+from ..processes import stopping
 from ..tasks.compare import plot_validation_curves
 from . import ui
 from .environment import label_flow_run, store_location
 from .pipeline import RUN_ARTIFACT, Preset, opened, pipeline
-from .records import RunSummary, StageRow, Trial
+from .records import BestRun, RunSummary, StageRow, SweepResult, Trial
 from .run_config import pick_preset
 from .sweep_configs import SearchSpec, run_configuration
 from .terminal import quiet_explained_errors
@@ -79,7 +79,7 @@ def set_line(varying: Overrides) -> str:
     return " ".join(f"--set {shlex.quote(f'{key}={_shown(value)}')}" for key, value in varying.items())
 
 
-def best_run(rows: list[dict[str, Any]], runs: list[Trial]) -> dict[str, Any] | None:
+def best_run(rows: list[dict[str, Any]], runs: list[Trial]) -> BestRun | None:
     """The finished run with the lowest validation loss: its number, its loss and its ``--set``
     line (``rows`` as ``comparison_rows`` made them from ``runs``, in the same order)."""
     finished = [
@@ -124,7 +124,7 @@ def sweep(
     processes: int = 1,
     pool: str | None = None,
     search: SearchSpec | None = None,
-) -> dict[str, Any]:
+) -> SweepResult:
     """One pipeline per configuration (its ``section.field`` settings over ``settings`` and the
     preset): in turn as child flow runs here, or, with ``pool``, all at once as runs of the
     ``bardflow-pipeline/sweep`` deployment on that work pool. A failed run fails its row, not the sweep.
@@ -156,16 +156,18 @@ def sweep(
     )
     from prefect.runtime import flow_run
 
-    return {
-        "preset": chosen,
-        "store": root,
-        "pool": pool,
-        "flow_run": flow_run.id,
-        "rows": rows,
-        "runs": [run.to_json() for run in runs],
-        "best": best,
-        **({"study": search["study"]} if search else {}),
-    }
+    result = SweepResult(
+        preset=chosen,
+        store=root,
+        pool=pool,
+        flow_run=flow_run.id,
+        rows=rows,
+        runs=[run.to_json() for run in runs],
+        best=best,
+    )
+    if search:
+        result["study"] = search["study"]
+    return result
 
 
 class Place:
@@ -410,7 +412,7 @@ def publish(
     rows: list[dict[str, Any]],
     curves: list[tuple[str, list[HistoryEntry]]],
     preset: str,
-    best: dict[str, Any] | None = None,
+    best: BestRun | None = None,
     study: str | None = None,
 ) -> None:
     """The sweep's artifact: the table, the overlaid curves (embedded: they render offline)

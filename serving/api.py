@@ -21,7 +21,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config.config_file import each_once
-from .engine import Engine, Sampling, Sequence, ServerFull, ServingError
+from .engine import Engine, Sampling, Sequence, ServerFull
 from .guard import Guard, error_object
-from .limits import ServeSettings
+from .limits import ServeSettings, ServingError
 from .scoring import MOST_ALTERNATIVES, Scorer, Scores
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
@@ -513,7 +513,7 @@ async def _events(
             sequence.cancel()
 
 
-def _event(data: dict[str, Any]) -> str:
+def _event(data: Mapping[str, object]) -> str:
     # ASCII only: a text's U+2028 or U+0085 would end the line for a reader that splits as
     # str.splitlines does (httpx's iter_lines), where server-sent events end lines at CR or LF.
     return f"data: {json.dumps(data)}\n\n"

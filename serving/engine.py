@@ -34,18 +34,14 @@ from jax.typing import DTypeLike
 
 from ..errors import BardflowError
 from ..model.inference.sampling import matmul_precision, sample, sample_truncated, seeded
-from ..model.network.caches import LayerCache, RowsCache, SlotCache
-from ..model.network.decode_kernels import tile_rows
+from ..model.network.caches import LayerCache, SlotCache
 from ..model.network.transformer import Transformer
-from .limits import ServeSettings
+from .layouts import CacheLayout, SharedRows, SlotsApart
+from .limits import ServeSettings, ServingError
 from .shapes import buckets, decode_sizes, fills
 
 STEPS_A_CALL = 8  # decode steps in one call: one return to the host for 8 bytes
 WHOLE = (0.0, 0, 1.0)  # the settings of a free slot: temperature, top_k, top_p that cut nothing
-
-
-class ServingError(BardflowError, ValueError):
-    """A request the server cannot take as it is; the message names the field and the limit."""
 
 
 class ServerFull(BardflowError, RuntimeError):
@@ -92,19 +88,6 @@ class Sequence:
         self.cancelled.set()
 
 
-def _check_tiles(window: int, dtype: DTypeLike) -> None:
-    """The decode kernels read the cache in parts of whole tiles of positions, whose tile
-    holding a new key they store (8 positions, 16 in a bfloat16 cache): the context must split
-    so. Any multiple of four tiles does, as ``fills`` halves it."""
-    rows = tile_rows(dtype)
-    if any(fill % rows for fill in fills(window)):
-        raise ServingError(
-            f"the decode kernels read and store the cache in tiles of {rows} positions, and this model's context of "
-            f"{window} bytes is read in parts of {fills(window)}: serve it without the kernels, or train a context "
-            f"that is a multiple of {4 * rows}"
-        )
-
-
 class Engine:
     """``slots`` sequences at a time over ``model``; up to ``queue_limit`` more wait for a slot."""
 
@@ -126,17 +109,15 @@ class Engine:
         # place, where the select copies the part read (docs/journal.md).
         self.select_writes = jax.default_backend() == "tpu" if select_writes is None else select_writes
         self.slot_cache = SlotCache if self.select_writes else LayerCache
+        # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step
+        # and rounds each key, so its bytes too are the engine's own.
+        dtype = cache_dtype or model.token_embed.embedding.dtype
         # Or Pallas TPU kernels store each key in place and read each slot's cache where it
         # lies (``RowsCache``): the bytes are then the engine's own, alike alone and in a
         # crowd, but no longer the sampler's bit for bit (docs/journal.md).
         self.kernels = kernels
-        laid_out = RowsCache.laid_out if kernels else self.slot_cache.laid_out
-        # The cache in the weights' type unless told: a bfloat16 one reads half the bytes a step
-        # and rounds each key, so its bytes too are the engine's own.
-        dtype = cache_dtype or model.token_embed.embedding.dtype
-        if kernels:
-            _check_tiles(self.window, dtype)
-        one = tuple(laid_out(layer) for layer in model.init_cache(1, self.window, dtype))
+        self.layout: CacheLayout = SharedRows(self.window, dtype) if kernels else SlotsApart(self.slot_cache)
+        one = tuple(self.layout.laid_out(layer) for layer in model.init_cache(1, self.window, dtype))
         self.caches = jax.tree.map(lambda layer: jnp.stack([layer] * slots), one)
         # Each slot's last byte (the next step's input) and key stay on the device, where the
         # calls leave them, so that a call is sent before the bytes of the one before are read.
@@ -153,10 +134,7 @@ class Engine:
         self.feeding: dict[int, tuple[bytes, int]] = {}  # slot: short prompt and seed, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.compilations = 0  # programs traced (``programs`` of them by ``warm``, none after)
-        # Float32 products in full, as the sampler's: a request's bytes are then the sampler's on
-        # a TPU too. With the kernels (bytes the engine's own anyway) three one-pass bfloat16
-        # products, measured faster (docs/journal.md).
-        self.precision = "high" if kernels else "highest"
+        self.precision = self.layout.precision
         self._decode_jit = jax.jit(self._decode_call, donate_argnums=(1,), static_argnums=(2, 3))
         self._prefill_jit = jax.jit(self._prefill_slot, donate_argnums=(1,), static_argnums=(5,))
         self._decode = matmul_precision(self._decode_jit, self.precision)
@@ -275,42 +253,25 @@ class Engine:
                 # dropped) would look up NaN and store it in the slot's cache, where a weight
                 # of 0 times NaN reaches the slot's next sequence: it takes the last one's.
                 position = jnp.minimum(position, self.window - 1)
-            logits, written = model(token[None, None], position[None], cache, filled=fill if self.kernels else None)
+            logits, written = model(token[None, None], position[None], cache, filled=self.layout.filled(fill))
             assert written is not None  # given a cache, the model returns it written
             return logits[0, 0], written
-
-        def slot_step(token, position, slot, caches):  # with the kernels: a slot's rows of the shared caches
-            logits, written = one(token, position, tuple(RowsCache(layer.keys, layer.values, slot) for layer in caches))
-            return logits, tuple(RowsCache(layer.keys, layer.values) for layer in written)
 
         def step(carry, inputs):
             tokens, positions, keys, part = carry
             forced, kept = inputs
             tokens = jnp.where(forced >= 0, forced, tokens)
-            if self.kernels:  # each slot stores into and reads its rows of the caches all share
-                slots = jnp.arange(size)
-                logits, part = jax.vmap(slot_step, (0, 0, 0, None), (0, None))(tokens, positions, slots, part)
-            else:
-                logits, part = jax.vmap(one)(tokens, positions, part)
+            logits, part = self.layout.advance(one, tokens, positions, part)
             drawn, drawn_keys = draw(logits, keys)
             return (drawn, positions + 1, jnp.where(kept[:, None], drawn_keys, keys), part), drawn
 
-        def cut(layer):  # the slots' first ``fill`` positions
-            return self.slot_cache(*(half[:size] for half in layer)).first(fill)
-
-        def put(layer, part):
-            return type(layer)(
-                *(jax.lax.dynamic_update_slice(w, p, (0, 0, 0, 0)) for w, p in zip(layer, part, strict=True))
-            )
-
-        # The kernels read each slot's cache where it lies, up to ``fill``: nothing cut out or put back.
-        parts = caches if self.kernels else tuple(map(cut, caches))
+        parts = self.layout.parts(caches, size, fill)
         fed = fed[:size].T  # (steps, size)
         kept = jnp.arange(STEPS_A_CALL)[:, None] >= kept_from[None, :size]
         keys_in = jnp.where((fed[0] >= 0)[:, None], jax.vmap(seeded)(fed_seeds[:size]), keys[:size])
         start = (tokens[:size], positions[:size], keys_in, parts)
         (last, _, drawn_keys, written), drawn = jax.lax.scan(step, start, (fed, kept))
-        caches = written if self.kernels else tuple(map(put, caches, written))
+        caches = self.layout.put_back(caches, written)
         return drawn, tokens.at[:size].set(last), keys.at[:size].set(drawn_keys), caches
 
     def _move_slot(self, caches, tokens, keys, source, target):

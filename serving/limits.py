@@ -1,10 +1,17 @@
 """``bardflow serve``'s settings in one record: their defaults and ranges, which the command
-line, the HTTP API and the engine all read. Light to import: the command line checks its
-words with it before JAX or uvicorn load."""
+line, the HTTP API and the engine all read, and the error for what falls outside them. Light
+to import: the command line checks its words with it before JAX or uvicorn load."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+from ..errors import BardflowError
+
+
+class ServingError(BardflowError, ValueError):
+    """A request the server cannot take as it is; the message names the field and the limit."""
+
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # this machine only
 WILDCARDS = ("0.0.0.0", "::", "")  # every address of the machine

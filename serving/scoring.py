@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ..model.inference.sampling import matmul_precision
-from .engine import ServingError
+from .limits import ServingError
 from .shapes import buckets
 
 MOST_ALTERNATIVES = 5  # OpenAI's completions API: logprobs is at most 5

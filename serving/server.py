@@ -15,7 +15,6 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 import h11
 import uvicorn
@@ -24,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config.line_width import fit
 from ..errors import BardflowError
 from ..model.network.transformer import Transformer
+from ..processes import signals
 from .api import create_app
 from .engine import Engine
 from .guard import error_object
@@ -204,17 +204,6 @@ class StoppingServer(uvicorn.Server):
             self.ending.start()
 
 
-@contextlib.contextmanager
-def _stop_signals(handler: Callable[[int, Any], None], signals=(signal.SIGINT, signal.SIGTERM)):
-    """``signals`` go to ``handler`` within the block; the handlers before, after it."""
-    previous = {signum: signal.signal(signum, handler) for signum in signals}
-    try:
-        yield
-    finally:
-        for signum, handler_before in previous.items():
-            signal.signal(signum, handler_before)
-
-
 class _StoppedWhileCompiling(Exception):
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -241,7 +230,7 @@ def serve(
     engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels, cache_dtype=settings.cache)
     try:
         with (
-            _stop_signals(_stop_compiling),
+            signals.handled(_stop_compiling),
             (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled,
         ):
             seconds = engine.warm(compiled)
@@ -285,7 +274,7 @@ def serve(
         # line instead of a KeyboardInterrupt's traceback or a death by signal.
         server = StoppingServer(config, engine, listening)
         # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
-        with _stop_signals(lambda signum, frame: None), _stop_signals(server.handle_exit, (signal.SIGHUP,)):
+        with signals.handled(lambda signum, frame: None), signals.handled(server.handle_exit, (signal.SIGHUP,)):
             server.run(sockets=[listener])
     finally:
         engine.stop()

@@ -30,8 +30,8 @@ from ..errors import (
     is_disk_full,
     is_not_writable,
 )
-from ..model.training.distributed import ProcessGroup, free_bytes_per_device
 from ..model.training.memory import check_fits
+from ..processes.distributed import ProcessGroup, free_bytes_per_device
 
 
 def jsonable(settings: Any) -> Any:

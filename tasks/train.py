@@ -2,7 +2,7 @@
 
 Both run the same compiled step and loop (``model/training/training_run.py``); only the placement
 differs. The version holds the final training state (Orbax), the loss history and
-the throughput figures. ``train_parallel`` may run as several processes (``model/training/launch.py``).
+the throughput figures. ``train_parallel`` may run as several processes (``processes/launch.py``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from ..artifacts.manifest import canonical_json
 from ..artifacts.resume import resume_or_adopt
 from ..artifacts.store import Builder, Version
 from ..config.settings import TrainingRequest
-from ..model.training import stopping
 from ..model.training import trackers as tracking
 from ..model.training.checkpoint import TrainingCheckpoints, load_train_state
-from ..model.training.distributed import ProcessGroup, hardware
-from ..model.training.launch import ProcessFailure, launch_leader, launch_local
 from ..model.training.memory import compiled_needs
 from ..model.training.step import TrainingError, init_state, model_from_state
 from ..model.training.training_run import RunFiles, TrainingResult, run_training
+from ..processes import stopping
+from ..processes.distributed import ProcessGroup, hardware
+from ..processes.launch import ProcessFailure, launch_leader, launch_local
 from . import report, train_process
 from .encode import TRAIN, VAL
 from .registry import HISTORY, STATE, TRAIN_PARALLEL, TRAIN_SINGLE

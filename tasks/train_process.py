@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for every process to join (default 300)",
     )
     args = parser.parse_args(argv)
-    from ..model.training import stopping
-    from ..model.training.launch import follow_launcher
     from ..model.training.multiprocess import run_process
+    from ..processes import stopping
+    from ..processes.launch import follow_launcher
 
     stopping.install()  # SIGTERM from the launcher: stop at a step all processes agree on, checkpointed
     stopping.at("in a train_parallel process")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("code_versions.json")
-ROOMS = ("errors", "config", "model", "tasks", "artifacts", "server", "flows", "serving", "cli")
+ROOMS = ("errors", "processes", "config", "model", "tasks", "artifacts", "prefect_server", "flows", "serving", "cli")
 # The list of stages and their code versions: bumping one stage must not flag the others.
 REGISTRY = "bardflow.tasks.registry"
 OWN_PACKAGES = {"bardflow"}  # what source_of looks up
@@ -62,7 +62,7 @@ def module_name(path: Path) -> str:
 def imports(tree: ast.AST, package: str | None = None) -> set[str]:
     """Every module a module's code imports, anywhere in it, by its full name (a relative import
     resolved against ``package``, as Python resolves it); ``from ..model.training import
-    stopping`` names ``bardflow.model.training.stopping`` too."""
+    loop`` names ``bardflow.model.training.loop`` too."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

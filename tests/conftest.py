@@ -77,7 +77,7 @@ for name, value in {
     # The export's transformers folder is written by every run but loaded with torch and
     # transformers (seconds a run) only by the tests about it: tests/test_hf_export.py.
     "BARDFLOW_HF_CHECK": "off",
-    # One training per host (server/slots.py) would queue the suite's runs, which train beside
+    # One training per host (prefect_server/slots.py) would queue the suite's runs, which train beside
     # each other on this one machine on purpose, and a run a test kills would hold its slot
     # until it is noticed; the tests of the slot name one of their own.
     "BARDFLOW_TRAINING_SLOT": "off",
@@ -104,7 +104,7 @@ from tests.helpers import SHARED_CORPUS, md5_bytes, play_text  # noqa: E402 - af
 
 # JAX reads XLA_FLAGS once, at its first use: that is here, so that the session's two devices
 # are fixed before a run called in this process with --cpu-devices 1 (which then takes one of
-# them: model/training/distributed.hardware) appends its own flag.
+# them: processes/distributed.hardware) appends its own flag.
 if importlib.util.find_spec("jax") is not None:
     import jax
 

@@ -118,7 +118,7 @@ def call(*args, env=None, check=True) -> subprocess.CompletedProcess:
 
     from bardflow.cli.ending import settle_reports
     from bardflow.cli.main import main
-    from bardflow.model.training import stopping
+    from bardflow.processes import stopping
 
     env = dict(env or os.environ)
     if args[0] in ("run", "sweep"):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from bardflow.model.training.launch import free_port
+from bardflow.processes.launch import free_port
 from tests.helpers import REPO
 
 

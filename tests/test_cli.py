@@ -87,7 +87,7 @@ def test_compiled_programs_are_kept_in_the_machine_s_cache_unless_the_user_says_
 
 
 def test_server_status_and_stop_without_a_server(tmp_path, monkeypatch):
-    from bardflow.server import process as server
+    from bardflow.prefect_server import process as server
 
     monkeypatch.setenv("BARDFLOW_SERVER_FILE", str(tmp_path / "server.json"))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -147,7 +147,7 @@ def test_bad_values_are_refused_before_jax_or_prefect_is_imported(args, words, t
 def test_a_device_probe_that_does_not_answer_is_one_line_after_its_timeout():
     """JAX asked for far too many devices, or a driver that hangs: the probe is bounded."""
     code = (
-        "import time; from bardflow.model.training import distributed as d\n"
+        "import time; from bardflow.processes import distributed as d\n"
         "d._PROBE, d.PROBE_TIMEOUT_S = 'import time; time.sleep(60)', 1\n"
         "d.probe_devices(); started = time.monotonic()\n"
         "try:\n"
@@ -471,7 +471,7 @@ def test_the_command_and_the_flow_load_no_jax_and_devices_are_counted_in_a_proce
     started while Prefect loaded."""
     code = (
         "import sys; import bardflow.cli.main, bardflow.flows.pipeline; loaded = 'jax' in sys.modules; "
-        "from bardflow.model.training.distributed import hardware, probe_devices; probe_devices(); "
+        "from bardflow.processes.distributed import hardware, probe_devices; probe_devices(); "
         "print(loaded, hardware(), hardware(), 'jax' in sys.modules)"
     )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
@@ -586,7 +586,7 @@ def test_server_start_on_another_port_than_the_running_one_says_its_port_was_not
 
     server = healthy_server()
     url = f"http://127.0.0.1:{server.server_port}"
-    from bardflow.server.keeper import process_identity
+    from bardflow.prefect_server.keeper import process_identity
 
     # The kept server's process as its record names it: the leader of its own process group,
     # with the start time recorded for it (a pid of another program is not taken).

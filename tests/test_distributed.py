@@ -20,13 +20,13 @@ import pytest
 from bardflow.config.settings import TrackingTarget, TrainingRequest, build_config
 from bardflow.model.data.splits import Batches, encode, write_split
 from bardflow.model.training.checkpoint import TrainingCheckpoints, load_train_state
-from bardflow.model.training.distributed import DistributedError, ProcessGroup
 from bardflow.model.training.evaluation import val_batches
-from bardflow.model.training.launch import launch_local, process_command, process_env
 from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import init_state
 from bardflow.model.training.step_settings import resolve
+from bardflow.processes.distributed import DistributedError, ProcessGroup
+from bardflow.processes.launch import launch_local, process_command, process_env
 from bardflow.tasks import train_process
 from tests.helpers import REPO, base_args, call, checkpoint_steps, play_text, start
 
@@ -57,7 +57,7 @@ def test_the_group_comes_from_bardflow_variables_or_the_scheduler():
 def test_a_run_takes_the_emulated_devices_its_flags_ask_for_even_where_jax_already_has_more(monkeypatch):
     """JAX reads XLA_FLAGS once: a run called in a process whose JAX emulates two CPU devices
     and asked for one (``--cpu-devices 1``, the last flag) trains on one."""
-    from bardflow.model.training.distributed import hardware, requested_cpu_devices
+    from bardflow.processes.distributed import hardware, requested_cpu_devices
 
     flag = "--xla_force_host_platform_device_count"
     assert requested_cpu_devices(f"{flag}=2 --xla_dump_to=/tmp/x {flag}=1") == 1
@@ -294,7 +294,7 @@ def test_a_killed_process_fails_the_stage_fast_and_a_rerun_resumes(tmp_path, run
 # A run's launcher, as the train_parallel stage is one: it trains the spec in one supervised
 # process of two emulated devices (what `--cpu-devices 2` does).
 LAUNCHER = (
-    "import sys; from pathlib import Path; from bardflow.model.training.launch import launch_local; "
+    "import sys; from pathlib import Path; from bardflow.processes.launch import launch_local; "
     "from bardflow.tasks import train_process; launch_local(train_process, Path(sys.argv[1]), 1, 2, 'cpu')"
 )
 
@@ -352,8 +352,8 @@ def test_a_training_process_stops_with_its_run_and_leaves_its_resume_folder_to_t
 def test_without_a_launcher_a_dead_process_stops_the_other_within_the_heartbeat_timeout(tmp_path):
     """What a cluster relies on: JAX's coordination service notices the missing heartbeats."""
     describe_run(tmp_path, TINY.train.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000}))
-    from bardflow.model.training.distributed import HEARTBEAT
-    from bardflow.model.training.launch import free_port
+    from bardflow.processes.distributed import HEARTBEAT
+    from bardflow.processes.launch import free_port
 
     port, timeout_s = free_port(), 5  # shorter than the default 30 s, to keep the test short
     logs = [tmp_path / f"p{i}.log" for i in range(2)]

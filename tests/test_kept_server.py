@@ -26,7 +26,7 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.slow  # Prefect servers of its own, started and killed
 
 START = (
-    "from bardflow.server.process import start_kept, wait_until_up\n"
+    "from bardflow.prefect_server.process import start_kept, wait_until_up\n"
     "server = start_kept()\n"
     "wait_until_up(server.starting) if server.starting else None\n"
     "print(server.api_url)\n"
@@ -244,7 +244,7 @@ def test_server_stop_never_signals_a_process_it_did_not_start(tmp_path):
     signalled, and the server is not running."""
     env = _env(tmp_path, "60")
     where = subprocess.run(
-        [sys.executable, "-c", "from bardflow.server.process import state_file; print(state_file())"],
+        [sys.executable, "-c", "from bardflow.prefect_server.process import state_file; print(state_file())"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,9 +1,9 @@
 """The house rules: imports point down (cli -> flows -> tasks -> model -> config; artifacts
-under tasks beside model; server operations under flows, over model; config at the bottom,
-and the error family, errors/, below every room), and inside model/ by concern (training and
-inference build on the network and the data; the network and the data on nothing else of
-it); model/ knows neither Prefect nor the store, a training process is started through a
-module the launcher's caller imports, and a training process never imports Prefect."""
+under tasks beside model; the Prefect server's operations under flows; process control,
+processes/, and the error family, errors/, below every room), and inside model/ by concern
+(training and inference build on the network and the data; the network and the data on
+nothing else of it); model/ knows neither Prefect nor the store, a training process is started
+through a module the launcher's caller imports, and a training process never imports Prefect."""
 
 import ast
 import subprocess
@@ -15,17 +15,18 @@ from tests.code_versions import ROOMS, module_files, module_name, package_of
 from tests.code_versions import imports as imports_of
 from tests.helpers import REPO
 
-# What each room may import of bardflow's own rooms; the error family (errors/) lies below
-# them all.
+# What each room may import of bardflow's own rooms; process control (processes/) and the
+# error family (errors/) lie below them all.
 ALLOWED = {
-    "cli": {*ROOMS, "errors"},
-    "flows": set(ROOMS) - {"cli"} | {"errors"},
-    "server": {"server", "model", "config", "errors"},
-    "serving": {"serving", "model", "config", "errors"},
-    "tasks": {"tasks", "model", "artifacts", "config", "errors"},
-    "model": {"model", "config", "errors"},
+    "cli": {*ROOMS},
+    "flows": set(ROOMS) - {"cli"},
+    "prefect_server": {"prefect_server", "processes", "config", "errors"},
+    "serving": {"serving", "model", "processes", "config", "errors"},
+    "tasks": {"tasks", "model", "artifacts", "processes", "config", "errors"},
+    "model": {"model", "processes", "config", "errors"},
     "artifacts": {"artifacts", "config", "errors"},
     "config": {"config", "errors"},
+    "processes": {"processes", "errors"},
     "errors": {"errors"},
 }
 # Inside model/: what each concern may import of the others.
@@ -80,9 +81,9 @@ def test_model_knows_neither_prefect_nor_the_store():
         allowed |= SOURCE_LIBRARIES if path.stem == "sources" else set()
         for name in imports(path):
             top = name.split(".")[0]
-            assert top in allowed or name.startswith(("bardflow.model", "bardflow.config", "bardflow.errors")), (
-                f"{path.relative_to(REPO)} imports {name}"
-            )
+            assert top in allowed or name.startswith(
+                ("bardflow.model", "bardflow.config", "bardflow.processes", "bardflow.errors")
+            ), f"{path.relative_to(REPO)} imports {name}"
 
 
 def test_the_error_family_imports_nothing_of_bardflow():
@@ -116,7 +117,7 @@ def test_no_module_is_named_in_a_string():
 
 
 def test_a_training_process_is_started_from_the_module_its_caller_imports():
-    from bardflow.model.training.launch import process_command
+    from bardflow.processes.launch import process_command
     from bardflow.tasks import train, train_process
 
     assert train.train_process is train_process  # tasks.train imports what it launches
@@ -159,7 +160,7 @@ def test_no_import_cycle_among_modules():
 def test_a_training_process_and_the_registry_never_import_prefect():
     code = (
         "import sys, bardflow.tasks.train_process, bardflow.model.training.multiprocess, "
-        "bardflow.model.training.launch, "
+        "bardflow.processes.launch, "
         "bardflow.tasks.registry, bardflow.tasks.stage; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'jax')))"
     )

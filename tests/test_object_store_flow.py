@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bardflow.model.training.launch import free_port
+from bardflow.processes.launch import free_port
 from bardflow.tasks.registry import NAMES
 from bench.commands import tiny
 from tests.helpers import call, finish, play_text, start

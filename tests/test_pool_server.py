@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bardflow.server.process import ServerError, database_url
+from bardflow.prefect_server.process import ServerError, database_url
 from bench.commands import bardflow, tiny
 
 pytestmark = pytest.mark.flow
@@ -32,8 +32,8 @@ def test_a_database_url_becomes_prefect_s_and_anything_else_is_refused():
 def test_the_server_keeps_the_pool_s_state_in_postgresql(tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.server import notify
-    from bardflow.server.slots import training_slot
+    from bardflow.prefect_server import notify
+    from bardflow.prefect_server.slots import training_slot
     from tests.helpers import REPO
     from tests.servers import PostgresServer, Server
 

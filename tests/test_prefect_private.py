@@ -1,11 +1,11 @@
-"""bardflow's uses of Prefect's internals (server/prefect_private.py) still match what Prefect
+"""bardflow's uses of Prefect's internals (prefect_server/prefect_private.py) still match what Prefect
 does, and no other module makes any: a Prefect release that changes one fails here."""
 
 import ast
 import importlib
 import inspect
 
-from bardflow.server.prefect_private import APP_FACTORY, EPHEMERAL_ENV, ephemeral_server_command
+from bardflow.prefect_server.prefect_private import APP_FACTORY, EPHEMERAL_ENV, ephemeral_server_command
 from tests.code_versions import ROOMS
 from tests.helpers import REPO
 

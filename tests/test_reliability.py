@@ -211,7 +211,7 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_on_a_larger_one_finishes(sma
 def test_a_prefect_database_on_a_full_disk_is_refused_in_one_line_before_any_work(small_disk, server, corpus, tmp_path):
     """The server a run would start keeps its SQLite database in PREFECT_HOME: with no room to
     grow there, the run is refused before a server starts or a stage runs (a full disk
-    mid-run ends in the same line: server/process.py, full_database)."""
+    mid-run ends in the same line: prefect_server/process.py, full_database)."""
     env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(small_disk / "prefect"), BARDFLOW_CACHE_DIR=str(tmp_path / "cache"))
     env["BARDFLOW_SERVER"] = server

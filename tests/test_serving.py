@@ -25,14 +25,9 @@ from bardflow.model.inference.sampling import generate
 from bardflow.model.network import decode_kernels
 from bardflow.model.network.transformer import build_model
 from bardflow.serving.api import MAX_BODY, create_app
-from bardflow.serving.engine import (
-    Engine,
-    Sampling,
-    Sequence,
-    ServerFull,
-    ServingError,
-    _check_tiles,
-)
+from bardflow.serving.engine import Engine, Sampling, Sequence, ServerFull
+from bardflow.serving.layouts import SharedRows
+from bardflow.serving.limits import ServingError
 from bardflow.serving.shapes import SHORTEST_FILL, buckets, decode_sizes, fills
 
 MODEL_ID = "bardflow-test"
@@ -203,9 +198,9 @@ def test_the_decode_kernels_refuse_a_context_that_is_not_read_in_whole_tiles(rop
     )
     Engine(odd, slots=2)  # XLA's path reads any part
     for window in range(32, 4097, 32):  # any context of four tiles or more is read in whole tiles
-        _check_tiles(window, "float32")
+        SharedRows(window, "float32")
         if window % 64 == 0:
-            _check_tiles(window, "bfloat16")
+            SharedRows(window, "bfloat16")
     with pytest.raises(
         ServingError,
         match=r"tiles of 16 positions, and this model's context of 32 bytes is read in parts of \[8, 16, 32\]",

@@ -1,4 +1,4 @@
-"""One training per host (server/slots.py), on the session's Prefect server: a slot is released
+"""One training per host (prefect_server/slots.py), on the session's Prefect server: a slot is released
 however its holder's stage ends, and a holder killed outright does not block the host: the
 next run that waits finds its process gone and releases its lease. (Two workers of one pool
 taking turns: tests/test_sweep.py, the pool sweep.)"""
@@ -14,14 +14,14 @@ import uuid
 
 import pytest
 
-from bardflow.server.slots import SLOT, slot_name, training_slot
+from bardflow.prefect_server.slots import SLOT, slot_name, training_slot
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.flow
 
 HOLD = """
 import sys, time
-from bardflow.server.slots import training_slot
+from bardflow.prefect_server.slots import training_slot
 with training_slot("train_single", lambda line: print(line, flush=True)):
     time.sleep(600)
 """
@@ -47,7 +47,7 @@ def test_the_slot_name_is_the_host_s_unless_set_and_off_turns_it_off():
 
 
 WAIT = """
-from bardflow.server.slots import training_slot
+from bardflow.prefect_server.slots import training_slot
 with training_slot("train_parallel", lambda line: None):
     print("holds it", flush=True)
 """

@@ -229,7 +229,7 @@ def hold_the_slot_until(server, name: str, waiting: threading.Event, timeout_s: 
     """Holds the training slot ``name`` until a run logs that it waits for it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from bardflow.server.slots import training_slot
+    from bardflow.prefect_server.slots import training_slot
 
     with (
         temporary_settings(updates={PREFECT_API_URL: server.env["PREFECT_API_URL"]}),
@@ -259,7 +259,7 @@ def pool_workers(prefect_server):
             done = prefect_server.run(prefect, *command)
             assert done.returncode == 0, done.stdout + done.stderr
         # Two workers of one host with one device: their runs take turns at the host's training
-        # slot (server/slots.py), and train_parallel takes over train_single's version.
+        # slot (prefect_server/slots.py), and train_parallel takes over train_single's version.
         one_device = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"
         env = {**prefect_server.env, "BARDFLOW_TRAINING_SLOT": SLOT_NAME, "XLA_FLAGS": one_device}
         workers = {

@@ -16,8 +16,8 @@ import pytest
 
 from bardflow.config.settings import ConfigError
 from bardflow.flows.tracking import track_settings
-from bardflow.model.training.launch import free_port
 from bardflow.model.training.trackers import scalars
+from bardflow.processes.launch import free_port
 from tests.helpers import base_args, finish, logged, play_text, require, start
 from tests.servers import stop
 

@@ -588,7 +588,7 @@ def test_a_tpu_takes_pallas_attention_where_it_can_and_says_why_not_where_it_can
 def test_a_training_process_s_failure_names_the_fix_that_fits_it(tmp_path):
     """Only an abort between emulated devices is helped by --cpu-devices 1; a full disk in
     the training process used to be told to pass it too."""
-    from bardflow.model.training.launch import _failure
+    from bardflow.processes.launch import _failure
     from bardflow.tasks.train import parallel_failure
 
     log = tmp_path / "process-0.log"

@@ -6,6 +6,7 @@ safetensors only; the files themselves are written by the export stage (``tasks/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -19,11 +20,11 @@ from ..network.transformer import Transformer
 PLATFORMS = ("cpu", "cuda")  # lowered for both from any host (docs/architecture.md, "Export")
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested dict's leaves by their dotted path names."""
+def _flat(node: Any, prefix: str = "") -> dict[str, jax.Array]:
+    """A nested dict's leaves (the parameters' arrays) by their dotted path names."""
     if not isinstance(node, dict):
         return {prefix: node}
-    flat: dict[str, Any] = {}
+    flat: dict[str, jax.Array] = {}
     for key, value in node.items():
         flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
     return flat
@@ -35,7 +36,7 @@ def flat_params(model: Transformer) -> dict[str, np.ndarray]:
     return {name: np.asarray(value) for name, value in jax.device_get(flat).items()}
 
 
-def _nested(flat: dict[str, Any], template: Any, prefix: str = "") -> Any:
+def _nested(flat: Mapping[str, jax.Array | np.ndarray], template: Any, prefix: str = "") -> Any:
     """``flat`` in the shape of ``template`` (a pure dict of the model's parameters)."""
     if isinstance(template, dict):
         return {key: _nested(flat, value, f"{prefix}.{key}" if prefix else str(key)) for key, value in template.items()}

@@ -26,7 +26,7 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -44,7 +44,16 @@ def cache_file() -> Path:
     return cache_dir() / "cpu-step.json"
 
 
-def cpu_signature() -> dict[str, Any]:
+class CpuSignature(TypedDict):
+    """The machine a CPU measurement holds for."""
+
+    cpu: str
+    flags: list[str]  # of FLAGS, those the CPU has
+    cores: int | None
+    jax: str
+
+
+def cpu_signature() -> CpuSignature:
     """What a measured choice holds for: the CPU, its vector instructions, cores, JAX."""
     import jax
 
@@ -57,7 +66,7 @@ def cpu_signature() -> dict[str, Any]:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": model, "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(), "jax": jax.__version__}
+    return CpuSignature(cpu=model, flags=[f for f in FLAGS if f in flags], cores=os.cpu_count(), jax=jax.__version__)
 
 
 def default_choice(model_cfg, train_cfg, seq_len: int) -> StepChoice:

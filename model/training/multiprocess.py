@@ -1,7 +1,7 @@
 """What every process of a multi-process ``train_parallel`` does (its command is
 ``tasks/train_process.py``, which knows where the files come from).
 
-Who is who comes from the environment (``model/training/distributed.py``). Every process trains the
+Who is who comes from the environment (``processes/distributed.py``). Every process trains the
 same replicated model on its own rows of each global batch (``model/training/training_run.py``); process 0
 alone writes and reads checkpoints (``model.checkpoint``), and writes the run's summary,
 from which the stage writes the version.
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...config.settings import TrainingRequest
-from .distributed import DistributedError, ProcessGroup, initialize
-from .launch import NOTE, PROGRESS, WARNING
+from ...processes.distributed import DistributedError, ProcessGroup, initialize
+from ...processes.launch import NOTE, PROGRESS, WARNING
 from .multihost import broadcast_json
 
 if TYPE_CHECKING:

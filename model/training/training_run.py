@@ -12,9 +12,10 @@ from pathlib import Path
 import jax
 
 from ...config.settings import TrainingRequest
+from ...processes import stopping
 from ..data.splits import Batches, read_split
 from ..network.kernels import fused_attention_problem
-from . import stopping, trackers
+from . import trackers
 from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
 from .loop import Hook, StepInfo, TrainingSetup, TrainResult, train

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from ...errors import BardflowError
+from ..errors import BardflowError
 from . import stopping
 from .distributed import CPU_DEVICE_FLAG, NUM_PROCESSES, ProcessGroup
 

@@ -14,6 +14,7 @@ killed process can report, so the server's automation is the one that notices.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, cast
 from uuid import UUID
 
@@ -177,7 +178,7 @@ def remove(name: str, missing_ok: bool = False) -> int:
     return removed
 
 
-def emit(event: str, payload: dict[str, Any]) -> None:
+def emit(event: str, payload: Mapping[str, object]) -> None:
     """A bardflow event about the current flow run, which the automations above turn into a
     message (and the UI's event feed shows either way)."""
     from prefect.events import emit_event

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ...errors import DistributedError
+from ..errors import DistributedError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "BARDFLOW_COORDINATOR", "BARDFLOW_NUM_PROCESSES", "BARDFLOW_PROCESS_ID"
 HEARTBEAT = "BARDFLOW_HEARTBEAT_TIMEOUT_S"

@@ -19,10 +19,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from ...errors import BardflowError
+from ..errors import BardflowError
+from . import signals
 
 GRACE_S = 8.0  # then the process ends itself: the promise is a stop within 10 s
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = signals.STOP_SIGNALS
 
 _requested: int | None = None
 _where = "before the run started"
@@ -111,8 +112,7 @@ def install() -> bool:
     """Takes SIGINT and SIGTERM for this process (main thread only; False elsewhere).
     Called again inside a flow run, whose engine installs a SIGTERM handler of its own."""
     try:
-        for signum in SIGNALS:
-            signal.signal(signum, _handle)
+        signals.install(_handle, SIGNALS)
     except ValueError:  # not the main thread
         return False
     return True

@@ -1,4 +1,4 @@
-"""The kept Prefect server's own process (``server/process.py`` starts it). It runs
+"""The kept Prefect server's own process (``prefect_server/process.py`` starts it). It runs
 ``prefect server start`` on 127.0.0.1 as its child (which dies with it), and stops it once no
 flow run has been in progress or started for ``--idle-s`` seconds (0: never), or on SIGTERM;
 then its state file says it stopped, and nothing of it is left running."""
@@ -16,6 +16,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from ..processes import signals
 
 ACTIVE = ["RUNNING", "PENDING", "CANCELLING"]
 
@@ -190,7 +192,7 @@ def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     }
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    signal.signal(signal.SIGTERM, _asked_to_stop)
+    signals.install(_asked_to_stop, (signal.SIGTERM,))
     last_active, seen, up = time.monotonic(), None, False
     orphans: dict[str, float] = {}
     try:
@@ -212,7 +214,7 @@ def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     except _AskedToStop:
         return "stopped by `bardflow server stop` or SIGTERM"
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is stopping already
+        signals.ignore((signal.SIGTERM,))  # it is stopping already
         _stop(server)
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..model.training import stopping
+from ..processes import stopping
 
 SLOT = "BARDFLOW_TRAINING_SLOT"
 LEASE_S = 60.0  # the server's shortest lease

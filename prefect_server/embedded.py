@@ -27,7 +27,7 @@ class EmbeddedServer:
     process (Linux: it gets SIGTERM if this process dies), so none is ever left behind."""
 
     def __init__(self) -> None:
-        from ..model.training.launch import free_port
+        from ..processes.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -49,7 +49,7 @@ class EmbeddedServer:
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        from ..model.training import stopping
+        from ..processes import stopping
 
         while not healthy(self.url, timeout_s=1.0):
             stopping.check("before the run started")
@@ -97,7 +97,7 @@ def start_embedded() -> PrefectServer:
     at it. Stopped at exit, or by a forced stop."""
     import atexit
 
-    from ..model.training import stopping
+    from ..processes import stopping
 
     server = EmbeddedServer()
     chosen = point_prefect_at(PrefectServer(f"{server.url}/api", "embedded", server))

@@ -37,7 +37,7 @@ DEFAULT_PORT = 4200
 
 
 class RunOwnServer(Protocol):
-    """A run's own server (``server/embedded.py``), as the command waits on, watches and stops it."""
+    """A run's own server (``prefect_server/embedded.py``), as the command waits on, watches and stops it."""
 
     def wait(self, timeout_s: float) -> None: ...
     def watch(self) -> None: ...
@@ -439,7 +439,7 @@ def _port_for(port: int | None) -> int:
         raise ServerError(
             f"something already answers at http://127.0.0.1:{port}; stop it, or pick another port with --port"
         )
-    from ..model.training.launch import free_port
+    from ..processes.launch import free_port
 
     return DEFAULT_PORT if chosen != DEFAULT_PORT and _port_free(DEFAULT_PORT) else free_port()
 
@@ -572,7 +572,7 @@ def watch_chosen(api: str, every_s: float = 1.0, rerun_starts_one: bool = False)
 def server_gone(why: str) -> None:
     """Stops the run for a server that is gone, or cannot write its database: the run's last
     line is ``why`` (``silence_prefect``)."""
-    from ..model.training import stopping
+    from ..processes import stopping
 
     silence_prefect()
     stopping.fail(why)
