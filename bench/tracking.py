@@ -22,7 +22,7 @@ from bench.report import RESULTS, machine, write_report
 def record_ms(target, records: int) -> list[float]:
     import numpy as np
 
-    from bardflow.model.training.loop import CallLosses, RunRecord, StepInfo
+    from bardflow.model.training.hooks import CallLosses, RunRecord, StepInfo
     from bardflow.model.training.trackers import history_hook
 
     hook, record, times = history_hook(target), RunRecord([]), []
@@ -43,7 +43,8 @@ def loop_ms_per_step(target, steps: int, rounds: int) -> dict:
     import numpy as np
 
     from bardflow.config.settings import build_config
-    from bardflow.model.training.loop import Hook, RunRecord, StepCalls, every, run_steps
+    from bardflow.model.training.hooks import Hook, RunRecord, every
+    from bardflow.model.training.loop import StepCalls, run_steps
     from bardflow.model.training.step import init_state, make_train_step
     from bardflow.model.training.step_settings import resolve
     from bardflow.model.training.trackers import history_hook

@@ -50,6 +50,7 @@ def served_model(root: str, prefix: str):
     """The model of the checkpoint (else trained) version whose key starts with ``prefix``."""
     from ..artifacts.store import Store
     from ..cli.runs import RunsError, readable_store
+    from ..config.vocabulary import BYTE_VALUES
     from ..model.training.checkpoint import load_model
     from ..tasks.checkpoint import MODEL
     from ..tasks.train import trained_model
@@ -69,6 +70,13 @@ def served_model(root: str, prefix: str):
                     "or serve another key"
                 )
             model = load_model(version.file(MODEL)) if version.stage == "checkpoint" else trained_model(version)[0]
+            vocab = model.lm_head.kernel.shape[-1]
+            if vocab != BYTE_VALUES:  # a tokenizer's model: the engine reads and writes bytes
+                raise RunsError(
+                    f"the {version.stage} version {version.key[:12]} predicts the {vocab} ids of a tokenizer "
+                    "(data.tokenizer), and bardflow serve serves byte-level models only so far; sample it with "
+                    "`bardflow artifacts generate` or its export's transformers folder"
+                )
             return model, f"bardflow-{version.key[:12]}"
     known = ", ".join(v.key[:12] for v in store.versions("checkpoint")[:6]) or "none"
     raise RunsError(

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from ..errors import BardflowError
+from .vocabulary import BYTE_VALUES, BYTES, model_vocabulary
 
 # Settings by dotted name (``train.learning_rate``) and their values as JSON gives them: what
 # --set, a config file, a deployment's ``settings`` and a sweep's runs hand to ``build_config``.
@@ -27,8 +28,6 @@ Overrides = dict[str, JsonValue]
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
-BYTE_VALUES = 256  # the data is raw bytes: token ids 0..255
-
 Kernel = Literal["auto", "xla", "custom"]
 AttentionKernel = Literal["auto", "xla", "custom", "cudnn", "splash", "flash"]
 
@@ -93,6 +92,17 @@ class DataConfig(_Section, frozen=True):
     )
     train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
     shuffle_seed: Seed = 0
+    # What a token is: a byte (the codelab's, and the default), or a byte-level BPE's id,
+    # trained on the training split by the tokenize stage or read from a file.
+    tokenizer: str = Field(
+        default=BYTES,
+        min_length=1,
+        description="bytes (each byte a token) | bpe (a byte-level BPE trained on the training "
+        "split, data.vocab_size ids) | a path to a byte-level BPE's tokenizer.json (yours or Hugging Face's)",
+    )
+    vocab_size: int = Field(
+        default=4096, ge=257, le=1 << 20, description="data.tokenizer=bpe's ids: the 256 bytes and the merges it learns"
+    )
     # The figures a run took of a local corpus before its first stage (``tasks/corpus_identity.pin``):
     # they travel with these settings to the fetch stage, which checks its copy and any stored
     # version against them. Never part of a key, a dump or a manifest.
@@ -386,6 +396,11 @@ class PipelineConfig(_Section, frozen=True):
     generate: GenerateConfig = GenerateConfig()
     track: TrackConfig = TrackConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vocabulary_of_the_tokenizer(cls, tree: Any) -> Any:
+        return model_vocabulary(tree, DataConfig.model_fields["vocab_size"].default)
+
     @model_validator(mode="after")
     def _sections_agree(self) -> PipelineConfig:
         if self.data.seq_len > self.model.max_seq_len:
@@ -393,6 +408,8 @@ class PipelineConfig(_Section, frozen=True):
                 f"data.seq_len={self.data.seq_len} is larger than model.max_seq_len="
                 f"{self.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
             )
+        if self.data.tokenizer != BYTES:
+            return self  # the vocabulary is the tokenizer's (above)
         if self.model.vocab_size < BYTE_VALUES:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is smaller than the {BYTE_VALUES} byte values "
@@ -432,6 +449,10 @@ class TrainingRequest(_Section, frozen=True):
         "schedule (train_single's throughput measurement); None = all",
     )
     report: TrackingTarget | None = None  # where its records go as it trains; not part of the recipe
+    # The validation text's bytes per token (the encode stage's figure; 1 for bytes): the loss
+    # per token becomes bits per byte, the measure that compares tokenizers. Not part of the
+    # recipe: the encode version, which keys the training stages, decides it.
+    bytes_per_token: float = Field(default=1.0, gt=0)
 
     @property
     def steps(self) -> int:
@@ -458,6 +479,7 @@ class TrainingRequest(_Section, frozen=True):
                 },
                 "model": {"attention", "dense"},
                 "report": True,
+                "bytes_per_token": True,
             },
         )
         if self.stop_after is None:  # keys of full runs stay what they were

@@ -1,7 +1,9 @@
 """The pipeline: the codelab's journey as one Prefect flow of cached, versioned stages.
 
-    fetch -> encode -> train_single -> train_parallel -> compare
+    fetch -> (tokenize) -> encode -> train_single -> train_parallel -> compare
           -> checkpoint -> export -> verify -> generate
+
+(tokenize: only where ``data.tokenizer`` is not ``bytes``.)
 
 The stages, their order and what each reads are ``tasks/registry.py``. Each stage runs as
 a Prefect task that asks the store for its version and builds it only when the store does
@@ -62,7 +64,16 @@ STATES = {"Cached": "cached", SAME: "ran (unchanged)"}
 # Typed parameters: the UI's form offers exactly these (the registry's stages and the presets,
 # written out for type checkers; tests/test_config.py holds them to the registry and presets).
 StageName = Literal[
-    "fetch", "encode", "train_single", "train_parallel", "compare", "checkpoint", "export", "verify", "generate"
+    "fetch",
+    "tokenize",
+    "encode",
+    "train_single",
+    "train_parallel",
+    "compare",
+    "checkpoint",
+    "export",
+    "verify",
+    "generate",
 ]
 Preset = Literal["auto", "codelab", "cpu", "quality", "gpt2", "tiny"]
 
@@ -161,15 +172,16 @@ def run_stages(
         extra=ui.TERMINAL,
     )
     plan = RunPlan(config, devices, platform, processes)
-    settings = {stage.name: stage.settings(plan) for stage in STAGES}  # every refusal before any work
+    stages = [stage for stage in STAGES if stage.wanted(plan)]  # bytes: no tokenize
+    settings = {stage.name: stage.settings(plan) for stage in stages}  # every refusal before any work
     root = store_location(store)
     opened(root)  # an unreachable bucket or wrong credentials: one line, before any work
     tracked = RunTracking.start(config, chosen, root, logger.warning)  # None: not asked for
     versions: dict[str, Version] = {}
     summary: dict[str, StageRow] = {}
-    current = STAGES[0].name
+    current = stages[0].name
     try:
-        for stage in STAGES:
+        for stage in stages:
             current = stage.name
             stopping.check(f"before {stage.name}")
             stopping.at(f"during {stage.name}")
@@ -209,7 +221,7 @@ def _run_stage(
     (the stage's error is raised here if it failed)."""
     started = time.perf_counter()
     state = STAGE_TASKS[stage.name](
-        settings, {name: versions[name] for name in stage.reads}, root, refresh, return_state=True
+        settings, {name: versions[name] for name in stage.reads if name in versions}, root, refresh, return_state=True
     )
     if state.is_cancelled():  # a deployment's run cancelled within the stage: the flow ends Cancelled too
         raise stopping.Stopped(stopping.requested() or signal.SIGTERM, state.message or f"{stage.name} cancelled")

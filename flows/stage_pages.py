@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 
 from ..artifacts.store import Version
-from ..config.settings import BYTE_VALUES
+from ..config.vocabulary import BYTE_VALUES
 from ..model.data.sources import corpus_name
 from ..model.data.splits import SHARD_BYTES
 from ..tasks.registry import (
@@ -19,6 +19,7 @@ from ..tasks.registry import (
     FETCH,
     GENERATE,
     HISTORY,
+    TOKENIZE,
     TRAIN_PARALLEL,
     TRAIN_SINGLE,
     VERIFY,
@@ -56,18 +57,37 @@ def _fetch(version: Version, upstream: dict[str, Version]) -> None:
     )
 
 
+def _tokenize(version: Version, upstream: dict[str, Version]) -> None:
+    metrics = version.metrics
+    ui.table(
+        TOKENIZE.name,
+        [
+            {"": "Vocabulary", "value": f"{metrics['vocab_size']:,} ids (the 256 bytes first)"},
+            {"": "Made", "value": "trained on the training bytes" if metrics["trained"] else "read from a file"},
+            {"": "Bytes per token, validation text", "value": metrics["val_bytes_per_token"]},
+            {"": "Longest tokens", "value": " · ".join(repr(t) for t in metrics["longest"])},
+        ],
+        description=f"Byte-level BPE, {metrics['vocab_size']:,} ids, {metrics['val_bytes_per_token']} bytes a token",
+    )
+    pieces = " | ".join(metrics["line_in_tokens"])
+    ui.markdown(TOKENIZE.name, f"A validation line in tokens:\n\n```\n{pieces}\n```\n", "A line", what="line")
+
+
 def _encode(version: Version, upstream: dict[str, Version]) -> None:
     metrics, fetch = version.metrics, upstream["fetch"]
     shards = version.manifest.get("shards", {})
     distinct = fetch.metrics.get("distinct_bytes")
+    tokens = "tokenize" in upstream
+    vocabulary = f"{BYTE_VALUES} (raw bytes)" + (f", {distinct} of them in the corpus" if distinct is not None else "")
     ui.table(
         ENCODE.name,
         [
             {"": "Total bytes", "value": f"{metrics['bytes']:,}"},
             {
                 "": "Vocabulary",
-                "value": f"{BYTE_VALUES} (raw bytes)"
-                + (f", {distinct} of them in the corpus" if distinct is not None else ""),
+                "value": f"{metrics['vocab_size']:,} (a BPE's ids; {metrics['val_bytes_per_token']} bytes a token)"
+                if tokens
+                else vocabulary,
             },
             {"": "Sequence length", "value": metrics["seq_len"]},
             {"": "Training sequences", "value": f"{metrics['train_sequences']:,}"},
@@ -78,7 +98,8 @@ def _encode(version: Version, upstream: dict[str, Version]) -> None:
                 f"(at most {SHARD_BYTES >> 20} MiB each)",
             },
         ],
-        description=f"{corpus_name(fetch.manifest.get('source', ''))}, byte-level tokenization",
+        description=f"{corpus_name(fetch.manifest.get('source', ''))}, "
+        + ("BPE tokens" if tokens else "byte-level tokenization"),
     )
     with open(fetch.file(FETCH.builds[0]), "rb") as corpus:
         sample = corpus.read(SAMPLE_BYTES).decode("utf-8", errors="replace")
@@ -217,6 +238,7 @@ def _generate(version: Version, upstream: dict[str, Version]) -> None:
 
 PAGES: dict[str, Callable[[Version, dict[str, Version]], None]] = {
     FETCH.name: _fetch,
+    TOKENIZE.name: _tokenize,
     ENCODE.name: _encode,
     TRAIN_SINGLE.name: _train,
     TRAIN_PARALLEL.name: _train,

@@ -25,6 +25,7 @@ from ..artifacts.store import Builder, Version, file_digest
 from ..config.machine import install_hint
 from ..config.settings import ModelConfig
 from ..errors import BardflowError
+from ..model.data.tokenizer import BpeTokenizer, byte_alphabet
 from ..model.inference.export import (
     PLATFORMS,
     export_forward,
@@ -32,8 +33,8 @@ from ..model.inference.export import (
     forward_of,
     portable_config,
 )
-from ..model.inference.hf import byte_alphabet, hf_config, hf_tensors, unmappable
-from ..model.inference.sampling import generate
+from ..model.inference.hf import hf_config, hf_tensors, unmappable
+from ..model.inference.sampling import sample_ids
 from ..model.network.transformer import Transformer
 from ..model.training.checkpoint import load_config, load_model
 from . import report
@@ -102,18 +103,21 @@ def write_checksums(folder: Path) -> None:
     (folder / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
 
 
-def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig) -> None:
-    """``hf/``: config, weights under the architecture's names, the byte-level tokenizer and
-    the generation settings, as ``from_pretrained`` reads them."""
+def write_hf(folder: Path, params: dict[str, np.ndarray], cfg: ModelConfig, bpe: BpeTokenizer | None = None) -> None:
+    """``hf/``: config, weights under the architecture's names, the tokenizer (the bytes, or
+    the run's trained BPE) and the generation settings, as ``from_pretrained`` reads them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / WEIGHTS).write_bytes(safetensors_bytes(hf_tensors(params, cfg), {"format": "pt"}))
     (folder / CONFIG).write_text(json.dumps(hf_config(cfg), indent=1))
-    tokenizer = Tokenizer(models.BPE(vocab={char: byte for byte, char in enumerate(byte_alphabet())}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    if bpe is not None:
+        bpe.for_text().save(str(folder / "tokenizer.json"))
+    else:
+        tokenizer = Tokenizer(models.BPE(vocab={char: byte for byte, char in enumerate(byte_alphabet())}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -144,6 +148,9 @@ class ExportError(BardflowError, RuntimeError):
     """The exported model does not compute what the checkpoint does."""
 
 
+TOKENIZER_TEXT = "ROMEO: What, art thou hurt? ¿Qué? Ω\n"  # ASCII, Latin and Greek: 1, 2 and 3-byte characters
+
+
 def probes(max_seq_len: int) -> dict[str, np.ndarray]:
     """Two shapes, so that the symbolic batch and length are both exercised."""
     ids = np.arange(3 * max_seq_len, dtype=np.int32) * 7 % 256
@@ -153,8 +160,13 @@ def probes(max_seq_len: int) -> dict[str, np.ndarray]:
     }
 
 
-def build(settings: dict, out: Builder, checkpoint: Version) -> None:
+def build(settings: dict, out: Builder, checkpoint: Version, tokenize: Version | None = None) -> None:
     model, cfg = load_model(checkpoint.file(MODEL)), load_config(checkpoint.file(MODEL))
+    bpe = None
+    if tokenize is not None:  # a tokenizer's run: hf/ carries it, and the check holds it to bardflow's ids
+        from .tokenize import load, matching
+
+        bpe = matching(load(tokenize), cfg.vocab_size)
     started = time.perf_counter()
     folder = out.path(FOLDER)
     held = write_export(folder, model, cfg)
@@ -172,7 +184,7 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
             f"the exported model's logits differ from the checkpoint's by {result['max_abs_diff']:.3e} "
             f"(tolerance {TOLERANCE:.0e}); rerun with --refresh export"
         )
-    hf = _hf(folder / HF, model, cfg, params, settings.get("hf_check") or hf_check_tools())
+    hf = _hf(folder / HF, model, cfg, params, settings.get("hf_check") or hf_check_tools(), bpe)
     if (folder / HF).is_dir():
         kept = {name: value for name, value in hf.items() if name not in ("check_s", "greedy_ids")}  # no timings
         (folder / HF_RECORD).write_text(json.dumps(kept, indent=1, sort_keys=True))
@@ -197,19 +209,21 @@ def build(settings: dict, out: Builder, checkpoint: Version) -> None:
 HF_METRICS = ("checked", "max_abs_diff", "greedy_bytes")
 
 
-def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, tools: str) -> dict:
+def _hf(
+    folder: Path, model: Transformer, cfg: ModelConfig, params, tools: str, bpe: BpeTokenizer | None = None
+) -> dict:
     """Writes and checks ``hf/`` with ``tools``; what became of it, for the manifest and the UI."""
     why = unmappable(cfg)
     if why is not None:
         return {"status": f"not written: {why}", "checked": False}
-    write_hf(folder, params, cfg)
+    write_hf(folder, params, cfg, bpe)
     # The weights are the float32 values training kept, whatever precision it computed in.
     found = {"architecture": hf_config(cfg)["architectures"][0], "weights": "float32", "checked": False}
     unchecked = hf_checking(tools)
     if unchecked is not None:
         return {**found, "status": unchecked}
     started = time.perf_counter()
-    reference = hf_reference(model, cfg)
+    reference = hf_reference(model, cfg, bpe)
     (result,) = check_hf([(folder, reference)])
     return {
         **found,
@@ -226,7 +240,7 @@ def _hf(folder: Path, model: Transformer, cfg: ModelConfig, params, tools: str) 
     }
 
 
-def hf_reference(model: Transformer, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def hf_reference(model: Transformer, cfg: ModelConfig, bpe: BpeTokenizer | None = None) -> dict[str, np.ndarray]:
     """What ``hf/`` must reproduce: the probes' logits and bardflow's own greedy continuation
     of the prompt (the sampler at temperature 0), ``GREEDY_BYTES`` long. With learned positions
     the sampler's window slides past the context, each byte from the last ``max_seq_len``
@@ -238,19 +252,25 @@ def hf_reference(model: Transformer, cfg: ModelConfig) -> dict[str, np.ndarray]:
     in float32, while a GPU's default float32 product rounds its operands to TF32, which
     moves logits by far more than the tolerance (docs/gpu-check.md)."""
     rotary = cfg.positions == "rope"
-    new = GREEDY_BYTES if not rotary else min(GREEDY_BYTES, cfg.max_seq_len - len(PROMPT))
+    prompt = (np.frombuffer(PROMPT, np.uint8) if bpe is None else bpe.encode(PROMPT)).astype(np.int32)
+    new = GREEDY_BYTES if not rotary else min(GREEDY_BYTES, cfg.max_seq_len - len(prompt))
     reference: dict[str, np.ndarray] = {}
     with jax.default_matmul_precision("highest"):
         forward, params = jax.jit(forward_of(model)), flat_params(model)
         for name, tokens in probes(cfg.max_seq_len).items():
             reference[name] = tokens
             reference[name.replace("tokens", "logits")] = np.asarray(forward(params, tokens))
-        sampled = generate(model, PROMPT.decode(), new, 0.0, 0, cfg.max_seq_len)[len(PROMPT) :]
+        sampled = sample_ids(model, prompt, new, 0.0, [0], cfg.max_seq_len)[0]
+    text = TOKENIZER_TEXT.encode()
     return {
         **reference,
-        "prompt": np.frombuffer(PROMPT, np.uint8).astype(np.int32),
-        "greedy": np.frombuffer(sampled, np.uint8).astype(np.int32),
+        "prompt": prompt,
+        "greedy": sampled.astype(np.int32),
         "window": np.asarray(0 if rotary else cfg.max_seq_len, np.int32),
+        # The tokenizer's check: a line's ids as bardflow's tokenizer gives them, and the vocabulary.
+        "tokenizer_text": np.frombuffer(text, np.uint8),
+        "tokenizer_ids": (np.frombuffer(text, np.uint8) if bpe is None else bpe.encode(text)).astype(np.int64),
+        "vocab": np.asarray(cfg.vocab_size, np.int64),
     }
 
 

@@ -15,16 +15,29 @@ from .registry import GENERATE
 (SAMPLES,) = GENERATE.builds
 
 
-def build(settings: GenerateConfig, out: Builder, checkpoint: Version) -> None:
+def build(settings: GenerateConfig, out: Builder, checkpoint: Version, tokenize: Version | None = None) -> None:
     model = load_model(checkpoint.file(MODEL))
-    max_seq_len = load_config(checkpoint.file(MODEL)).max_seq_len
-    samples, seconds = [], 0.0
+    config = load_config(checkpoint.file(MODEL))
+    max_seq_len = config.max_seq_len
+    tokenizer = None
+    if tokenize is not None:  # a tokenizer's run: tokens to text through it
+        from .tokenize import load, matching
+
+        tokenizer = matching(load(tokenize), config.vocab_size)
+    samples, seconds, new_bytes = [], 0.0, 0
     for index, prompt in enumerate(settings.prompts):
         started = time.perf_counter()
         data = generate(
-            model, prompt.text, settings.max_new_bytes, prompt.temperature, settings.seed + index, max_seq_len
+            model,
+            prompt.text,
+            settings.max_new_bytes,
+            prompt.temperature,
+            settings.seed + index,
+            max_seq_len,
+            tokenizer,
         )
         seconds += time.perf_counter() - started
+        new_bytes += len(data) - len(prompt.text.encode())  # with a tokenizer, its max_new_bytes tokens' bytes
         samples.append(
             {
                 "prompt": prompt.text,
@@ -38,8 +51,8 @@ def build(settings: GenerateConfig, out: Builder, checkpoint: Version) -> None:
     # the same whenever the samples are, so a refresh with the same seed changes nothing.
     out.metrics.update(
         {
-            "bytes_per_s": round(settings.max_new_bytes * len(samples) / seconds, 1),
+            "bytes_per_s": round(new_bytes / seconds, 1),
             "samples": len(samples),
-            "new_bytes": settings.max_new_bytes * len(samples),
+            "new_bytes": new_bytes,
         }
     )

@@ -38,14 +38,16 @@ def main(folder: Path, probes: Path) -> dict:
             )
         finally:
             logging.getLogger("transformers").removeHandler(heard)
-    text = "ROMEO: What, art thou hurt? ¿Qué? Ω\n"
+    text = expected["tokenizer_text"].tobytes().decode()
     ids = tokenizer(text)["input_ids"]
     return {
         "max_abs_diff": max(diffs.values()),
         "by_probe": diffs,
         "greedy_equal": bool(np.array_equal(continuation, expected["greedy"])),
         "greedy_bytes": int(continuation.shape[0]),
-        "tokenizer_exact": ids == list(text.encode()) and tokenizer.decode(ids) == text and len(tokenizer) == 256,
+        "tokenizer_exact": ids == expected["tokenizer_ids"].tolist()
+        and tokenizer.decode(ids) == text
+        and len(tokenizer) == int(expected["vocab"]),
         "architecture": type(model).__name__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,

@@ -9,6 +9,7 @@ Importing this module is cheap (no JAX, no Prefect): the command line reads it f
 from __future__ import annotations
 
 from ..config.settings import TrainingRequest
+from ..config.vocabulary import BPE, BYTES
 from .stage import RunPlan, Stage
 
 FETCH = Stage(
@@ -21,13 +22,37 @@ FETCH = Stage(
     headline=("bytes", "md5", "distinct_bytes"),
     accept="corpus_identity:accept",
 )
+# Where data.tokenizer is not bytes: a byte-level BPE trained on a sample of the training
+# split (bpe), or a tokenizer.json read and checked (a path, its sha256 in the key).
+TOKENIZE = Stage(
+    "tokenize",
+    "1",
+    reads=("fetch",),
+    settings=lambda run: run.config.data,
+    recipe=lambda data: tokenizer_recipe(data),
+    builds=("tokenizer.json",),
+    headline=("vocab_size", "val_bytes_per_token"),
+    wanted=lambda run: run.config.data.tokenizer != BYTES,
+)
+
+
+def tokenizer_recipe(data) -> dict:
+    """What decides a tokenizer: bpe's vocabulary and the split it is trained on, or a file's contents."""
+    if data.tokenizer == BPE:
+        return {"tokenizer": BPE, "vocab_size": data.vocab_size, "train_fraction": data.train_fraction}
+    import hashlib
+    from pathlib import Path
+
+    return {"tokenizer_sha256": hashlib.sha256(Path(data.tokenizer).expanduser().read_bytes()).hexdigest()}
+
+
 # "2": each split is a folder of Arrow shards (train/, val/), the same rows in the same order
 # as the one file of "1" each, but for a split of over 16 M windows, shuffled now by a
 # permutation computed a slice at a time (model/data/splits.py).
 ENCODE = Stage(
     "encode",
     "2",
-    reads=("fetch",),
+    reads=("fetch", "tokenize"),  # a bytes run has no tokenize: its keys are as they were
     settings=lambda run: run.config.data,
     recipe=lambda data: {
         "seq_len": data.seq_len,
@@ -110,7 +135,7 @@ def hf_check_tools() -> str:
 EXPORT = Stage(
     "export",
     "7",
-    reads=("checkpoint",),
+    reads=("checkpoint", "tokenize"),  # a bytes run has no tokenize: its keys are as they were
     settings=lambda run: {"hf_check": hf_check_tools()},
     builds=("export",),
     headline=("bytes", "max_abs_diff", "hf_checked"),
@@ -126,12 +151,13 @@ VERIFY = Stage(
 GENERATE = Stage(
     "generate",
     "1",
-    reads=("checkpoint",),
+    reads=("checkpoint", "tokenize"),  # a bytes run has no tokenize: its keys are as they were
     settings=lambda run: run.config.generate,
     builds=("samples.json",),
     headline=("samples", "bytes_per_s"),
 )
 
-STAGES = (FETCH, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, EXPORT, VERIFY, GENERATE)
+STAGES = (FETCH, TOKENIZE, ENCODE, TRAIN_SINGLE, TRAIN_PARALLEL, COMPARE, CHECKPOINT, EXPORT, VERIFY, GENERATE)
 BY_NAME = {stage.name: stage for stage in STAGES}
 NAMES = tuple(BY_NAME)
+BYTES_RUN = tuple(name for name in NAMES if name != TOKENIZE.name)  # a data.tokenizer=bytes run's stages

@@ -112,6 +112,9 @@ class Stage:
     # "module:function" that checks a stored version the lookup found, against what this run
     # knows of its input (fetch: the local corpus's sha256), raising if it is not the one.
     accept: str = ""
+    # Whether a run has the stage at all (tokenize: only where data.tokenizer is not bytes). A
+    # stage that reads one a run lacks is built without it, and keyed as it was before it.
+    wanted: Callable[[RunPlan], bool] = lambda run: True
 
     def key(self, settings: Any, upstream: Mapping[str, Version]) -> str:
         """The version key: the only place one is computed."""

@@ -47,7 +47,13 @@ def _files(encode: Version, out: Builder) -> RunFiles:
     )
 
 
+def _per_byte(settings: TrainingRequest, encode: Version) -> TrainingRequest:
+    """The request with its split's bytes per token (a tokenizer's run), for bits per byte."""
+    return settings.model_copy(update={"bytes_per_token": encode.metrics.get("val_bytes_per_token", 1.0)})
+
+
 def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> None:
+    settings = _per_byte(settings, encode)
     device = jax.devices()[0]
     label = f"train_single (1 {device.platform} device, batch {settings.train.per_device_batch})"
     if settings.steps < settings.train.steps:
@@ -69,6 +75,7 @@ def build_single(settings: TrainingRequest, out: Builder, encode: Version) -> No
 def build_parallel(settings: TrainingRequest, out: Builder, encode: Version, train_single: Version) -> None:
     if train_single.manifest["params"] == TRAIN_PARALLEL.recipe(settings):
         return _reuse(train_single, out)
+    settings = _per_byte(settings, encode)
     resume_or_adopt(out.resume, settings, lambda line: report.say("%s: %s", TRAIN_PARALLEL.name, line))
     files = _files(encode, out)
     if settings.processes > 1:  # also every cluster run: see RunPlan.parallel_training

@@ -151,6 +151,7 @@ LONGEST_FIRST = (
     "test_pool_server",
     "test_kept_server",
     "test_hf_export",
+    "test_tokenizer",
     "test_bench_baselines",
     "test_tracking",
     "test_slots",

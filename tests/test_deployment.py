@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from bardflow.tasks.registry import NAMES
+from bardflow.tasks.registry import BYTES_RUN
 from tests.cdp import Browser, chromium_binary
 from tests.helpers import OUTPUT, REPO, SHARED_CORPUS, Webhook, call, play_text
 from tests.servers import Server
 
 pytestmark = pytest.mark.flow
-STAGES = list(NAMES)
+STAGES = list(BYTES_RUN)  # the stages of a run of bytes: no tokenize
 BIN = Path(sys.executable).parent
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bardflow.tasks.registry import NAMES
+from bardflow.tasks.registry import BYTES_RUN
 from tests.helpers import call, logged
 
 pytestmark = pytest.mark.flow
-STAGES = list(NAMES)
+STAGES = list(BYTES_RUN)  # the stages of a run of bytes: no tokenize
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from bardflow.config.settings import TrainingRequest, build_config
 from bardflow.model.data.splits import Batches, encode
 from bardflow.model.training.checkpoint import TrainingCheckpoints, params_digest
 from bardflow.model.training.evaluation import val_batches
-from bardflow.model.training.loop import Hook, TrainingSetup, train
+from bardflow.model.training.hooks import Hook
+from bardflow.model.training.loop import TrainingSetup, train
 from bardflow.model.training.placement import Placement
 from bardflow.model.training.step import init_state, make_train_step, model_from_state, target_losses
 from tests.helpers import play_text

@@ -37,10 +37,21 @@ MODEL_ALLOWED = {
     "inference": {"inference", "network", "training"},
 }
 # Beside the standard library, model/ imports the numerical stack and what its data and
-# configuration are made of (Arrow files, validated pydantic models), a training's
+# configuration are made of (Arrow files, validated pydantic models, a BPE's tokenizers), a training's
 # trackers their libraries and a corpus's sources their decompressors (imported when asked
 # for): no Prefect, no store (a corpus in a bucket is read through the store's Bucket, handed in).
-MODEL_THIRD_PARTY = {"jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ml_dtypes", "pyarrow", "pydantic"}
+MODEL_THIRD_PARTY = {
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax",
+    "numpy",
+    "ml_dtypes",
+    "pyarrow",
+    "pydantic",
+    "tokenizers",
+}
 TRACKER_LIBRARIES = {"mlflow", "tensorboard"}
 # A corpus's sources may be compressed with Zstandard (imported when one is read).
 SOURCE_LIBRARIES = {"zstandard"}

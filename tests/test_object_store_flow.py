@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bardflow.processes.launch import free_port
-from bardflow.tasks.registry import NAMES
+from bardflow.tasks.registry import BYTES_RUN
 from bench.commands import tiny
 from tests.helpers import call, finish, play_text, start
 
@@ -170,7 +170,7 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
     assert {s["state"] for s in cached["stages"].values()} == {"cached"}
     assert cached["stages"]["train_parallel"]["key"] == runs["cluster"]["stages"]["train_parallel"]["key"]
     rows = json.loads(call("artifacts", "--store", store, "--json", env=env).stdout)
-    assert {row["stage"] for row in rows} == set(NAMES) and all(row["path"].startswith(store) for row in rows)
+    assert {row["stage"] for row in rows} == set(BYTES_RUN) and all(row["path"].startswith(store) for row in rows)
 
     fs = object_server.filesystem()
     (corpus_object,) = fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")
@@ -178,7 +178,7 @@ def test_a_third_machine_finds_every_stage_cached_and_repairs_what_is_damaged(
     repaired = call(*args(corpus, store, "--cpu-devices", "2", "--refresh", "generate"), env=env)
     log, repaired = repaired.stderr, json.loads(repaired.stdout)
     states = {name: stage["state"] for name, stage in repaired["stages"].items()}
-    assert states == {name: "ran" if name in ("fetch", "generate") else "cached" for name in NAMES}
+    assert states == {name: "ran" if name in ("fetch", "generate") else "cached" for name in BYTES_RUN}
     assert "damaged" in log
     assert repaired["stages"]["fetch"]["key"] == runs["plain"]["stages"]["fetch"]["key"]
     assert fs.cat_file(fs.glob(f"{store[5:]}/fetch/*/build-*/corpus.txt")[0]) == corpus.read_bytes()

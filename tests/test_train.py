@@ -463,7 +463,7 @@ def test_several_steps_per_call_take_the_same_steps_and_hooks_land_where_they_di
     import dataclasses
 
     from bardflow.model.training.checkpoint import TrainingCheckpoints
-    from bardflow.model.training.loop import Hook
+    from bardflow.model.training.hooks import Hook
     from bardflow.model.training.step_settings import resolve
 
     cfg = TINY.train.model_copy(

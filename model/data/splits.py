@@ -1,7 +1,8 @@
 """Byte encoding, the train/val split, and the Arrow IPC shards that hold them.
 
 A split is a folder of shards (``00000.arrow``, …), each at most ``SHARD_BYTES`` of rows,
-each row one ``fixed_size_list<uint8>[row]`` value, in record batches of at most
+each row one ``fixed_size_list<uint8>[row]`` value (``uint16`` or ``uint32`` for the ids of a
+tokenizer's larger vocabulary), in record batches of at most
 ``BATCH_BYTES``: every batch maps straight onto a ``(rows, row)`` array without copying,
 and nothing is ever held whole. The corpus is read through a memory map, its windows are a
 strided view of it, and the shuffle is a seeded permutation of window numbers (an array up
@@ -55,14 +56,14 @@ class Split:
 
 
 def windows(tokens: np.ndarray, seq_len: int, every_position: bool = False) -> np.ndarray:
-    """Bytes are token ids 0..255, cut into windows every ``seq_len`` bytes: a read-only view
-    of ``tokens`` (a memory map stays one). A window is ``seq_len`` bytes (the codelab: the
-    last has no target), or with ``every_position`` ``seq_len + 1`` (it overlaps the next by
-    one byte: that byte is the last position's target)."""
-    extra = int(every_position)
+    """Token ids (bytes are ids 0..255) cut into windows every ``seq_len`` tokens: a read-only
+    view of ``tokens`` (a memory map stays one). A window is ``seq_len`` tokens (the codelab:
+    the last has no target), or with ``every_position`` ``seq_len + 1`` (it overlaps the next
+    by one token: that token is the last position's target)."""
+    extra, item = int(every_position), tokens.itemsize
     count = max(0, (len(tokens) - extra) // seq_len)
     return np.lib.stride_tricks.as_strided(
-        tokens, shape=(count, seq_len + extra), strides=(seq_len, 1), writeable=False
+        tokens, shape=(count, seq_len + extra), strides=(seq_len * item, item), writeable=False
     )
 
 
@@ -76,6 +77,14 @@ def split_point(num_windows: int, corpus_bytes: int, seq_len: int, train_fractio
             "corpus or a smaller data.seq_len"
         )
     return num_train
+
+
+def training_bytes(corpus_bytes: int, seq_len: int, train_fraction: float, every_position: bool = False) -> int:
+    """Where the training split's bytes end: the byte the first validation window of a bytes
+    run starts at. A tokenizer's run cuts the corpus there too, so that its validation text
+    is the bytes run's (and its tokenizer is trained on bytes before it only)."""
+    count = max(0, (corpus_bytes - int(every_position)) // seq_len)
+    return split_point(count, corpus_bytes, seq_len, train_fraction) * seq_len
 
 
 PERMUTED_IN_MEMORY = 1 << 24  # windows: up to here a permutation array (128 MiB at most)
@@ -291,8 +300,13 @@ class _Hashing:
             self.handle.close()
 
 
+# The token types a split may hold: bytes, and a tokenizer's ids.
+ARROW_TYPES = {np.dtype(np.uint8): pa.uint8(), np.dtype(np.uint16): pa.uint16(), np.dtype(np.uint32): pa.uint32()}
+NUMPY_TYPES = {arrow: numpy for numpy, arrow in ARROW_TYPES.items()}
+
+
 def _batch(rows: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
-    values = pa.Array.from_buffers(pa.uint8(), rows.size, [None, pa.py_buffer(rows)])
+    values = pa.Array.from_buffers(ARROW_TYPES[rows.dtype], rows.size, [None, pa.py_buffer(rows)])
     return pa.record_batch([pa.FixedSizeListArray.from_arrays(values, rows.shape[1])], schema=schema)
 
 
@@ -312,8 +326,9 @@ def write_split(
     the page cache unless ``cached``: for a split read at random (the evaluation's rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     count, row = (len(rows) if order is None else len(order)), rows.shape[1]
-    per_shard = max(1, (shard_bytes or SHARD_BYTES) // row)
-    per_batch = max(1, min(per_shard, BATCH_BYTES // row))
+    row_bytes = row * rows.dtype.itemsize
+    per_shard = max(1, (shard_bytes or SHARD_BYTES) // row_bytes)
+    per_batch = max(1, min(per_shard, BATCH_BYTES // row_bytes))
     spans = [(first, min(count, first + per_shard)) for first in range(0, count, per_shard)]
 
     # Batch arrays written and hashed, filled again rather than allocated: memory the process
@@ -324,7 +339,7 @@ def write_split(
         try:
             out = spare.pop()
         except IndexError:
-            out = np.empty((per_batch, row), np.uint8)
+            out = np.empty((per_batch, row), rows.dtype)
         return gather(rows, slice(*batch) if order is None else order[batch[0] : batch[1]], out[: batch[1] - batch[0]])
 
     batches = prefetched(
@@ -334,7 +349,7 @@ def write_split(
     shards = []
     for number, (first, last) in enumerate(spans):
         schema = pa.schema(
-            [pa.field(COLUMN, pa.list_(pa.uint8(), row))],
+            [pa.field(COLUMN, pa.list_(ARROW_TYPES[rows.dtype], row))],
             metadata={**metadata, "shard": str(number), "first_row": str(first)},
         )
         name = f"{number:05d}.arrow"
@@ -349,7 +364,7 @@ def write_split(
                         spare.append(written)
                     written = batch.base if batch.base is not None else batch
                     if progress is not None:
-                        progress(stop * row)
+                        progress(stop * row_bytes)
         finally:
             sink.close()
         shards.append({"file": name, "rows": last - first, "bytes": sink.size, "sha256": sink.sha256.hexdigest()})
@@ -386,10 +401,11 @@ def gather(rows: np.ndarray, at: np.ndarray | slice, out: np.ndarray | None = No
         out = np.empty((count, rows.shape[1]), rows.dtype)
     if not isinstance(at, slice) and count and not 0 <= at.min() <= at.max() < len(rows):
         raise IndexError(f"row numbers outside 0..{len(rows) - 1}")
-    step, width = rows.strides[0], rows.shape[1]
-    if not rows.flags.c_contiguous and rows.strides[1] == 1 and width == step + 1:
-        body = np.lib.stride_tricks.as_strided(rows, shape=(len(rows), step), strides=(step, 1), writeable=False)
-        last = np.lib.stride_tricks.as_strided(rows[:, step:], shape=(len(rows),), strides=(step,), writeable=False)
+    item, width = rows.itemsize, rows.shape[1]
+    stride, step = rows.strides[0], rows.strides[0] // item  # a row's start: bytes, tokens
+    if not rows.flags.c_contiguous and rows.strides[1] == item and width == step + 1:
+        body = np.lib.stride_tricks.as_strided(rows, shape=(len(rows), step), strides=(stride, item), writeable=False)
+        last = np.lib.stride_tricks.as_strided(rows[:, step:], shape=(len(rows),), strides=(stride,), writeable=False)
         if isinstance(at, slice) or not body.flags.c_contiguous:
             out[:, :step] = body[at]
         else:  # straight into the wider rows
@@ -408,12 +424,17 @@ class Rows(Sequence):
     them), ``take`` a sorted choice of rows; nothing is read whole."""
 
     def __init__(
-        self, pieces: Sequence, metadata: dict[str, str] | Callable[[], dict[str, str]], width: int | None = None
+        self,
+        pieces: Sequence,
+        metadata: dict[str, str] | Callable[[], dict[str, str]],
+        width: int | None = None,
+        dtype: np.dtype | None = None,
     ):
         self.pieces = [p for p in pieces if len(p)]
         self.starts = [int(n) for n in np.cumsum([0] + [len(p) for p in self.pieces])]
         self._metadata = metadata
         self.shape = (self.starts[-1], width if width is not None else pieces[0].shape[1] if pieces else 0)
+        self.dtype = dtype if dtype is not None else pieces[0].dtype if pieces else np.dtype(np.uint8)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -447,12 +468,12 @@ class Rows(Sequence):
             at = end
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts) if parts else np.zeros((0, self.shape[1]), np.uint8)
+        return np.concatenate(parts) if parts else np.zeros((0, self.shape[1]), self.dtype)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         """The rows at sorted ``indices``, gathered piece by piece."""
         pieces = np.searchsorted(self.starts, indices, side="right") - 1
-        out = np.empty((len(indices), self.shape[1]), np.uint8)
+        out = np.empty((len(indices), self.shape[1]), self.dtype)
         for piece in np.unique(pieces):
             mine = pieces == piece
             out[mine] = self.pieces[piece][indices[mine] - self.starts[piece]]
@@ -505,10 +526,11 @@ def _mapped(path: Path) -> tuple[list[np.ndarray], dict[str, str]]:
         values = column.values if column.offset == 0 else column.flatten()
         # The bytes' buffer viewed in place (Array.to_numpy would import pandas, a fifth of a
         # second of every training process's start, where it is installed).
-        tokens = np.frombuffer(values.buffers()[1], np.uint8, len(values), values.offset)
+        tokens = np.frombuffer(values.buffers()[1], NUMPY_TYPES[values.type], len(values), values.offset)
         pieces.append(tokens.reshape(-1, column.type.list_size))
     if not pieces:
-        pieces = [np.zeros((0, reader.schema.field(COLUMN).type.list_size), np.uint8)]
+        kind = reader.schema.field(COLUMN).type
+        pieces = [np.zeros((0, kind.list_size), NUMPY_TYPES[kind.value_type])]
     metadata = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
     return pieces, metadata
 
@@ -520,7 +542,7 @@ def read_split(folder: Path, shards: list[dict] | None = None, bring: Callable[[
     ``bring`` is asked for its file first (an object store's mirror fetches it then)."""
     if shards:
         lazy = [_Shard(folder / shard["file"], int(shard["rows"]), bring) for shard in shards]
-        return Rows(lazy, lambda: _shared(lazy[0].opened().metadata), _row_width(lazy[0]))
+        return Rows(lazy, lambda: _shared(lazy[0].opened().metadata), *_row_shape(lazy[0]))
     files = sorted(folder.glob("*.arrow")) if folder.is_dir() else [folder]
     if not files:
         raise DataError(f"{folder} holds no Arrow shards; rerun the encode stage")
@@ -536,15 +558,16 @@ def _shared(metadata: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k not in ("shard", "first_row")}
 
 
-def _row_width(shard: _Shard) -> int:
-    """The bytes of a row, from the shard's schema (its footer: no row is read)."""
+def _row_shape(shard: _Shard) -> tuple[int, np.dtype]:
+    """The tokens of a row and their type, from the shard's schema (its footer: no row is read)."""
     if shard.bring is not None:
         shard.bring(shard.path)
     try:
         schema = pa.ipc.open_file(pa.memory_map(str(shard.path), "r")).schema
     except (OSError, pa.ArrowInvalid) as error:
         raise DataError(f"cannot read Arrow file {shard.path}: {error}; rerun the encode stage") from error
-    return schema.field(COLUMN).type.list_size
+    kind = schema.field(COLUMN).type
+    return kind.list_size, NUMPY_TYPES[kind.value_type]
 
 
 class Batches:

@@ -151,17 +151,3 @@ def hf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.
     out[head] = p("lm_head.kernel").T
     assert taken == set(declared), f"not mapped: {sorted(set(declared) - taken)}"  # parameters.py and this map in step
     return {name: np.ascontiguousarray(value) for name, value in out.items()}
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in for each byte 0..255 (its ``bytes_to_unicode``): a byte-level
-    tokenizer's vocabulary, here with each byte's id its value."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted, extra = {}, 0
-    for byte in range(256):
-        if byte in kept:
-            shifted[byte] = byte
-        else:
-            shifted[byte] = 256 + extra
-            extra += 1
-    return [chr(shifted[byte]) for byte in range(256)]

@@ -9,9 +9,9 @@ position shifts, and each byte needs a forward pass over the whole window.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial, wraps
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,15 @@ CACHE_PIECES = 4
 SEGMENT = 4096  # bytes sampled per compiled call at most: bounds the noise drawn ahead (rows x SEGMENT x 256 floats)
 
 
+class Tokenizer(Protocol):
+    """Token ids for bytes and back (``model/data/tokenizer.py``'s BPE); without one, each
+    byte is a token."""
+
+    def encode(self, data: bytes) -> np.ndarray: ...
+
+    def decode(self, ids: Iterable[int]) -> bytes: ...
+
+
 def generate(
     model: Transformer,
     prompt: str,
@@ -144,9 +153,11 @@ def generate(
     temperature: float,
     seed: int,
     max_seq_len: int,
+    tokenizer: Tokenizer | None = None,
 ) -> bytes:
-    """The prompt's bytes followed by ``max_new_bytes`` sampled ones; temperature 0 is greedy."""
-    return generate_batch(model, prompt, max_new_bytes, temperature, [seed], max_seq_len)[0]
+    """The prompt's bytes followed by ``max_new_bytes`` sampled tokens' bytes (with a tokenizer,
+    ``max_new_bytes`` tokens); temperature 0 is greedy."""
+    return generate_batch(model, prompt, max_new_bytes, temperature, [seed], max_seq_len, tokenizer)[0]
 
 
 def generate_batch(
@@ -156,6 +167,7 @@ def generate_batch(
     temperature: float,
     seeds: list[int],
     max_seq_len: int,
+    tokenizer: Tokenizer | None = None,
 ) -> list[bytes]:
     """One sample per seed, all in one batch; sample ``i`` is exactly ``generate(..., seeds[i])``."""
     encoded = prompt.encode("utf-8")
@@ -165,16 +177,28 @@ def generate_batch(
         raise PromptError(f"temperature {temperature} is negative; use 0 (greedy) or more")
     if not seeds:
         raise PromptError("no seeds given; pass one seed per sample")
-    kept = encoded[-max_seq_len:]  # a longer prompt keeps only what fits the context
+    ids = np.frombuffer(encoded, np.uint8) if tokenizer is None else tokenizer.encode(encoded)
+    rows = sample_ids(model, ids, max_new_bytes, temperature, seeds, max_seq_len)
+    if tokenizer is None:
+        return [encoded + row.astype(np.uint8).tobytes() for row in rows]
+    return [encoded + tokenizer.decode(row) for row in rows]
+
+
+def sample_ids(
+    model: Transformer, ids: np.ndarray, max_new: int, temperature: float, seeds: list[int], max_seq_len: int
+) -> np.ndarray:
+    """(seeds, max_new): the ids drawn after the prompt's ``ids`` (its last ``max_seq_len``)
+    for each seed."""
+    kept = ids[-max_seq_len:]  # a longer prompt keeps only what fits the context
     context = np.zeros((len(seeds), max_seq_len), np.int32)
-    context[:, : len(kept)] = np.frombuffer(kept, np.uint8)
+    context[:, : len(kept)] = kept
     graphdef, params = nnx.split(model)
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
     length, scale = np.int32(len(kept)), np.float32(temperature)
-    # While the context has room, or always with rotary positions, each new byte costs one
+    # While the context has room, or always with rotary positions, each new token costs one
     # position (a KV cache); past that, every learned position embedding shifts, and each
-    # byte needs a forward pass over the whole window (only the last position in the top layer).
-    cached = max_new_bytes if model.rotary else min(max_new_bytes, max_seq_len - len(kept))
+    # token needs a forward pass over the whole window (only the last position in the top layer).
+    cached = max_new if model.rotary else min(max_new, max_seq_len - len(kept))
     pieces = []
     window = context
     if cached > 0:
@@ -197,12 +221,11 @@ def generate_batch(
             )
             pieces.append(np.asarray(new)[:, :count])
             start = len(kept) - 1 + done + count
-    if max_new_bytes > cached:
-        rest = max_new_bytes - cached
-        new = _sliding_loop(graphdef, params, window, scale, keys, np.int32(rest), max_new_bytes)
+    if max_new > cached:
+        rest = max_new - cached
+        new = _sliding_loop(graphdef, params, window, scale, keys, np.int32(rest), max_new)
         pieces.append(np.asarray(new)[:, :rest])
-    rows = np.concatenate(pieces, axis=1).astype(np.uint8)
-    return [encoded + row.tobytes() for row in rows]
+    return np.concatenate(pieces, axis=1)
 
 
 def as_text(data: bytes) -> str:

@@ -21,7 +21,7 @@ from ...config.settings import TrackingTarget
 from .run_records import HistoryEntry
 
 if TYPE_CHECKING:
-    from .loop import Hook, StepInfo
+    from .hooks import Hook, StepInfo
 
 Warn = Callable[[str], None]
 SCALARS = ("loss", "val_loss", "val_bpb", "tokens_per_s")
@@ -277,7 +277,7 @@ def history_hook(target: TrackingTarget, warn: Warn = warn_on_stderr) -> Hook:
     """After each new history record (every ``train.log_every`` steps, and the last), that
     record, to each destination of ``target``. A resumed run's earlier records come from
     its checkpoint and are written first, so the curves are whole."""
-    from .loop import Hook
+    from .hooks import Hook
 
     written: list[HistoryEntry] = []
 

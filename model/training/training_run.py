@@ -18,7 +18,8 @@ from ..network.kernels import fused_attention_problem
 from . import trackers
 from .checkpoint import TrainingCheckpoints, params_digest, save_train_state
 from .evaluation import eval_choice, eval_limit, val_batches
-from .loop import Hook, StepInfo, TrainingSetup, TrainResult, train
+from .hooks import Hook, StepInfo
+from .loop import TrainingSetup, TrainResult, train
 from .placement import Placement
 from .run_records import HistoryEntry, TrainingMetrics, Tuning
 from .step import init_state_meanwhile, model_from_state
@@ -162,6 +163,7 @@ def run_training(
                 best=best,
                 note=note,
                 shapes=shapes,
+                bytes_per_token=request.bytes_per_token,
             )
         )
     finally:
