@@ -40,6 +40,7 @@ from ..model.training.checkpoint import load_config, load_model
 from . import report
 from .checkpoint import MODEL
 from .registry import EXPORT, HF_CHECKING, hf_check_tools
+from .tokenize import for_model
 
 (FOLDER,) = EXPORT.builds
 TOLERANCE = 1e-5
@@ -162,11 +163,7 @@ def probes(max_seq_len: int) -> dict[str, np.ndarray]:
 
 def build(settings: dict, out: Builder, checkpoint: Version, tokenize: Version | None = None) -> None:
     model, cfg = load_model(checkpoint.file(MODEL)), load_config(checkpoint.file(MODEL))
-    bpe = None
-    if tokenize is not None:  # a tokenizer's run: hf/ carries it, and the check holds it to bardflow's ids
-        from .tokenize import load, matching
-
-        bpe = matching(load(tokenize), cfg.vocab_size)
+    bpe = for_model(tokenize, cfg.vocab_size)  # a tokenizer's run: hf/ carries it, checked against bardflow's ids
     started = time.perf_counter()
     folder = out.path(FOLDER)
     held = write_export(folder, model, cfg)

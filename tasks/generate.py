@@ -11,6 +11,7 @@ from ..model.inference.sampling import as_text, generate
 from ..model.training.checkpoint import load_config, load_model
 from .checkpoint import MODEL
 from .registry import GENERATE
+from .tokenize import for_model
 
 (SAMPLES,) = GENERATE.builds
 
@@ -19,11 +20,7 @@ def build(settings: GenerateConfig, out: Builder, checkpoint: Version, tokenize:
     model = load_model(checkpoint.file(MODEL))
     config = load_config(checkpoint.file(MODEL))
     max_seq_len = config.max_seq_len
-    tokenizer = None
-    if tokenize is not None:  # a tokenizer's run: tokens to text through it
-        from .tokenize import load, matching
-
-        tokenizer = matching(load(tokenize), config.vocab_size)
+    tokenizer = for_model(tokenize, config.vocab_size)  # a tokenizer's run: tokens to text through it
     samples, seconds, new_bytes = [], 0.0, 0
     for index, prompt in enumerate(settings.prompts):
         started = time.perf_counter()

@@ -56,9 +56,12 @@ def load(tokenize: Version) -> BpeTokenizer:
     return BpeTokenizer.load(tokenize.file(TOKENIZER_FILE))
 
 
-def matching(tokenizer: BpeTokenizer, vocab_size: int) -> BpeTokenizer:
-    """``tokenizer``, where a model of ``vocab_size`` ids was trained with it; TokenizerError
-    (one line) where the two cannot belong together."""
+def for_model(tokenize: Version | None, vocab_size: int) -> BpeTokenizer | None:
+    """The tokenizer of a model of ``vocab_size`` ids trained on ``tokenize``'s ids (None: a
+    bytes run's, which has none); TokenizerError (one line) where the two cannot belong together."""
+    if tokenize is None:
+        return None
+    tokenizer = load(tokenize)
     if tokenizer.vocab_size != vocab_size:
         raise TokenizerError(
             f"this model predicts {vocab_size} ids and its tokenizer has {tokenizer.vocab_size}: they were not "

@@ -264,16 +264,7 @@ def train(setup: TrainingSetup) -> TrainResult:
     state, start = resumed.state, resumed.start
     calls, compile_s, memory = compiling.result(state)
     first = example if start == 0 else placement.put_batch(batch_at(start))
-
-    def tokens_at(step: int) -> jax.Array:
-        return first if step == start else placement.put_batch(batch_at(step))
-
-    def stacked_at(steps: range) -> jax.Array:
-        batches = [batch_at(step) for step in steps]
-        if calls.looped:  # a call cut short: the loop takes the first len(steps) of the stack
-            batches += [np.zeros_like(local)] * (calls.count - len(batches))
-        return placement.put_batch(np.stack(batches), stacked=True)
-
+    tokens_at, stacked_at = _placed_batches(setup, calls, start, first)
     record.started = time.perf_counter()
     state = run_steps(
         calls,
@@ -308,6 +299,23 @@ def train(setup: TrainingSetup) -> TrainResult:
         compiles=compiled_so_far() - compiles_before,
         bytes_per_token=setup.bytes_per_token,
     )
+
+
+def _placed_batches(setup: TrainingSetup, calls: StepCalls, start: int, first: jax.Array):
+    """(step -> its batch, steps -> their batches stacked), placed on the devices; ``first``
+    is step ``start``'s, placed already. A loop's call cut short gets its stack padded."""
+    batch_at, placement = setup.batch_at, setup.placement
+
+    def tokens_at(step: int) -> jax.Array:
+        return first if step == start else placement.put_batch(batch_at(step))
+
+    def stacked_at(steps: range) -> jax.Array:
+        batches = [batch_at(step) for step in steps]
+        if calls.looped:  # the loop takes the first len(steps) of the stack
+            batches += [np.zeros_like(batches[0])] * (calls.count - len(batches))
+        return placement.put_batch(np.stack(batches), stacked=True)
+
+    return tokens_at, stacked_at
 
 
 @dataclass

@@ -150,6 +150,25 @@ def _accumulated(loss_fn, passes: int, mesh):
     return loss_and_grads
 
 
+def _several(step, steps: int, unroll: bool):
+    """``step`` as a call of several: written out, ``(state, tokens) -> (state, losses)`` over
+    all ``steps`` stacked batches; or a loop, ``(state, tokens, count)``, over the first
+    ``count`` of them (losses past ``count`` stay zero)."""
+
+    def written_out(state, tokens):
+        return jax.lax.scan(step, state, tokens, unroll=steps)
+
+    def looped(state, tokens, count):
+        def body(at, carried):
+            state, losses = carried
+            state, loss = step(state, tokens[at])
+            return state, losses.at[at].set(loss)
+
+        return jax.lax.fori_loop(0, count, body, (state, jnp.zeros(tokens.shape[0], jnp.float32)))
+
+    return written_out if unroll else looped
+
+
 @lru_cache(maxsize=16)
 def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step's cache key
     graphdef,
@@ -202,18 +221,7 @@ def make_train_step(  # noqa: PLR0913 - each argument part of the compiled step'
             optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    def written_out(state, tokens):
-        return jax.lax.scan(step, state, tokens, unroll=steps)
-
-    def looped(state, tokens, count):
-        def body(at, carried):
-            state, losses = carried
-            state, loss = step(state, tokens[at])
-            return state, losses.at[at].set(loss)
-
-        return jax.lax.fori_loop(0, count, body, (state, jnp.zeros(tokens.shape[0], jnp.float32)))
-
-    run = (written_out if unroll else looped) if steps else step
+    run = _several(step, steps, unroll) if steps else step
     if state_sharding is None or mesh is None:
         return jax.jit(run, donate_argnums=0)
     if isinstance(state_sharding, StateLayout):
