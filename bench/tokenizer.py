@@ -32,7 +32,7 @@ def anonymous_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) << 10
-    return 0
+    return -1  # not told (a sandbox's /proc)
 
 
 class PeakAnonymous:
@@ -82,8 +82,8 @@ def encoding(corpus: Path, mib: int) -> dict:
         "mb_per_s": round(size / seconds / 1e6, 2),
         # The process's own memory (anonymous pages), not the corpus's pages the map brings in
         # (the page cache's, dropped under pressure), before and at most while encoding.
-        "anonymous_mib_before": round(before / 2**20, 1),
-        "anonymous_mib_peak": round(peak.bytes / 2**20, 1),
+        "anonymous_mib_before": round(before / 2**20, 1) if before >= 0 else None,
+        "anonymous_mib_peak": round(peak.bytes / 2**20, 1) if before >= 0 else None,
     }
 
 
@@ -106,8 +106,9 @@ def token_split(data: np.ndarray, cfg, vocab: int | None):
 
 
 def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float, probe_steps: int) -> dict:
-    """The preset trained for about ``seconds`` with this tokenizer: a probe of
-    ``probe_steps`` steps measures a step, then a run of as many steps as fit."""
+    """The preset trained for about ``seconds`` with this tokenizer: probes of
+    ``probe_steps`` steps and three times as many measure a step, then a run of as many steps
+    as fit."""
     import jax
 
     from bardflow.config.settings import TrainingRequest, build_config
@@ -143,8 +144,13 @@ def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float
             files = RunFiles(folder / "train", folder / "val", folder / f"resume-{name}", folder / f"state-{name}")
             return run_training(request, files, devices, parallel=True)
 
-        probe = run(probe_steps, "probe").metrics
-        steps = max(probe_steps, int(seconds * 1e3 / probe["ms_per_step"]))
+        # Two probes, the second three times the first: their difference is a step's time alone,
+        # without what a run's first calls cost (on a TPU several times a step's).
+        run(probe_steps, "warm-up")  # a process's first run pays more than the others (a TPU's)
+        short = run(probe_steps, "probe").metrics["elapsed_s"]
+        long = run(3 * probe_steps, "probe-long").metrics["elapsed_s"]
+        per_step = max((long - short) / (2 * probe_steps), 1e-4)
+        steps = max(probe_steps, int((seconds - short + probe_steps * per_step) / per_step))
         found = run(steps, "run").metrics
     return {
         "tokenizer": "bytes" if vocab is None else f"bpe-{vocab}",

@@ -250,13 +250,17 @@ def batches_and_remat(preset: str, smoke: bool, base_cfg, steps: int, platform: 
 
 
 def profiled(cfg, step, steps: int) -> dict:
+    import jax
     import numpy as np
 
+    from bardflow.model.training.utilization import peak_flops
     from bench.profile import profile
+    from bench.sampler import bandwidth
 
     compiled, _, (_, state), (example,) = build_step(cfg, step, 1)
     stream = np.stack([example] * (steps + 1))
-    figures = profile(compiled, state, stream, steps)
+    kind = jax.devices()[0].device_kind
+    figures = profile(compiled, state, stream, steps, peak_flops(kind, step.precision), bandwidth(kind))
     figures.pop("state")
     figures["slowest"] = figures["slowest"][:12]
     return figures

@@ -42,8 +42,8 @@ def compiling(total: int):
     from ..flows.ui import Progress
 
     if not sys.stderr.isatty():
-        print(f"bardflow: compiling the server's {total} programs", file=sys.stderr, flush=True)
-    return Progress("serve", total, "compiling the server's programs")
+        print(f"bardflow: compiling the {total} programs that serve any request", file=sys.stderr, flush=True)
+    return Progress("serve", total, "compiling the programs that serve any request")
 
 
 def served_model(root: str, prefix: str):

@@ -39,6 +39,10 @@ from .layouts import CacheLayout, SharedRows, SlotsApart
 from .limits import ServeSettings, ServingError
 from .programs import STEPS_A_CALL, WHOLE, EnginePrograms
 from .shapes import buckets, decode_sizes, fills
+from .warming import LaterCompiles
+
+# A program of the engine: its key, its lowering, and its first run on the engine's arrays.
+Program = tuple[tuple, Callable[[], jax.stages.Lowered], Callable[[], None]]
 
 
 class ServerFull(BardflowError, RuntimeError):
@@ -140,6 +144,11 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bardflow-serving", daemon=True)
+        # The programs compiled, ("decode", size, fill) ...; before ``warm``, all: each compiles
+        # at its first call.
+        self._ready: frozenset[tuple] | None = None
+        self._later: LaterCompiles | None = None
+        self._marking = threading.Lock()
 
     @property
     def compilations(self) -> int:
@@ -219,18 +228,67 @@ class Engine:
             }
 
     def programs(self) -> int:
-        """How many programs ``warm`` compiles."""
+        """How many programs the engine compiles, before its first request and after."""
         return self.compiled.count()
 
-    def warm(self, compiled: Callable[[int], None] = lambda done: None) -> float:
-        """Compiles every program before the first request (call before ``start``), telling
-        ``compiled`` how many are done after each; returns the seconds it took. The programs are
-        traced one after another and compiled, each run once as soon as it is (its jitted
-        function finds it compiled) while the next compile. On an accelerator they compile side
-        by side on the host's cores (compiling one leaves most of them idle); on a CPU one at a
-        time, which measured faster there (docs/journal.md)."""
+    def first_programs(self) -> int:
+        """How many programs ``warm`` compiles before it returns: those that serve any request."""
+        return 2 + (self.slots > 1)
+
+    def warm(self, compiled: Callable[[int], None] = lambda done: None, every: bool = False) -> float:
+        """Compiles the programs that serve any request before the first (call before
+        ``start``): the decode call over every slot and the whole context, the prefill of the
+        longest prompt, and the move; tells ``compiled`` how many are done after each and
+        returns the seconds it took. The faster ones for fewer slots, shorter parts and shorter
+        prompts then compile on threads while the engine serves, each used once it is
+        (``wait_compiled``); with ``every``, before this returns. The programs are traced one
+        after another and compiled, each run once as soon as it is (its jitted function finds
+        it compiled) while the next compile. On an accelerator they compile side by side on the
+        host's cores (compiling one leaves most of them idle); on a CPU one at a time, which
+        measured faster there (docs/journal.md)."""
         started = time.perf_counter()
+        self._ready = frozenset()
+        covering, faster = self._plan()
+        first = covering + faster if every else covering
+        workers = 1 if jax.default_backend() == "cpu" else min(len(first), os.cpu_count() or 1)
+        pool = ThreadPoolExecutor(workers, "bardflow-compile")
+        try:
+            first_runs = {pool.submit(lower().compile): (key, run) for key, lower, run in first}
+            for done, finished in enumerate(as_completed(first_runs), 1):
+                finished.result()
+                key, run = first_runs[finished]
+                run()
+                self._mark_ready(key)
+                compiled(done)
+        finally:  # Ctrl-C waits for the compiles under way (XLA's cannot be stopped), not the rest
+            pool.shutdown(cancel_futures=True)
+        jax.block_until_ready((self.caches, self.tokens, self.keys))
+        if not every:
+            self._later = LaterCompiles(faster, self._mark_ready)
+        return time.perf_counter() - started
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits until every program is compiled; whether they are."""
+        return self._later is None or self._later.done.wait(timeout)
+
+    def _mark_ready(self, key: tuple) -> None:
+        with self._marking:  # one assignment: the engine's thread reads either set whole
+            self._ready = (self._ready or frozenset()) | {key}
+
+    def _plan(self) -> tuple[list[Program], list[Program]]:
+        """The programs, as (key, its lowering, its first run): those that serve any request,
+        then the faster ones for fewer slots, shorter parts and shorter prompts. The latter are
+        lowered from the shapes of the engine's arrays as they are now, so that lowering on
+        another thread reads none the engine's thread may since have given to a call."""
         inputs = self._call_inputs({})
+        shapes = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.caches, self.tokens, self.keys)
+        )
+        caches, tokens, keys = shapes
 
         def decode(size: int, fill: int) -> None:
             _, self.tokens, self.keys, self.caches = self._decode(
@@ -245,36 +303,29 @@ class Engine:
         def move(*slots) -> None:
             self.caches, self.tokens, self.keys = self._move(self.caches, self.tokens, self.keys, *slots)
 
-        programs = []  # (its first run, the program lowered)
-        with jax.default_matmul_precision(self.precision):  # as ``matmul_precision`` runs them
-            for size in decode_sizes(self.slots):
-                for fill in fills(self.window):
-                    lowered = self._decode_jit.lower(
-                        self.params, self.caches, size, fill, self.tokens, self.keys, *inputs
-                    )
-                    programs.append((functools.partial(decode, size, fill), lowered))
-            for size in buckets(self.window):
-                # Slot 0, this length, its bytes, its real length, seed, settings.
-                prompt = (np.int32(0), size, np.zeros(size, np.int32), np.int32(1), np.int32(0), self.settings[0])
-                lowered = self._prefill_jit.lower(self.params, self.caches, self.tokens, self.keys, *prompt)
-                programs.append((functools.partial(prefill, *prompt), lowered))
+        def precise(lower: Callable[..., jax.stages.Lowered], *args) -> Callable[[], jax.stages.Lowered]:
+            def lowered() -> jax.stages.Lowered:
+                with jax.default_matmul_precision(self.precision):  # as ``matmul_precision`` runs them
+                    return lower(*args)
+
+            return lowered
+
+        programs: list[Program] = []
+        for size in decode_sizes(self.slots):
+            for fill in fills(self.window):
+                lower = precise(self._decode_jit.lower, self.params, caches, size, fill, tokens, keys, *inputs)
+                programs.append((("decode", size, fill), lower, functools.partial(decode, size, fill)))
+        for size in buckets(self.window):
+            # Slot 0, this length, its bytes, its real length, seed, settings.
+            prompt = (np.int32(0), size, np.zeros(size, np.int32), np.int32(1), np.int32(0), self.settings[0])
+            lower = precise(self._prefill_jit.lower, self.params, caches, tokens, keys, *prompt)
+            programs.append((("prefill", size), lower, functools.partial(prefill, *prompt)))
         if self.slots > 1:
             slots = (np.int32(1), np.int32(0))
-            programs.append(
-                (functools.partial(move, *slots), self._move.lower(self.caches, self.tokens, self.keys, *slots))
-            )
-        workers = 1 if jax.default_backend() == "cpu" else min(len(programs), os.cpu_count() or 1)
-        pool = ThreadPoolExecutor(workers, "bardflow-compile")
-        try:
-            first_runs = {pool.submit(lowered.compile): run for run, lowered in programs}
-            for done, finished in enumerate(as_completed(first_runs), 1):
-                finished.result()
-                first_runs[finished]()
-                compiled(done)
-        finally:  # Ctrl-C waits for the compiles under way (XLA's cannot be stopped), not the rest
-            pool.shutdown(cancel_futures=True)
-        jax.block_until_ready((self.caches, self.tokens, self.keys))
-        return time.perf_counter() - started
+            lower = functools.partial(self._move.lower, caches, tokens, keys, *slots)
+            programs.append((("move",), lower, functools.partial(move, *slots)))
+        covering = {("decode", self.slots, self.window), ("prefill", self.window), ("move",)}
+        return [p for p in programs if p[0] in covering], [p for p in programs if p[0] not in covering]
 
     # --- the engine's thread ---
 
@@ -354,7 +405,10 @@ class Engine:
         self.feeding[slot] = (sequence.prompt, sequence.sampling.seed)
 
     def _join(self, slot: int, sequence: Sequence) -> None:
-        size = next(b for b in buckets(self.window) if b >= len(sequence.prompt))
+        ready = self._ready
+        size = min(
+            b for b in buckets(self.window) if b >= len(sequence.prompt) and (ready is None or ("prefill", b) in ready)
+        )
         prompt = np.zeros(size, np.int32)
         prompt[: len(sequence.prompt)] = np.frombuffer(sequence.prompt, np.uint8)
         self._seat(slot, sequence, len(sequence.prompt), 1)
@@ -375,11 +429,17 @@ class Engine:
         """Sends one decode call of ``STEPS_A_CALL`` steps over the slots in flight: its bytes
         (on their way to the host), the sequence in each of its slots, and the first step
         whose byte each keeps."""
-        size = next(size for size in decode_sizes(self.slots) if size >= self.count)
         # The last position the call writes, past which no query reads (a rotary ring past
         # the context reads all of it).
-        furthest = int(self.positions[: self.count].max()) + STEPS_A_CALL
-        fill = next((fill for fill in fills(self.window) if fill >= furthest), self.window)
+        furthest = min(int(self.positions[: self.count].max()) + STEPS_A_CALL, self.window)
+        # The fewest slots, then the shortest part, of the programs compiled so far.
+        ready = self._ready
+        size, fill = min(
+            (size, fill)
+            for size in decode_sizes(self.slots)
+            for fill in fills(self.window)
+            if size >= self.count and fill >= furthest and (ready is None or ("decode", size, fill) in ready)
+        )
         positions, settings, fed, kept_from, fed_seeds = self._call_inputs(self.feeding)
         drawn, self.tokens, self.keys, self.caches = self._decode(
             self.params, self.caches, size, fill, self.tokens, self.keys, positions, settings, fed, kept_from, fed_seeds

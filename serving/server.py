@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -216,6 +217,26 @@ def _stop_compiling(signum: int, frame: object) -> None:
     raise _StoppedWhileCompiling(signum)
 
 
+def _serving_line(model_id: str, url: str, settings: ServeSettings, ready_s: float, later: int) -> str:
+    """What the first line says, up to how to stop the server."""
+    where = "this machine only" if settings.host in LOCAL_HOSTS else "reachable from other machines"
+    how = ", the decode kernels" if settings.kernels else ""
+    how += f", a {settings.cache} cache" if settings.cache else ""
+    said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots{how}, ready in {ready_s:.1f} s"
+    return said + (f", {later} faster programs compiling meanwhile; " if later else "; ")
+
+
+def _say_compiled(engine: Engine, started: float) -> None:
+    """One line once the faster programs are compiled too (the server answers before)."""
+    if engine.wait_compiled() and not engine.stopping:
+        seconds = time.perf_counter() - started
+        print(
+            f"bardflow: all {engine.programs()} programs compiled, {seconds:.1f} s after the start",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def serve(
     model: Transformer,
     model_id: str,
@@ -228,10 +249,13 @@ def serve(
     ``listener``: the socket bound for it (``listening_socket``; by default bound here)."""
     listener = listener or listening_socket(settings.host, settings.port)
     engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels, cache_dtype=settings.cache)
+    started = time.perf_counter()
     try:
         with (
             signals.handled(_stop_compiling),
-            (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(engine.programs()) as compiled,
+            (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
+                engine.first_programs()
+            ) as compiled,
         ):
             seconds = engine.warm(compiled)
     except _StoppedWhileCompiling as stopped:
@@ -242,10 +266,11 @@ def serve(
     try:
         url = f"http://{settings.host}:{settings.port}"
         example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
-        where = "this machine only" if settings.host in LOCAL_HOSTS else "reachable from other machines"
-        how = ", the decode kernels" if settings.kernels else ""
-        how += f", a {settings.cache} cache" if settings.cache else ""
-        said = f"serving {model_id} at {url}/v1 ({where}; {settings.slots} slots{how}, compiled in {seconds:.1f} s; "
+        said = _serving_line(model_id, url, settings, seconds, later := engine.programs() - engine.first_programs())
+        if later:
+            threading.Thread(
+                target=_say_compiled, args=(engine, started), name="bardflow-compiled", daemon=True
+            ).start()
 
         def listening() -> None:
             print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)

@@ -402,7 +402,7 @@ def test_serve_answers_for_the_run_s_model_and_ends_on_sighup(workspace, first_r
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0 and err.strip().endswith("bardflow: the server stopped"), err[-2000:]
     # No terminal, so no bar: one line says what the wait before the first line is.
-    assert re.search(r"^bardflow: compiling the server's \d+ programs$", err, re.MULTILINE), err[-2000:]
+    assert re.search(r"^bardflow: compiling the \d+ programs that serve any request$", err, re.MULTILINE), err[-2000:]
 
 
 def test_serve_stopped_while_it_compiles_ends_in_one_line(workspace, first_run, run_env):
@@ -425,7 +425,7 @@ def test_serve_stopped_while_it_compiles_ends_in_one_line(workspace, first_run, 
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = iter(process.stderr.readline, "") if process.stderr else iter(())
-        assert any(re.match(r"bardflow: compiling the server's \d+ programs$", line) for line in lines)
+        assert any(re.match(r"bardflow: compiling the \d+ programs that serve any request$", line) for line in lines)
     finally:
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)

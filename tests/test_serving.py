@@ -121,23 +121,30 @@ def test_each_request_gets_the_bytes_it_gets_alone_and_nothing_compiles_after_wa
         queue_limit=32,
         select_writes=select_writes,
     )
+    requests = SIX_REQUESTS
     with xla_compiles() as asked:
-        engine.warm()
-    engine.start()
+        engine.warm()  # the programs that serve any request; the faster ones compile meanwhile
+        engine.start()
+        try:
+            early = served(engine, requests)  # six requests over three slots: some wait, join, leave
+            assert engine.wait_compiled(timeout=120)
+        except BaseException:
+            engine.stop()
+            raise
     try:
         # The decode call for 2 and 3 slots over 8, 16 or all 32 positions; a prefill for 16
-        # and 32 bytes; the move of a slot into another's place: each traced and compiled once
-        # (side by side), its first run finding it compiled.
+        # and 32 bytes; the move of a slot into another's place: each traced and compiled once,
+        # those after warming from the shapes of the engine's arrays then, yet fitting them now.
         compiled = engine.compilations
         assert (compiled, decode_sizes(3), fills(32), buckets(32)) == (9, [2, 3], [8, 16, 32], [16, 32])
         assert engine.programs() == compiled == len(asked), asked
-        requests = SIX_REQUESTS
         with xla_compiles() as asked:
-            results = served(engine, requests)  # six requests over three slots: some wait, join, leave
+            results = served(engine, requests)
         assert not asked
         for (prompt, count, sampling), (data, reason) in zip(requests, results, strict=True):
             assert data == alone(rope_model, prompt, count, sampling.temperature, sampling.seed), prompt
             assert reason == "length"
+        assert early == results  # served by the programs ready first, or by the faster ones
         assert engine.compilations == compiled  # no request compiled anything
         assert engine.load() == {"slots": 3, "busy": 0, "waiting": 0, "queue_limit": 32}
     finally:
@@ -172,7 +179,7 @@ def test_with_the_decode_kernels_or_a_bfloat16_cache_a_request_gets_the_same_byt
     for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
         engine = Engine(model, slots=slots, queue_limit=8, kernels=kernels, cache_dtype=cache)
         assert engine.caches[0].keys.dtype == (cache or "float32")
-        engine.warm()
+        engine.warm(every=True)
         compiled = engine.compilations
         engine.start()
         try:
@@ -233,7 +240,7 @@ def test_the_engine_sends_a_call_ahead_but_none_past_the_last_byte_a_length_need
     its first byte, then 8 a call; a shorter one is fed to its first call as its first steps'
     input, which keeps the bytes drawn from its last byte on: 9 less its length."""
     engine = Engine(rope_model, slots=2, queue_limit=4)
-    engine.warm()
+    engine.warm(every=True)
     calls, decode = [], engine._decode
 
     def counted(*args):
@@ -380,7 +387,7 @@ def listening(app):
 def server(rope_model):
     """The API over an engine of 8 slots, on a loopback port."""
     engine = Engine(rope_model, slots=8, queue_limit=96)
-    engine.warm()
+    engine.warm(every=True)
     engine.start()
     try:
         with listening(create_app(engine, MODEL_ID, max_tokens=2000)) as url:
@@ -858,7 +865,7 @@ def stopping_server(rope_model, grace_s: float, **config):
     from bardflow.serving.server import StoppingServer
 
     engine = Engine(rope_model, slots=2, queue_limit=4)
-    engine.warm()
+    engine.warm(every=True)
     engine.start()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
