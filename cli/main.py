@@ -479,8 +479,8 @@ def _serve(args: argparse.Namespace) -> int:
         root, args.key = summary.store, summary.stages["checkpoint"].key
         if server.embedded is not None:
             server.embedded.stop()  # the run's own Prefect server has done its work: serving needs none
-    model, model_id = served_model(root, args.key)
-    return serve(model, model_id, settings, compiling, listener)
+    model, tokenizer, model_id = served_model(root, args.key)
+    return serve(model, model_id, settings, compiling, listener, tokenizer)
 
 
 COMMANDS = {

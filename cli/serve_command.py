@@ -47,10 +47,10 @@ def compiling(total: int):
 
 
 def served_model(root: str, prefix: str):
-    """The model of the checkpoint (else trained) version whose key starts with ``prefix``."""
+    """The model of the checkpoint (else trained) version whose key starts with ``prefix``,
+    its tokenizer (None for a byte model's) and its name."""
     from ..artifacts.store import Store
     from ..cli.runs import RunsError, readable_store
-    from ..config.vocabulary import BYTE_VALUES
     from ..model.training.checkpoint import load_model
     from ..tasks.checkpoint import MODEL
     from ..tasks.train import trained_model
@@ -70,16 +70,47 @@ def served_model(root: str, prefix: str):
                     "or serve another key"
                 )
             model = load_model(version.file(MODEL)) if version.stage == "checkpoint" else trained_model(version)[0]
-            vocab = model.lm_head.kernel.shape[-1]
-            if vocab != BYTE_VALUES:  # a tokenizer's model: the engine reads and writes bytes
-                raise RunsError(
-                    f"the {version.stage} version {version.key[:12]} predicts the {vocab} ids of a tokenizer "
-                    "(data.tokenizer), and bardflow serve serves byte-level models only so far; sample it with "
-                    "`bardflow artifacts generate` or its export's transformers folder"
-                )
-            return model, f"bardflow-{version.key[:12]}"
+            tokenizer = model_tokenizer(store, version, model.lm_head.kernel.shape[-1])
+            return model, tokenizer, f"bardflow-{version.key[:12]}"
     known = ", ".join(v.key[:12] for v in store.versions("checkpoint")[:6]) or "none"
     raise RunsError(
         f"no checkpoint or trained version in {root} has a key starting {prefix!r}; `bardflow artifacts checkpoint` "
         f"lists them (checkpoints: {known})"
     )
+
+
+def model_tokenizer(store, version, vocab_size: int):
+    """The tokenizer ``version``'s model was trained with, found through its manifests' inputs
+    (checkpoint -> train -> encode -> tokenize): the tokenize version they name, by key and
+    fingerprint, with its files as its manifest sealed them. None for a byte model. RunsError
+    (one line) where it is gone, changed, or not the model's."""
+    from ..cli.runs import RunsError
+    from ..config.vocabulary import BYTE_VALUES
+    from ..tasks.registry import TOKENIZE
+    from ..tasks.tokenize import for_model
+
+    named, seen, queue = None, set(), [version]
+    while queue and named is None:
+        current = queue.pop()
+        for up in current.manifest.get("inputs", {}).values():
+            if up["stage"] == TOKENIZE.name:
+                named = up
+                break
+            if (up["stage"], up["key"]) not in seen and (found := store.lookup(up["stage"], up["key"])) is not None:
+                seen.add((up["stage"], up["key"]))
+                queue.append(found)
+    if named is None:
+        if vocab_size != BYTE_VALUES:
+            raise RunsError(
+                f"the {version.stage} version {version.key[:12]} predicts {vocab_size} ids, but no tokenize version "
+                "is among its inputs; serve a checkpoint of a run that trained its tokenizer as a stage"
+            )
+        return None
+    tokenize = store.lookup(TOKENIZE.name, named["key"])  # None where its files no longer match its manifest
+    what = f"the tokenizer {named['key'][:12]} that {version.stage} {version.key[:12]} was trained with"
+    if tokenize is None or tokenize.fingerprint != named["fingerprint"]:
+        raise RunsError(
+            f"{what} is gone or has changed since (missing, or its files or fingerprint differ); rerun that run "
+            "to rebuild it"
+        )
+    return for_model(tokenize, vocab_size)

@@ -3,9 +3,9 @@ server-sent events or whole), ``GET /v1/models`` and ``GET /health``, and vLLM's
 endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) that evaluation tools such as
 lm-evaluation-harness ask for.
 
-A byte model's token is a byte: ``max_tokens``, the usage and ``logprobs`` count bytes, a
-prompt may be given as text or as its bytes' values (OpenAI's token arrays), and text is the
-bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
+A token is a byte, or a tokenizer's token (``vocabulary.py``): ``max_tokens``, the usage and
+``logprobs`` count tokens, a prompt may be given as text or as ids (OpenAI's token arrays),
+and text is the tokens' bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
 between two chunks of a stream is sent whole with the second). ``logprobs`` and ``echo``
 (``serving/scoring.py``) are answered whole, not streamed. Errors are OpenAI's error object
 with its status: 400 for a field the server cannot take, 404 for another model, 413 for a
@@ -35,6 +35,7 @@ from .engine import Engine, Sampling, Sequence, ServerFull
 from .guard import Guard, error_object
 from .limits import ServeSettings, ServingError
 from .scoring import MOST_ALTERNATIVES, Scorer, Scores
+from .vocabulary import Vocabulary
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
 MAX_PROMPTS = 64  # prompts x n in one request
@@ -62,7 +63,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(default=16, ge=0, description="0 only with echo: the prompt scored, nothing drawn")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=256, description="the most likely bytes kept; 0 or -1: all")
+    top_k: int = Field(default=0, ge=-1, description="the most likely tokens kept; 0 or -1: all")
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**31)
     n: int = Field(default=1, ge=1, le=MAX_PROMPTS)
@@ -85,10 +86,6 @@ class CompletionRequest(BaseModel):
             raise ValueError("give at least one prompt")
         if isinstance(prompt, str) or isinstance(prompt[0], str):
             return _utf8(prompt)
-        for values in [prompt] if isinstance(prompt[0], int) else prompt:
-            wrong = next((value for value in values if not 0 <= value < 256), None)
-            if wrong is not None:
-                raise ValueError(f"token {wrong} is not a byte: this model's tokens are bytes, 0 to 255")
         return prompt
 
     @field_validator("stop")
@@ -113,13 +110,27 @@ class CompletionRequest(BaseModel):
             return "best_of"
         return None
 
-    def prompts(self) -> list[bytes]:
-        """Each prompt's bytes: text encoded as UTF-8, token arrays as the bytes they name."""
-        if isinstance(self.prompt, str):
-            return [self.prompt.encode()]
-        if isinstance(self.prompt[0], int):
-            return [bytes(self.prompt)]  # pyright: ignore[reportArgumentType] - list[int], checked above
-        return [p.encode() if isinstance(p, str) else bytes(p) for p in self.prompt]
+    def prompts(self, vocabulary: Vocabulary) -> list[list[int]]:
+        """Each prompt's ids: text's UTF-8 bytes through the vocabulary, token arrays as given,
+        each id checked to be one of the vocabulary's."""
+        prompt = self.prompt
+        given: list = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+        found: list[list[int]] = []
+        for one in given:
+            if isinstance(one, str):
+                found.append(vocabulary.encode(one.encode()))
+                continue
+            wrong = next((value for value in one if not 0 <= value < vocabulary.size), None)
+            if wrong is not None:
+                raise ApiError(400, _not_an_id(wrong, vocabulary), "prompt")
+            found.append(list(one))
+        return found
+
+
+def _not_an_id(value: int, vocabulary: Vocabulary) -> str:
+    if vocabulary.tokenizer is None:
+        return f"token {value} is not a byte: this model's tokens are bytes, 0 to 255"
+    return f"token {value} is not one of this model's {vocabulary.size} ids (0 to {vocabulary.size - 1})"
 
 
 def _utf8(text):
@@ -150,14 +161,20 @@ class Choice:
     """One sequence of a request, as the client sees it: its index, its bytes and text so far
     (decoded as they arrive) and how it ended."""
 
-    def __init__(self, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, prompt: bytes):
+    def __init__(self, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, prompt: list[int]):
         self.index, self.queue, self.loop, self.prompt = index, queue, loop, prompt
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.data = bytearray()
+        self.sequence: Sequence | None = None  # the engine's, where one is drawn
 
     @property
     def generated(self) -> int:
-        return len(self.data)
+        """Tokens whose bytes it shows (the engine's count; read once it has finished)."""
+        return self.sequence.tokens() if self.sequence is not None else 0
+
+    def ids(self) -> list[int]:
+        """The ids of the tokens it shows."""
+        return self.sequence.shown_ids() if self.sequence is not None else []
 
     def emit(self, chunk: bytes) -> None:  # the engine's thread
         self._put((self.index, chunk, None))
@@ -187,6 +204,7 @@ def create_app(
     for, ``model_id`` the one model it serves; behind ``Guard``'s checks of the key
     (``api_key``; None: none asked) and the host names requests may address (``hosts``)."""
     created = int(time.time())
+    vocabulary = engine.vocabulary
     scorer = Scorer(engine.graphdef, engine.params, engine.window)
 
     async def health(request: Request) -> Response:
@@ -199,8 +217,8 @@ def create_app(
     async def completions(request: Request) -> Response:
         try:
             body = await _parsed(request, CompletionRequest)
-            prompts = body.prompts()
-            _check(body, prompts, model_id, max_tokens, scorer)
+            prompts = body.prompts(vocabulary)
+            _check(body, prompts, model_id, max_tokens, scorer, vocabulary)
             loop, queue = asyncio.get_running_loop(), asyncio.Queue()
             choices, sequences = _sequences(body, prompts, queue, loop)
             try:
@@ -226,40 +244,44 @@ def create_app(
             for c in choices
         ]
         if body.echo or body.logprobs is not None:
-            await _with_prompt_and_scores(rows, choices, body, scorer)
+            await _with_prompt_and_scores(rows, choices, body, scorer, vocabulary)
         return JSONResponse({**head, "choices": rows, "usage": usage_of()})
 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        *_tokenizer_routes(scorer.longest()),
+        *_tokenizer_routes(scorer.longest(), vocabulary),
     ]
     return Guard(Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed}), api_key, hosts)
 
 
-def _tokenizer_routes(longest: int) -> list[Route]:
+def _tokenizer_routes(longest: int, vocabulary: Vocabulary) -> list[Route]:
     """vLLM's tokenizer endpoints, which evaluation tools ask for: a byte model's tokens are a
-    text's bytes, and it has no special tokens (no end of text, no beginning, no padding)."""
+    text's bytes, a tokenizer's model's its ids; neither has special tokens (no end of text, no
+    beginning, no padding)."""
 
     async def tokenize(request: Request) -> Response:
         try:
             body = await _parsed(request, TokenizeRequest)
         except ApiError as error:
             return error.response()
-        tokens = list(body.prompt.encode())
+        tokens = vocabulary.encode(body.prompt.encode())
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": longest})
 
     async def detokenize(request: Request) -> Response:
         try:
             body = await _parsed(request, DetokenizeRequest)
+            wrong = next((i for i, value in enumerate(body.tokens) if value >= vocabulary.size), None)
+            if wrong is not None:
+                raise ApiError(400, _not_an_id(body.tokens[wrong], vocabulary), f"tokens.{wrong}")
         except ApiError as error:
             return error.response()
-        return JSONResponse({"prompt": bytes(body.tokens).decode("utf-8", errors="replace")})
+        return JSONResponse({"prompt": vocabulary.decode(body.tokens).decode("utf-8", errors="replace")})
 
     async def tokenizer_info(request: Request) -> Response:
-        info = {"tokenizer_class": "bytes", "eos_token": None, "bos_token": None, "pad_token": None}
-        return JSONResponse({**info, "model_max_length": longest, "vocab_size": 256})
+        info = {"tokenizer_class": vocabulary.kind, "eos_token": None, "bos_token": None, "pad_token": None}
+        return JSONResponse({**info, "model_max_length": longest, "vocab_size": vocabulary.size})
 
     return [
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -269,16 +291,19 @@ def _tokenizer_routes(longest: int) -> list[Route]:
 
 
 async def _with_prompt_and_scores(
-    rows: list[dict[str, Any]], choices: list[Choice], body: CompletionRequest, scorer: Scorer
+    rows: list[dict[str, Any]], choices: list[Choice], body: CompletionRequest, scorer: Scorer, vocabulary: Vocabulary
 ) -> None:
     """``echo``: each row's text is its prompt's and its own; ``logprobs``: with the scores of
-    the bytes it shows (one pass over prompt and completion, off the event loop)."""
+    the tokens it shows (one pass over prompt and completion, off the event loop)."""
     for row, choice in zip(rows, choices, strict=True):
-        shown = choice.prompt + choice.data if body.echo else bytes(choice.data)
-        row["text"] = shown.decode("utf-8", errors="replace")
+        ids = choice.prompt + choice.ids()
+        if body.echo:
+            row["text"] = (vocabulary.decode(choice.prompt) + choice.data).decode("utf-8", errors="replace")
         if body.logprobs is not None:
-            scores = await asyncio.to_thread(scorer.score, choice.prompt + choice.data)
-            row["logprobs"] = _logprobs(shown, scores, 0 if body.echo else len(choice.prompt), body.logprobs)
+            scores = await asyncio.to_thread(scorer.score, ids)
+            shown = ids if body.echo else choice.ids()
+            before = 0 if body.echo else len(choice.prompt)
+            row["logprobs"] = _logprobs(shown, scores, before, body.logprobs, vocabulary)
 
 
 class TokenizeRequest(BaseModel):
@@ -296,14 +321,16 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    """vLLM's ``POST /detokenize``: the text of tokens (bytes' values)."""
+    """vLLM's ``POST /detokenize``: the text of tokens (bytes' values, or a tokenizer's ids)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    tokens: list[Annotated[int, Field(ge=0, lt=256)]]
+    tokens: list[Annotated[int, Field(ge=0)]]
     model: str | None = None
 
 
-def _check(body: CompletionRequest, prompts: list[bytes], model_id: str, most: int, scorer: Scorer) -> None:
+def _check(
+    body: CompletionRequest, prompts: list[list[int]], model_id: str, most: int, scorer: Scorer, vocabulary: Vocabulary
+) -> None:
     """Refuses, naming the field, what this server does not serve."""
     if body.model != model_id:
         raise ApiError(
@@ -315,6 +342,8 @@ def _check(body: CompletionRequest, prompts: list[bytes], model_id: str, most: i
     field = body.unsupported()
     if field:
         raise ApiError(400, f"{field} is not supported by this server; leave it out", field)
+    if body.top_k > vocabulary.size:
+        raise ApiError(400, f"top_k is {body.top_k}, over this model's {vocabulary.size} tokens", "top_k")
     if body.max_tokens > most:
         raise ApiError(400, f"max_tokens is {body.max_tokens}, over this server's {most}", "max_tokens")
     if body.max_tokens == 0 and not body.echo:
@@ -331,19 +360,16 @@ def _check(body: CompletionRequest, prompts: list[bytes], model_id: str, most: i
                 raise ApiError(400, str(error), "logprobs") from None
 
 
-def _logprobs(shown: bytes, scores: Scores, before: int, alternatives: int) -> dict[str, list]:
-    """OpenAI's ``logprobs`` object for the bytes ``shown`` (a choice's text), which start
-    ``before`` bytes into the scored text (0 with echo: the text's first byte has no
-    log-probability); each byte a token, named as OpenAI names tokens (``bytes:\\xNN`` for a
-    byte that is no character alone); ``text_offset``: where each byte's character starts in
-    the text."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    decoder, chars = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
-    for i, byte in enumerate(shown):
+def _logprobs(shown: list[int], scores: Scores, before: int, alternatives: int, vocabulary: Vocabulary) -> dict:
+    """OpenAI's ``logprobs`` object for the tokens ``shown`` (a choice's), which start
+    ``before`` tokens into the scored ids (0 with echo: the first has no log-probability),
+    each named as OpenAI names tokens (``bytes:\\xNN`` for bytes that are no whole
+    characters); ``text_offset``: where each token's text starts, in characters."""
+    tokens, token_logprobs, top_logprobs = [], [], []
+    offsets = vocabulary.offsets(shown)
+    for i, index in enumerate(shown):
         position = before + i - 1  # its row in ``scores``
-        tokens.append(_token(byte))
-        offsets.append(chars)
-        chars += len(decoder.decode(bytes([byte])))
+        tokens.append(vocabulary.name(index))
         if position < 0:
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -351,18 +377,14 @@ def _logprobs(shown: bytes, scores: Scores, before: int, alternatives: int) -> d
         chosen = float(scores.logprobs[position])
         token_logprobs.append(chosen)
         top = {
-            _token(int(b)): float(lp)
+            vocabulary.name(int(b)): float(lp)
             for b, lp in zip(
                 scores.top_bytes[position][:alternatives], scores.top_logprobs[position][:alternatives], strict=True
             )
         }
-        top.setdefault(tokens[-1], chosen)  # the chosen byte's, always, as OpenAI's API gives it
+        top.setdefault(tokens[-1], chosen)  # the chosen token's, always, as OpenAI's API gives it
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-
-
-def _token(byte: int) -> str:
-    return chr(byte) if byte < 0x80 else f"bytes:\\x{byte:02x}"
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -417,7 +439,7 @@ def _integer(text: str) -> int:
 
 
 def _sequences(
-    body: CompletionRequest, prompts: list[bytes], queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
+    body: CompletionRequest, prompts: list[list[int]], queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
 ) -> tuple[list[Choice], list[Sequence]]:
     """One engine sequence per prompt and choice: choice ``i * n + j`` is prompt ``i``'s
     ``j``-th, drawn from the request's seed plus ``j`` (one seed gives the same text alone).
@@ -437,11 +459,12 @@ def _sequences(
                 continue
             sampling = Sampling(body.temperature, top_k, body.top_p, (base + j) % 2**31)
             stop = tuple(s.encode() for s in stops)
-            sequences.append(Sequence(prompt, body.max_tokens, sampling, stop, choice.emit, choice.finish))
+            choice.sequence = Sequence(prompt, body.max_tokens, sampling, stop, choice.emit, choice.finish)
+            sequences.append(choice.sequence)
     return choices, sequences
 
 
-def _usage(prompts: list[bytes], n: int, choices: list[Choice]):
+def _usage(prompts: list[list[int]], n: int, choices: list[Choice]):
     prompt_bytes = sum(len(p) for p in prompts) * n
 
     def usage() -> dict[str, int]:

@@ -17,6 +17,7 @@ responses.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import os
@@ -39,6 +40,7 @@ from .layouts import CacheLayout, SharedRows, SlotsApart
 from .limits import ServeSettings, ServingError
 from .programs import STEPS_A_CALL, WHOLE, EnginePrograms
 from .shapes import buckets, decode_sizes, fills
+from .vocabulary import BYTES, Vocabulary
 from .warming import LaterCompiles
 
 # A program of the engine: its key, its lowering, and its first run on the engine's arrays.
@@ -67,18 +69,21 @@ class Sampling:
 
 @dataclass
 class Sequence:
-    """One sequence being served: its prompt's bytes, how many bytes to add at most, when to
-    stop, and where its bytes go (``emit(chunk)`` with text-ready bytes as they are final,
-    then ``finish(reason)`` once: ``length``, ``stop``, or ``cancelled``)."""
+    """One sequence being served: its prompt (a byte model's bytes, or ids), how many tokens
+    to add at most, when to stop, and where its bytes go (``emit(chunk)`` with text-ready
+    bytes as they are final, then ``finish(reason)`` once: ``length``, ``stop``, or
+    ``cancelled``)."""
 
-    prompt: bytes
+    prompt: bytes | list[int]
     max_tokens: int
     sampling: Sampling
     stop: tuple[bytes, ...]
     emit: Callable[[bytes], None]
     finish: Callable[[str], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: bytearray = field(default_factory=bytearray)
+    generated: bytearray = field(default_factory=bytearray)  # the drawn tokens' bytes, cut at a stop
+    drawn_ids: list[int] = field(default_factory=list)  # the tokens drawn for it
+    token_ends: list[int] = field(default_factory=list)  # where each drawn token's bytes end in ``generated``
     sent: int = 0  # bytes of ``generated`` handed to ``emit``
     queued_at: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
@@ -87,6 +92,21 @@ class Sequence:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    @property
+    def drawn(self) -> int:
+        """Tokens drawn and handed to this sequence."""
+        return len(self.token_ends)
+
+    def tokens(self) -> int:
+        """The tokens whose bytes are in ``generated`` (a stop may cut one): what the usage counts."""
+        if not self.generated:
+            return 0
+        return min(bisect.bisect_left(self.token_ends, len(self.generated)) + 1, len(self.token_ends))
+
+    def shown_ids(self) -> list[int]:
+        """The ids of the tokens ``tokens`` counts."""
+        return self.drawn_ids[: self.tokens()]
 
 
 class Engine:
@@ -100,7 +120,14 @@ class Engine:
         select_writes: bool | None = None,
         kernels: bool = False,
         cache_dtype: DTypeLike | None = None,
+        vocabulary: Vocabulary = BYTES,
     ):
+        if model.lm_head.kernel.shape[-1] != vocabulary.size:
+            raise ServingError(
+                f"this model predicts {model.lm_head.kernel.shape[-1]} ids and the vocabulary given has "
+                f"{vocabulary.size}; serve it with the tokenizer of the run that trained it"
+            )
+        self.vocabulary = vocabulary
         self.graphdef, self.params = nnx.split(model)
         self.window, self.rotary = model.max_seq_len, model.rotary
         self.slots, self.queue_limit = slots, queue_limit
@@ -132,7 +159,7 @@ class Engine:
             (self.params, self.caches, self.tokens, self.keys), device
         )
         self.positions = np.zeros(slots, np.int32)  # each slot's next position, as of the last call sent
-        self.feeding: dict[int, tuple[bytes, int]] = {}  # slot: short prompt and seed, for the next call
+        self.feeding: dict[int, tuple[bytes | list[int], int]] = {}  # slot: short prompt and seed, for the next call
         self.settings = np.tile(np.array(WHOLE, np.float32), (slots, 1))  # temperature, top_k, top_p
         self.precision = self.layout.precision
         self.compiled = EnginePrograms(self.graphdef, self.window, self.rotary, self.layout, slots)
@@ -168,23 +195,24 @@ class Engine:
             self._wake.notify()
         self._thread.join(timeout=30)
 
-    def check(self, prompt: bytes, max_tokens: int) -> None:
+    def check(self, prompt: bytes | list[int], max_tokens: int) -> None:
         """Refuses, naming the limit, a sequence this model cannot serve."""
-        if not prompt:
+        unit = self.vocabulary.unit
+        if not len(prompt):
             raise ServingError("the prompt is empty; give at least one character")
         if len(prompt) > self.window:
             raise ServingError(
-                f"the prompt is {len(prompt)} bytes, over this model's context of {self.window}; shorten it"
+                f"the prompt is {len(prompt)} {unit}, over this model's context of {self.window}; shorten it"
             )
         if not self.rotary and len(prompt) == self.window:
             raise ServingError(
-                f"the prompt fills this model's context of {self.window} bytes, and its learned positions end "
-                "there: no byte can follow it; shorten the prompt"
+                f"the prompt fills this model's context of {self.window} {unit}, and its learned positions end "
+                f"there: no {'byte' if unit == 'bytes' else 'token'} can follow it; shorten the prompt"
             )
         if not self.rotary and len(prompt) + max_tokens > self.window:
             raise ServingError(
-                f"prompt ({len(prompt)} bytes) + max_tokens ({max_tokens}) is over this model's context of "
-                f"{self.window} bytes (learned positions end there); lower max_tokens to {self.window - len(prompt)}"
+                f"prompt ({len(prompt)} {unit}) + max_tokens ({max_tokens}) is over this model's context of "
+                f"{self.window} {unit} (learned positions end there); lower max_tokens to {self.window - len(prompt)}"
             )
 
     def submit(self, sequences: list[Sequence]) -> None:
@@ -349,7 +377,7 @@ class Engine:
                     firsts.copy_to_host_async()
                 # No call once every sequence in flight has all its bytes drawn (the end of a burst).
                 wanted = bool(self.feeding) or any(
-                    s.max_tokens > len(s.generated) + s.unread for s in self.active[: self.count] if s
+                    s.max_tokens > s.drawn + s.unread for s in self.active[: self.count] if s
                 )
                 last, sent = sent, self._send() if wanted else None
                 if last is not None:
@@ -358,7 +386,7 @@ class Engine:
                     first = np.asarray(firsts)
                     for slot, sequence in prefilled:
                         sequence.unread -= 1
-                        self._hand_on(sequence, bytes([first[slot]]))
+                        self._hand_on(sequence, first[slot : slot + 1])
         finally:
             for slot in reversed(range(self.count)):
                 self._leave(slot, "cancelled")
@@ -410,7 +438,7 @@ class Engine:
             b for b in buckets(self.window) if b >= len(sequence.prompt) and (ready is None or ("prefill", b) in ready)
         )
         prompt = np.zeros(size, np.int32)
-        prompt[: len(sequence.prompt)] = np.frombuffer(sequence.prompt, np.uint8)
+        prompt[: len(sequence.prompt)] = self.vocabulary.ids(sequence.prompt)
         self._seat(slot, sequence, len(sequence.prompt), 1)
         self.caches, self.tokens, self.keys = self._prefill(
             self.params,
@@ -452,7 +480,7 @@ class Engine:
             sequence.unread += STEPS_A_CALL - first
         return drawn, self.active[:size], kept_from[:size].tolist()
 
-    def _call_inputs(self, feeding: dict[int, tuple[bytes, int]]) -> tuple[np.ndarray, ...]:
+    def _call_inputs(self, feeding: dict[int, tuple[bytes | list[int], int]]) -> tuple[np.ndarray, ...]:
         """A decode call's inputs from the host: positions, settings, the fed prompts' bytes,
         the first step whose byte each slot keeps, and the fed prompts' seeds. Copies: the call
         may read them after it is sent (a CPU reads host memory where it lies), and the
@@ -461,32 +489,36 @@ class Engine:
         kept_from = np.zeros(self.slots, np.int32)
         fed_seeds = np.zeros(self.slots, np.int32)
         for slot, (prompt, seed) in feeding.items():
-            fed[slot, : len(prompt)] = np.frombuffer(prompt, np.uint8)
+            fed[slot, : len(prompt)] = self.vocabulary.ids(prompt)
             kept_from[slot] = len(prompt) - 1  # the prompt's last byte is the first kept byte's input
             fed_seeds[slot] = seed
         return self.positions.copy(), self.settings.copy(), fed, kept_from, fed_seeds
 
     def _read(self, drawn: jax.Array, served: list[Sequence | None], kept_from: list[int]) -> None:
         """A call's bytes handed on to the sequences it served that have not ended since."""
-        steps = np.asarray(drawn).astype(np.uint8)
+        steps = np.asarray(drawn)
         # Highest first: of the sequences that end together, those on top leave without a move.
         for column in reversed(range(len(served))):
             sequence = served[column]
             if sequence is not None:
                 sequence.unread -= STEPS_A_CALL - kept_from[column]
                 if sequence.slot is not None:
-                    self._hand_on(sequence, steps[kept_from[column] :, column].tobytes())
+                    self._hand_on(sequence, steps[kept_from[column] :, column])
 
-    def _hand_on(self, sequence: Sequence, chunk: bytes) -> None:
-        """A sequence's new bytes: handed on as far as no stop sequence may still be starting,
-        and the sequence ended where a stop sequence, its length, or its client's leaving says."""
+    def _hand_on(self, sequence: Sequence, ids: np.ndarray) -> None:
+        """A sequence's new tokens: their bytes handed on as far as no stop sequence may still
+        be starting, and the sequence ended where a stop sequence, its length, or its client's
+        leaving says."""
         assert sequence.slot is not None
         if sequence.cancelled.is_set():
             self._leave(sequence.slot, "cancelled")
             return
         if sequence.first_byte_s is None:
             sequence.first_byte_s = time.perf_counter() - sequence.queued_at
-        sequence.generated += chunk[: sequence.max_tokens - len(sequence.generated)]
+        for index in ids[: sequence.max_tokens - sequence.drawn].tolist():
+            sequence.generated += self.vocabulary.pieces[index]
+            sequence.drawn_ids.append(index)
+            sequence.token_ends.append(len(sequence.generated))
         # A stop can only start in the bytes not handed on yet (any that might start one are
         # held back): the search reads those, not the whole sequence again. The first stop to
         # complete ends the sequence, where it starts.
@@ -497,7 +529,7 @@ class Engine:
             self._send_bytes(sequence, len(sequence.generated))
             self._leave(sequence.slot, "stop")
             return
-        if len(sequence.generated) >= sequence.max_tokens:
+        if sequence.drawn >= sequence.max_tokens:
             self._send_bytes(sequence, len(sequence.generated))
             self._leave(sequence.slot, "length")
             return

@@ -50,11 +50,12 @@ class Scorer:
                 f"is over this model's {self.longest()}; shorten the prompt or lower max_tokens"
             )
 
-    def score(self, data: bytes) -> Scores:
+    def score(self, data: bytes | list[int]) -> Scores:
+        """The scores of a text's tokens: a byte model's bytes, or ids."""
         self.check(len(data), 0)
         length = next(size for size in buckets(self.window) if size >= min(len(data), self.window))
         padded = np.zeros((1, length + (len(data) > self.window)), np.int32)
-        padded[0, : len(data)] = np.frombuffer(data, np.uint8)
+        padded[0, : len(data)] = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
         logprobs, top_bytes, top_logprobs = jax.device_get(self._score(self.params, padded))
         n = len(data) - 1
         return Scores(logprobs[:n], top_bytes[:n], top_logprobs[:n])

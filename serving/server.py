@@ -23,12 +23,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config.line_width import fit
 from ..errors import BardflowError
+from ..model.data.tokenizer import BpeTokenizer
 from ..model.network.transformer import Transformer
 from ..processes import signals
 from .api import create_app
 from .engine import Engine
 from .guard import error_object
 from .limits import LOCAL_HOSTS, ServeSettings
+from .vocabulary import Vocabulary
 
 GRACE_S = 5
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached
@@ -226,15 +228,31 @@ def _serving_line(model_id: str, url: str, settings: ServeSettings, ready_s: flo
     return said + (f", {later} faster programs compiling meanwhile; " if later else "; ")
 
 
-def _say_compiled(engine: Engine, started: float) -> None:
-    """One line once the faster programs are compiled too (the server answers before)."""
-    if engine.wait_compiled() and not engine.stopping:
-        seconds = time.perf_counter() - started
-        print(
-            f"bardflow: all {engine.programs()} programs compiled, {seconds:.1f} s after the start",
-            file=sys.stderr,
-            flush=True,
-        )
+def _engine(model: Transformer, settings: ServeSettings, tokenizer: BpeTokenizer | None) -> Engine:
+    return Engine(
+        model,
+        settings.slots,
+        settings.queue,
+        kernels=settings.kernels,
+        cache_dtype=settings.cache,
+        vocabulary=Vocabulary.of(tokenizer),
+    )
+
+
+def _say_when_compiled(engine: Engine, started: float) -> None:
+    """One line once the faster programs are compiled too (the server answers before), said
+    from a thread of its own."""
+
+    def say() -> None:
+        if engine.wait_compiled() and not engine.stopping:
+            seconds = time.perf_counter() - started
+            print(
+                f"bardflow: all {engine.programs()} programs compiled, {seconds:.1f} s after the start",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    threading.Thread(target=say, name="bardflow-compiled", daemon=True).start()
 
 
 def serve(
@@ -243,12 +261,14 @@ def serve(
     settings: ServeSettings,
     compiling: Callable[[int], AbstractContextManager[Callable[[int], None]]] | None = None,
     listener: socket.socket | None = None,
+    tokenizer: BpeTokenizer | None = None,
 ) -> int:
     """Serves ``model`` until Ctrl-C or SIGTERM. ``compiling(total)``: what shows the programs
     compiled before the first request (a terminal bar), told how many are done after each;
-    ``listener``: the socket bound for it (``listening_socket``; by default bound here)."""
+    ``listener``: the socket bound for it (``listening_socket``; by default bound here);
+    ``tokenizer``: the one the model was trained with (None: a byte model)."""
     listener = listener or listening_socket(settings.host, settings.port)
-    engine = Engine(model, settings.slots, settings.queue, kernels=settings.kernels, cache_dtype=settings.cache)
+    engine = _engine(model, settings, tokenizer)
     started = time.perf_counter()
     try:
         with (
@@ -268,9 +288,7 @@ def serve(
         example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
         said = _serving_line(model_id, url, settings, seconds, later := engine.programs() - engine.first_programs())
         if later:
-            threading.Thread(
-                target=_say_compiled, args=(engine, started), name="bardflow-compiled", daemon=True
-            ).start()
+            _say_when_compiled(engine, started)
 
         def listening() -> None:
             print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import cast
 
@@ -81,6 +82,31 @@ def _mfu(metrics: TrainingMetrics, speed: Speed | TrainingMetrics) -> float | No
     return speed["tokens_per_s"] * per_token / (peak * 1e12 * metrics["devices"])
 
 
+def bytes_per_token(metrics: TrainingMetrics) -> float:
+    """The validation text's bytes per token, from the loss per token and bits per byte (1 for
+    a byte model; 1 where either is missing)."""
+    loss, bpb = metrics.get("val_loss"), metrics.get("val_bpb")
+    if not loss or not bpb or not math.isfinite(loss) or not math.isfinite(bpb):
+        return 1.0
+    return loss / (bpb * math.log(2))
+
+
+def _per_byte_rows(
+    single: TrainingMetrics, parallel: TrainingMetrics, one: Speed | TrainingMetrics, many: Speed | TrainingMetrics
+) -> list[list[str | int]]:
+    """For a tokenizer's runs (a token of several bytes), what compares them with a byte run:
+    the validation loss per token, bits per byte and bytes a second; nothing for a byte run."""
+    per_token = [bytes_per_token(single), bytes_per_token(parallel)]
+    if all(abs(value - 1) < 1e-3 for value in per_token):
+        return []
+    rates = [one["tokens_per_s"] * per_token[0], many["tokens_per_s"] * per_token[1]]
+    return [
+        ["Validation loss per token", f"{single['val_loss']:.4f}", f"{parallel['val_loss']:.4f}", ""],
+        ["Validation bits per byte", f"{single['val_bpb']:.4f}", f"{parallel['val_bpb']:.4f}", ""],
+        ["Bytes/s", f"{rates[0]:,.0f}", f"{rates[1]:,.0f}", f"{rates[1] / rates[0]:.2f}x"],
+    ]
+
+
 def comparison(
     single: TrainingMetrics,
     parallel: TrainingMetrics,
@@ -126,6 +152,7 @@ def comparison(
         ],
         ["Tokens/s", f"{one['tokens_per_s']:,.0f}", f"{many['tokens_per_s']:,.0f}", f"{speedup:.2f}x"],
     ]
+    rows += _per_byte_rows(single, parallel, one, many)
     mfu = [_mfu(single, one), _mfu(parallel, many)]
     if mfu[0] is not None and mfu[1] is not None:  # where the devices' peak is known (a GPU, a TPU)
         rows.append(["MFU", f"{100 * mfu[0]:.1f} %", f"{100 * mfu[1]:.1f} %", f"{mfu[1] / mfu[0]:.2f}x"])

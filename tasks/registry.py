@@ -96,7 +96,7 @@ TRAIN_PARALLEL = Stage(
 # of steps. "2": its curves include validation loss against tokens and against seconds.
 COMPARE = Stage(
     "compare",
-    "5",
+    "6",
     reads=("train_single", "train_parallel"),
     settings=lambda run: {},
     builds=("comparison.json", "throughput.png", "curves.png"),

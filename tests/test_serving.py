@@ -969,3 +969,14 @@ def test_serve_refuses_in_one_line_before_loading_anything(tmp_path, capsys):
         "bardflow: error: --kernels runs Pallas TPU kernels, and JAX here runs on cpu (they would run in an "
         "interpreter, slowly); drop --kernels"
     )
+
+
+def test_a_sequence_counts_the_tokens_its_text_shows_where_a_stop_cuts_one():
+    """The usage counts tokens: those whose bytes the text holds, one a stop cuts into among
+    them, none it cuts off whole."""
+    sequence = Sequence(b"R", 8, Sampling(), (b"X",), lambda chunk: None, lambda reason: None)
+    sequence.generated, sequence.drawn_ids, sequence.token_ends = bytearray(b"abcdeXghi"), [7, 8, 9], [3, 5, 9]
+    assert (sequence.drawn, sequence.tokens(), sequence.shown_ids()) == (3, 3, [7, 8, 9])
+    for cut, count in ((5, 2), (4, 2), (3, 1), (1, 1), (0, 0)):
+        del sequence.generated[cut:]
+        assert sequence.tokens() == count, cut

@@ -2,6 +2,7 @@
 refusals of what cannot serve. A bytes run keeps its stages and keys."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,16 +128,14 @@ def test_a_bytes_run_has_no_tokenize_stage_and_keeps_its_keys():
 
 
 @pytest.mark.flow
-def test_a_tiny_bpe_run_tokenizes_trains_exports_and_samples_text(tmp_path, run_env, capsys):
+def test_a_tiny_bpe_run_tokenizes_trains_exports_and_samples_text(tmp_path, run_env):
     """The pipeline with data.tokenizer=bpe: the tokenizer trained as a stage, its ids in the
     shards, the model's vocabulary its, bits per byte from the loss per token, the export's
     transformers folder carrying it (transformers' greedy ids and its tokenizer's ids are
     bardflow's), samples decoded to text; a rerun takes every stage from the store, and
-    serving refuses the model in one line."""
+    the checkpoint serves text (``served``)."""
     import math
-    import socket
 
-    from bardflow.cli.main import main
     from bench.commands import tiny
     from tests.helpers import call, require
 
@@ -155,15 +154,77 @@ def test_a_tiny_bpe_run_tokenizes_trains_exports_and_samples_text(tmp_path, run_
         trained["val_loss"] / math.log(2) / encode["val_bytes_per_token"], rel=1e-3
     )
     assert stages["export"]["metrics"]["hf_checked"] and stages["verify"]["metrics"]["passed"]
+    table = json.loads(next((tmp_path / "store" / "compare").rglob("comparison.json")).read_text())
+    rows = {row[0]: row[1:] for row in table["rows"]}
+    assert float(rows["Validation bits per byte"][1]) == pytest.approx(trained["val_bpb"], abs=1e-4)
+    assert float(rows["Bytes/s"][1].replace(",", "")) > float(rows["Tokens/s"][1].replace(",", ""))
     for sample in summary["samples"]:
         assert sample["text"].startswith(sample["prompt"]) and len(sample["text"]) > len(sample["prompt"])
     again = json.loads(call("run", *args, env=env).stdout)
     assert {name: s["state"] for name, s in again["stages"].items()} == {name: "cached" for name in stages}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    key = stages["checkpoint"]["key"][:12]
-    capsys.readouterr()
-    assert main(["serve", key, "--store", str(tmp_path / "store"), "--port", str(port)]) == 1
-    line = capsys.readouterr().err.strip()
-    assert "predicts the 300 ids of a tokenizer" in line and "\n" not in line
+    served(tmp_path / "store", stages["checkpoint"]["key"], stages["tokenize"]["key"])
+
+
+def served(store: Path, key: str, tokenize_key: str) -> None:
+    """``bardflow serve``'s model and tokenizer for a checkpoint of a bpe run, served over HTTP
+    to the ``openai`` client: tokens drawn and counted as tokens (``max_tokens``, the usage,
+    ``logprobs``), their bytes the text, the greedy text the sampler's, a stream the same text;
+    a tokenizer changed after training refused in one line."""
+    import httpx
+    from openai import OpenAI
+
+    from bardflow.cli.runs import RunsError
+    from bardflow.cli.serve_command import served_model
+    from bardflow.model.inference.sampling import generate
+    from bardflow.serving.api import create_app
+    from bardflow.serving.engine import Engine
+    from bardflow.serving.vocabulary import Vocabulary
+    from tests.test_serving import listening
+
+    model, tokenizer, model_id = served_model(str(store), key[:12])
+    assert tokenizer is not None and tokenizer.vocab_size == 300
+    engine = Engine(model, slots=4, queue_limit=8, vocabulary=Vocabulary.of(tokenizer))
+    engine.warm(every=True)
+    engine.start()
+    try:
+        with listening(create_app(engine, model_id, max_tokens=200)) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            asked = {"model": model_id, "prompt": "ROMEO:", "max_tokens": 12, "temperature": 0.0}
+            whole = client.completions.create(**asked, logprobs=2)
+            choice, usage = whole.choices[0], whole.usage
+            assert usage is not None and choice.logprobs is not None and choice.logprobs.tokens is not None
+            assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(b"ROMEO:")), 12)
+            assert len(choice.logprobs.tokens) == 12 and "".join(choice.logprobs.tokens) == choice.text
+            greedy = generate(model, "ROMEO:", 12, 0.0, 0, model.max_seq_len, tokenizer)
+            assert choice.text == greedy[len(b"ROMEO:") :].decode("utf-8", errors="replace")
+            streamed = client.completions.create(**asked, stream=True)
+            assert "".join(part.choices[0].text for part in streamed) == choice.text
+            ids = httpx.post(f"{url}/tokenize", json={"prompt": "ROMEO:"}, timeout=30).json()["tokens"]
+            assert ids == tokenizer.encode(b"ROMEO:").tolist()
+    finally:
+        engine.stop()
+    tokenizer_file = next((store / "tokenize" / tokenize_key).rglob("tokenizer.json"))
+    tokenizer_file.chmod(0o644)
+    tokenizer_file.write_text(tokenizer_file.read_text().replace('"ROMEO"', '"JULIET"') + " ")
+    with pytest.raises(RunsError) as refused:
+        served_model(str(store), key[:12])
+    assert "is gone or has changed since" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_comparison_shows_bits_per_byte_and_bytes_per_second_for_a_tokenizer_s_runs_only():
+    import math
+
+    from bardflow.tasks.compare import comparison
+
+    def metrics(val_loss: float, bytes_per_token: float) -> dict:
+        bpb = val_loss / math.log(2) / bytes_per_token
+        figures = {"tokens_per_s": 1000.0, "ms_per_step": 10.0, "val_loss": val_loss, "val_bpb": bpb, "steps": 5}
+        return {**figures, "devices": 2, "global_batch": 8, "per_device_batch": 4}
+
+    for per_token, shown in ((1.0, False), (2.5, True)):
+        one, many = metrics(2.0, per_token), metrics(1.9, per_token)
+        rows = {row[0]: row[1:] for row in comparison(one, many)["rows"]}  # pyright: ignore[reportArgumentType]
+        assert ("Validation bits per byte" in rows) == shown == ("Bytes/s" in rows)
+        if shown:
+            assert rows["Bytes/s"][:2] == ["2,500", "2,500"]
+            assert rows["Validation bits per byte"][1] == f"{1.9 / math.log(2) / 2.5:.4f}"
