@@ -3,7 +3,7 @@ server-sent events or whole), ``GET /v1/models`` and ``GET /health``, and vLLM's
 endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) that evaluation tools such as
 lm-evaluation-harness ask for.
 
-A token is a byte, or a tokenizer's token (``vocabulary.py``): ``max_tokens``, the usage and
+A token is a byte, or a tokenizer's token (``tokens.py``): ``max_tokens``, the usage and
 ``logprobs`` count tokens, a prompt may be given as text or as ids (OpenAI's token arrays),
 and text is the tokens' bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
 between two chunks of a stream is sent whole with the second). ``logprobs`` and ``echo``
@@ -35,7 +35,7 @@ from .engine import Engine, Sampling, Sequence, ServerFull
 from .guard import Guard, error_object
 from .limits import ServeSettings, ServingError
 from .scoring import MOST_ALTERNATIVES, Scorer, Scores
-from .vocabulary import Vocabulary
+from .tokens import Vocabulary
 
 MAX_BODY = 1 << 20  # bytes of a request's JSON
 MAX_PROMPTS = 64  # prompts x n in one request

@@ -40,7 +40,7 @@ from .layouts import CacheLayout, SharedRows, SlotsApart
 from .limits import ServeSettings, ServingError
 from .programs import STEPS_A_CALL, WHOLE, EnginePrograms
 from .shapes import buckets, decode_sizes, fills
-from .vocabulary import BYTES, Vocabulary
+from .tokens import BYTES, Vocabulary
 from .warming import LaterCompiles
 
 # A program of the engine: its key, its lowering, and its first run on the engine's arrays.

@@ -30,7 +30,7 @@ from .api import create_app
 from .engine import Engine
 from .guard import error_object
 from .limits import LOCAL_HOSTS, ServeSettings
-from .vocabulary import Vocabulary
+from .tokens import Vocabulary
 
 GRACE_S = 5
 UVICORN_LIMIT_S = GRACE_S + 5  # uvicorn cancels what is still running then: never reached

@@ -178,7 +178,7 @@ def served(store: Path, key: str, tokenize_key: str) -> None:
     from bardflow.model.inference.sampling import generate
     from bardflow.serving.api import create_app
     from bardflow.serving.engine import Engine
-    from bardflow.serving.vocabulary import Vocabulary
+    from bardflow.serving.tokens import Vocabulary
     from tests.test_serving import listening
 
     model, tokenizer, model_id = served_model(str(store), key[:12])

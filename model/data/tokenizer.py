@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,6 @@ def byte_alphabet() -> list[str]:
 
 
 _ALPHABET = byte_alphabet()
-_TO_TEXT = {byte: char for byte, char in enumerate(_ALPHABET)}  # a latin-1 character's code point is its byte
 _TO_BYTE = {char: byte for byte, char in enumerate(_ALPHABET)}
 _BLANKS = "".join(_ALPHABET[b] for b in b" \n\t\r")
 # The pieces no merge crosses, over the mapped text: a word with the space before it, up to
@@ -57,9 +57,13 @@ _SPACE = _ALPHABET[ord(" ")]
 PIECES = rf"{_SPACE}?[A-Za-z]+|{_SPACE}?[0-9]{{1,3}}|{_SPACE}?[^A-Za-z0-9{_BLANKS}]+|[{_BLANKS}]+"
 
 
+_CODE_POINTS = np.array([ord(char) for char in _ALPHABET], np.uint32)
+
+
 def mapped(data: bytes) -> str:
-    """``data`` as the tokenizer reads it: each byte its stand-in."""
-    return data.decode("latin-1").translate(_TO_TEXT)
+    """``data`` as the tokenizer reads it: each byte its stand-in (looked up as code points and
+    read as UTF-32: about twice ``str.translate``'s speed)."""
+    return _CODE_POINTS[np.frombuffer(data, np.uint8)].tobytes().decode("utf-32-le")
 
 
 def unmapped(text: str) -> bytes:
@@ -241,12 +245,28 @@ def encode_to_file(
     ends = chunk_ends(data)
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
     at_once = 4 * (os.cpu_count() or 1)
+    groups = [spans[first : first + at_once] for first in range(0, len(spans), at_once)]
     written = 0
-    with open(path, "wb") as handle:
-        for first in range(0, len(spans), at_once):
-            group = spans[first : first + at_once]
-            for ids in tokenizer.encode_chunks([bytes(data[start:stop]) for start, stop in group]):
-                handle.write(ids.tobytes())
-                written += len(ids)
-            progress(group[-1][1])
+
+    def write(encoded: Future, end: int) -> None:
+        nonlocal written
+        for encoding in encoded.result():
+            ids = np.asarray(encoding.ids, tokenizer.dtype)
+            handle.write(ids.tobytes())
+            written += len(ids)
+        progress(end)
+
+    # The library encodes a group on every core without Python's lock; meanwhile this thread
+    # maps the next group's bytes and writes the last group's ids (the serial part, which
+    # otherwise left the cores idle).
+    with open(path, "wb") as handle, ThreadPoolExecutor(1, "bardflow-encode") as encoder:
+        pending: tuple[Future, int] | None = None
+        for group in groups:
+            texts = [mapped(bytes(data[start:stop])) for start, stop in group]
+            encoded = encoder.submit(tokenizer.tokenizer.encode_batch_fast, texts)
+            if pending is not None:
+                write(*pending)
+            pending = (encoded, group[-1][1])
+        if pending is not None:
+            write(*pending)
     return written
