@@ -5,8 +5,8 @@ lm-evaluation-harness ask for.
 
 A token is a byte, or a tokenizer's token (``tokens.py``): ``max_tokens``, the usage and
 ``logprobs`` count tokens, a prompt may be given as text or as ids (OpenAI's token arrays),
-and text is the tokens' bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as U+FFFD; a character split
-between two chunks of a stream is sent whole with the second). ``logprobs`` and ``echo``
+and text is the tokens' bytes decoded as UTF-8 (a byte sequence that is not UTF-8 shows as
+U+FFFD; a character split between two chunks of a stream is sent whole with the second). ``logprobs`` and ``echo``
 (``serving/scoring.py``) are answered whole, not streamed. Errors are OpenAI's error object
 with its status: 400 for a field the server cannot take, 404 for another model, 413 for a
 body over ``MAX_BODY``, 503 with ``Retry-After`` when every slot is busy and the queue is
@@ -168,7 +168,7 @@ class Choice:
         self.sequence: Sequence | None = None  # the engine's, where one is drawn
 
     @property
-    def generated(self) -> int:
+    def completion_tokens(self) -> int:
         """Tokens whose bytes it shows (the engine's count; read once it has finished)."""
         return self.sequence.tokens() if self.sequence is not None else 0
 
@@ -465,14 +465,14 @@ def _sequences(
 
 
 def _usage(prompts: list[list[int]], n: int, choices: list[Choice]):
-    prompt_bytes = sum(len(p) for p in prompts) * n
+    prompt_tokens = sum(len(p) for p in prompts) * n
 
     def usage() -> dict[str, int]:
-        completion = sum(c.generated for c in choices)
+        completion = sum(c.completion_tokens for c in choices)
         return {
-            "prompt_tokens": prompt_bytes,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
-            "total_tokens": prompt_bytes + completion,
+            "total_tokens": prompt_tokens + completion,
         }
 
     return usage

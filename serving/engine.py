@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,8 +39,8 @@ from .layouts import CacheLayout, SharedRows, SlotsApart
 from .limits import ServeSettings, ServingError
 from .programs import STEPS_A_CALL, WHOLE, EnginePrograms
 from .shapes import buckets, decode_sizes, fills
-from .tokens import BYTES, Vocabulary
-from .warming import LaterCompiles
+from .tokens import BYTES, Vocabulary, as_ids
+from .warming import LaterCompiles, compile_workers
 
 # A program of the engine: its key, its lowering, and its first run on the engine's arrays.
 Program = tuple[tuple, Callable[[], jax.stages.Lowered], Callable[[], None]]
@@ -261,7 +260,15 @@ class Engine:
 
     def first_programs(self) -> int:
         """How many programs ``warm`` compiles before it returns: those that serve any request."""
-        return 2 + (self.slots > 1)
+        return len(self._covering())
+
+    def _covering(self) -> set[tuple]:
+        """The programs that serve any request: the decode call over every slot and the whole
+        context, the prefill of the longest prompt, and the move where there are slots to move
+        between."""
+        return {("decode", self.slots, self.window), ("prefill", self.window)} | (
+            {("move",)} if self.slots > 1 else set()
+        )
 
     def warm(self, compiled: Callable[[int], None] = lambda done: None, every: bool = False) -> float:
         """Compiles the programs that serve any request before the first (call before
@@ -271,15 +278,12 @@ class Engine:
         prompts then compile on threads while the engine serves, each used once it is
         (``wait_compiled``); with ``every``, before this returns. The programs are traced one
         after another and compiled, each run once as soon as it is (its jitted function finds
-        it compiled) while the next compile. On an accelerator they compile side by side on the
-        host's cores (compiling one leaves most of them idle); on a CPU one at a time, which
-        measured faster there (docs/journal.md)."""
+        it compiled) while the next compile, on ``compile_workers`` threads."""
         started = time.perf_counter()
         self._ready = frozenset()
         covering, faster = self._plan()
         first = covering + faster if every else covering
-        workers = 1 if jax.default_backend() == "cpu" else min(len(first), os.cpu_count() or 1)
-        pool = ThreadPoolExecutor(workers, "bardflow-compile")
+        pool = ThreadPoolExecutor(compile_workers(len(first)), "bardflow-compile")
         try:
             first_runs = {pool.submit(lower().compile): (key, run) for key, lower, run in first}
             for done, finished in enumerate(as_completed(first_runs), 1):
@@ -352,7 +356,7 @@ class Engine:
             slots = (np.int32(1), np.int32(0))
             lower = functools.partial(self._move.lower, caches, tokens, keys, *slots)
             programs.append((("move",), lower, functools.partial(move, *slots)))
-        covering = {("decode", self.slots, self.window), ("prefill", self.window), ("move",)}
+        covering = self._covering()
         return [p for p in programs if p[0] in covering], [p for p in programs if p[0] not in covering]
 
     # --- the engine's thread ---
@@ -438,7 +442,7 @@ class Engine:
             b for b in buckets(self.window) if b >= len(sequence.prompt) and (ready is None or ("prefill", b) in ready)
         )
         prompt = np.zeros(size, np.int32)
-        prompt[: len(sequence.prompt)] = self.vocabulary.ids(sequence.prompt)
+        prompt[: len(sequence.prompt)] = as_ids(sequence.prompt)
         self._seat(slot, sequence, len(sequence.prompt), 1)
         self.caches, self.tokens, self.keys = self._prefill(
             self.params,
@@ -489,7 +493,7 @@ class Engine:
         kept_from = np.zeros(self.slots, np.int32)
         fed_seeds = np.zeros(self.slots, np.int32)
         for slot, (prompt, seed) in feeding.items():
-            fed[slot, : len(prompt)] = self.vocabulary.ids(prompt)
+            fed[slot, : len(prompt)] = as_ids(prompt)
             kept_from[slot] = len(prompt) - 1  # the prompt's last byte is the first kept byte's input
             fed_seeds[slot] = seed
         return self.positions.copy(), self.settings.copy(), fed, kept_from, fed_seeds

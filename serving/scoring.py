@@ -19,6 +19,7 @@ from flax import nnx
 from ..model.inference.sampling import matmul_precision
 from .limits import ServingError
 from .shapes import buckets
+from .tokens import as_ids
 
 MOST_ALTERNATIVES = 5  # OpenAI's completions API: logprobs is at most 5
 
@@ -55,7 +56,7 @@ class Scorer:
         self.check(len(data), 0)
         length = next(size for size in buckets(self.window) if size >= min(len(data), self.window))
         padded = np.zeros((1, length + (len(data) > self.window)), np.int32)
-        padded[0, : len(data)] = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
+        padded[0, : len(data)] = as_ids(data)
         logprobs, top_bytes, top_logprobs = jax.device_get(self._score(self.params, padded))
         n = len(data) - 1
         return Scores(logprobs[:n], top_bytes[:n], top_logprobs[:n])

@@ -60,11 +60,12 @@ class Vocabulary:
             chars += len(decoder.decode(self.pieces[int(index)]))
         return found
 
-    def ids(self, prompt: bytes | list[int] | np.ndarray) -> np.ndarray:
-        """A prompt's ids: a byte model's bytes, or the ids given."""
-        if isinstance(prompt, bytes | bytearray):
-            return np.frombuffer(prompt, np.uint8).astype(np.int32)
-        return np.asarray(prompt, np.int32)
+
+def as_ids(text: bytes | list[int] | np.ndarray) -> np.ndarray:
+    """A text's ids: a byte model's bytes, or the ids given."""
+    if isinstance(text, bytes | bytearray):
+        return np.frombuffer(text, np.uint8).astype(np.int32)
+    return np.asarray(text, np.int32)
 
 
 BYTES = Vocabulary(tuple(bytes([value]) for value in range(256)))

@@ -14,10 +14,16 @@ from collections.abc import Callable
 import jax
 
 
+def compile_workers(programs: int) -> int:
+    """Threads to compile ``programs`` on: on an accelerator as many as the host has cores
+    (compiling one leaves most of them idle); on a CPU one, which measured faster there
+    (docs/journal.md)."""
+    return 1 if jax.default_backend() == "cpu" else min(programs, os.cpu_count() or 1)
+
+
 class LaterCompiles:
     """Lowers ``programs`` ((key, lowering, first run) each) on one thread and compiles them on
-    as many as the host has cores (one on a CPU, whose compiles measured faster one at a
-    time); ``done`` is set when every one is compiled or failed."""
+    ``compile_workers``; ``done`` is set when every one is compiled or failed."""
 
     def __init__(self, programs: list, ready: Callable[[tuple], None]):
         self.done = threading.Event()
@@ -29,7 +35,7 @@ class LaterCompiles:
         if not programs:
             self.done.set()
             return
-        workers = 1 if jax.default_backend() == "cpu" else min(len(programs), os.cpu_count() or 1)
+        workers = compile_workers(len(programs))
         threading.Thread(target=self._lower, args=(programs, workers), name="bardflow-lower", daemon=True).start()
         for _ in range(workers):
             threading.Thread(target=self._compile, name="bardflow-compile", daemon=True).start()
