@@ -46,14 +46,14 @@ def alternating(runs, rounds: int) -> list[list[float]]:
     return results
 
 
-def write_report(report: dict, flat: dict, folder: Path, name: str) -> Path:
-    """The report as JSON under ``folder`` (its ``flat`` summary included) and the summary as a table."""
+def write_report(report: dict, flat: dict, folder: Path, name: str, show: bool = True) -> Path:
+    """The report as JSON under ``folder`` (its ``flat`` summary in it); with ``show`` the summary as a table."""
     report["summary"] = flat
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{report['machine']['date']}-{report['machine']['backend']}-{name}.json"
     out.write_text(json.dumps(report, indent=1, default=str))
-    width = max(map(len, flat))
-    for key, value in flat.items():
+    width = max(map(len, flat), default=0)
+    for key, value in flat.items() if show else ():
         # Rates with one decimal; ratios and loss differences with four significant digits.
         shown = (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}") if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")

@@ -6,17 +6,21 @@ a corpus of ``--encode-mib`` MiB (TinyShakespeare repeated, written to a tempora
 way the encode stage does (``encode_to_file``: chunks on the host's cores, ids to a file):
 MB/s, and the process's own memory at its peak while encoding against the corpus's size.
 
-Training: the preset (``--preset``, default ``cpu``) on TinyShakespeare with bytes and with a
-BPE of each vocabulary, each trained for the same ``--train-s`` seconds (its steps from a
+Training: the preset (``--preset``, default ``cpu``) on a corpus (``--corpus``: TinyShakespeare,
+or ``python-sources``: this Python's standard library, every ``.py`` file in path order, about
+30 MB that every machine with Python has, for a corpus a run does not repeat) with bytes and with
+a BPE of each vocabulary, each trained for the same ``--train-s`` seconds (its steps from a
 measured step time), and the validation text's bits per byte of each: the measure that
 compares tokenizers (a loss per token divided by the bytes a token holds). The split is cut
 where a bytes run cuts it, so every tokenizer is evaluated on the same text. Writes
-``<date>-<backend>-tokenizer.json`` under ``--out``."""
+``<date>-<backend>-tokenizer[-<corpus>].json`` under ``--out``."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import sysconfig
 import tempfile
 import threading
 import time
@@ -87,18 +91,38 @@ def encoding(corpus: Path, mib: int) -> dict:
     }
 
 
+def python_sources() -> np.ndarray:
+    """The standard library's Python sources, concatenated in path order: a corpus of about
+    30 MB that needs no download (the same files wherever the same Python runs)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(path for path in root.rglob("*.py") if "site-packages" not in path.parts)
+    return np.frombuffer(b"".join(path.read_bytes() for path in files), np.uint8)
+
+
+def corpus_bytes(corpus: str) -> tuple[np.ndarray, dict]:
+    """The training corpus's bytes and what identifies it (``--corpus``)."""
+    data = python_sources() if corpus == "python-sources" else np.fromfile(corpus, np.uint8)
+    name = corpus if corpus == "python-sources" else Path(corpus).name
+    return data, {"corpus": name, "bytes": len(data), "md5": hashlib.md5(data.tobytes()).hexdigest()}
+
+
 def token_split(data: np.ndarray, cfg, vocab: int | None):
     """(train rows, val rows, bytes per token of the validation text, vocabulary) for bytes
     (``vocab`` None) or a BPE of ``vocab`` ids trained on the training bytes."""
     from bardflow.model.data.splits import train_order, training_bytes, windows
-    from bardflow.model.data.tokenizer import BpeTokenizer, training_sample
+    from bardflow.model.data.tokenizer import BpeTokenizer, chunk_ends, training_sample
+
+    def encoded(tokenizer: BpeTokenizer, part: np.ndarray) -> np.ndarray:  # in chunks, on every core
+        ends = chunk_ends(part)
+        chunks = [part[a:b].tobytes() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        return np.concatenate(tokenizer.encode_chunks(chunks))
 
     cut = training_bytes(len(data), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.every_position)
     if vocab is None:
         train, val, per_token, size = data[:cut], data[cut:], 1.0, 256
     else:
         tokenizer = BpeTokenizer.train(training_sample(data[:cut]), vocab)
-        train, val = tokenizer.encode(data[:cut].tobytes()), tokenizer.encode(data[cut:].tobytes())
+        train, val = encoded(tokenizer, data[:cut]), encoded(tokenizer, data[cut:])
         per_token, size = (len(data) - cut) / len(val), tokenizer.vocab_size
     rows = windows(train, cfg.data.seq_len, cfg.data.every_position)
     shuffled = np.asarray(rows)[np.asarray(train_order(len(rows), cfg.data.shuffle_seed)[0 : len(rows)])]
@@ -106,9 +130,10 @@ def token_split(data: np.ndarray, cfg, vocab: int | None):
 
 
 def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float, probe_steps: int) -> dict:
-    """The preset trained for about ``seconds`` with this tokenizer: probes of
-    ``probe_steps`` steps and three times as many measure a step, then a run of as many steps
-    as fit."""
+    """The preset trained for about ``seconds`` with this tokenizer: after a warm-up run, a
+    probe of ``probe_steps`` steps measures a step, then a run of as many steps as fit. Every
+    run logs at the preset's intervals, so each takes as many steps a compiled call as the
+    others (``steps_per_call``'s auto divides them)."""
     import jax
 
     from bardflow.config.settings import TrainingRequest, build_config
@@ -129,7 +154,6 @@ def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float
                 update={
                     "steps": steps,
                     "warmup_steps": min(cfg.train.warmup_steps, steps // 10),
-                    "log_every": max(1, steps // 4),
                     "eval_every": 0,
                     "single_device_steps": 0,
                 }
@@ -144,13 +168,12 @@ def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float
             files = RunFiles(folder / "train", folder / "val", folder / f"resume-{name}", folder / f"state-{name}")
             return run_training(request, files, devices, parallel=True)
 
-        # Two probes, the second three times the first: their difference is a step's time alone,
-        # without what a run's first calls cost (on a TPU several times a step's).
+        # A probe's time a step, its first calls included, sets the run's length: the
+        # difference of two probes undercounted a TPU's step by half (2026-12-07), which ran a
+        # run twice as long as asked; this errs short instead, alike for every tokenizer.
         run(probe_steps, "warm-up")  # a process's first run pays more than the others (a TPU's)
-        short = run(probe_steps, "probe").metrics["elapsed_s"]
-        long = run(3 * probe_steps, "probe-long").metrics["elapsed_s"]
-        per_step = max((long - short) / (2 * probe_steps), 1e-4)
-        steps = max(probe_steps, int((seconds - short + probe_steps * per_step) / per_step))
+        per_step = run(probe_steps, "probe").metrics["elapsed_s"] / probe_steps
+        steps = max(probe_steps, int(seconds / per_step))
         found = run(steps, "run").metrics
     return {
         "tokenizer": "bytes" if vocab is None else f"bpe-{vocab}",
@@ -167,12 +190,16 @@ def trained_for(preset: str, data: np.ndarray, vocab: int | None, seconds: float
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tokenizer", description=__doc__)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS, help="a local copy of TinyShakespeare")
+    parser.add_argument(
+        "--corpus",
+        default=str(SHARED_CORPUS),
+        help="a local copy of TinyShakespeare (the default), or python-sources for training (a larger corpus)",
+    )
     parser.add_argument("--encode-mib", type=int, default=1024, help="the corpus encoded (default 1 GiB); 0: skip")
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--vocabs", default="1024,4096,16384", help="the BPE vocabularies trained beside bytes")
     parser.add_argument("--train-s", type=float, default=60.0, help="seconds of training each (0: skip)")
-    parser.add_argument("--probe-steps", type=int, default=20)
+    parser.add_argument("--probe-steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     from bardflow.flows.environment import prepare_environment
@@ -182,20 +209,23 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"machine": machine()}
     flat: dict = {}
     if args.encode_mib:
-        report["encoding"] = found = encoding(args.corpus, args.encode_mib)
+        report["encoding"] = found = encoding(Path(args.corpus), args.encode_mib)
         flat |= {"encode_mb_per_s": found["mb_per_s"], "encode_anonymous_mib_peak": found["anonymous_mib_peak"]}
+    named = "" if args.corpus == str(SHARED_CORPUS) else f"-{Path(args.corpus).stem}"
+    name = f"tokenizer-{args.preset}{named}" if args.train_s else "tokenizer-encode"
     if args.train_s:
-        data = np.fromfile(args.corpus, np.uint8)
-        runs = []
+        data, corpus = corpus_bytes(args.corpus)
+        runs: list[dict] = []
+        report["training"] = {"preset": args.preset, "seconds_each": args.train_s, **corpus, "runs": runs}
         for vocab in [None, *(int(v) for v in args.vocabs.split(",") if v)]:
             try:
                 runs.append(trained_for(args.preset, data, vocab, args.train_s, args.probe_steps))
             except TokenizerError as refused:  # a vocabulary this corpus cannot fill: said, not fatal
                 runs.append({"tokenizer": f"bpe-{vocab}", "refused": str(refused)})
             print(runs[-1], flush=True)
-        report["training"] = {"preset": args.preset, "seconds_each": args.train_s, "runs": runs}
-        flat |= {f"val_bpb_{run['tokenizer']}": run.get("val_bpb") for run in runs}
-    write_report(report, flat, args.out, f"tokenizer-{args.preset}" if args.train_s else "tokenizer-encode")
+            flat[f"val_bpb_{runs[-1]['tokenizer']}"] = runs[-1].get("val_bpb")
+            write_report(report, flat, args.out, name, show=False)  # a run cut short loses only itself
+    write_report(report, flat, args.out, name)
     return 0
 
 

@@ -1,4 +1,5 @@
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -407,6 +408,13 @@ def test_muon_is_optax_s_own_and_on_a_mesh_each_device_orthogonalises_its_share(
     # moved this test's source lines, which the compiled programs carry).
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    # Each shape's Newton-Schulz iterations a loop: XLA compiles its three products once, not
+    # once an iteration (optax writes them out: five times as many, each compiled apart).
+    compiled = jax.jit(lambda g, p: ours.update(g, state, p)).lower(grads, params).compile().as_text()
+    labels = jax.tree.leaves(muon_labels(params))
+    shapes = {leaf.shape for leaf, label in zip(leaves, labels, strict=True) if label == "muon"}
+    assert len(re.findall(r"= \S+ dot\(", compiled)) == 3 * len(shapes)
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     shared = two_steps(ours, mesh).lower(*jax.device_put((grads, params), NamedSharding(mesh, P())))

@@ -6,7 +6,9 @@ it (the same state, so checkpoints carry over; the same numbers up to float roun
 two reasons (``split_among_devices``): on several data-parallel devices each device
 orthogonalises only its share of the matrices and the devices then exchange the results,
 instead of every device computing every matrix's Newton-Schulz iterations; and the matrices
-of one shape go through those iterations together, as one batch.
+of one shape go through those iterations together, as one batch, in a loop: optax writes
+its iterations out one after another, and XLA then compiles each iteration's products apart
+(docs/tpu-check.md, "Where the quality step's compile time goes").
 """
 
 from __future__ import annotations
@@ -70,16 +72,23 @@ def share_out(costs: list[int], devices: int) -> list[int]:
     return owners
 
 
-def _by_shape(core, state: MuonState, grads: list, moments: list, chosen: list[int]) -> tuple[dict, dict]:
+def _by_shape(
+    core, state: MuonState, ns_steps: int, grads: list, moments: list, chosen: list[int]
+) -> tuple[dict, dict]:
     """``core`` on the ``chosen`` matrices, those of one shape stacked (every layer's query
     projection, say): one batched orthogonalisation per shape instead of one per matrix, which
-    is fewer and larger matrix products. Returns the updates and the moments by index."""
+    is fewer and larger matrix products. Its ``ns_steps`` iterations a loop: given a row of
+    coefficients per iteration (the same row each, as stored), optax scans over them instead
+    of writing them out. Returns the updates and the moments by index."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in chosen:
         groups.setdefault(grads[i].shape, []).append(i)
     out, new = core.update(
         [jnp.stack([grads[i] for i in g]) for g in groups.values()],
-        state._replace(mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()]),
+        state._replace(
+            mu=[jnp.stack([moments[i] for i in g]) for g in groups.values()],
+            ns_coeffs=jnp.broadcast_to(jnp.asarray(state.ns_coeffs), (ns_steps, 3)),  # (3,): a, b, c
+        ),
     )
     outs, mus = {}, {}
     for g, o, m in zip(groups.values(), out, new.mu, strict=True):
@@ -88,7 +97,9 @@ def _by_shape(core, state: MuonState, grads: list, moments: list, chosen: list[i
     return outs, mus
 
 
-def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXIS) -> optax.GradientTransformation:
+def split_among_devices(
+    core: optax.GradientTransformation, ns_steps: int, axis: str = DATA_AXIS
+) -> optax.GradientTransformation:
     """``core`` (``scale_by_muon``) on the matrices, stacked by shape, with its
     orthogonalisations shared out among the devices of the enclosing mesh's ``axis``: each
     device computes its share of the matrices, then one all-reduce (of exact zeros but for
@@ -103,7 +114,7 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
         devices = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
         grads, tree = jax.tree.flatten(updates)  # the leaves of other labels are masked: none here
         moments = tree.flatten_up_to(state.mu)
-        outs, mus = _by_shape(core, state, grads, moments, list(range(len(grads))))
+        outs, mus = _by_shape(core, state, ns_steps, grads, moments, list(range(len(grads))))
         new = state._replace(
             count=optax.safe_increment(state.count), mu=tree.unflatten([mus[i] for i in range(len(grads))])
         )
@@ -115,7 +126,7 @@ def split_among_devices(core: optax.GradientTransformation, axis: str = DATA_AXI
             mine = [i for i, owner in enumerate(owners) if owner == device]
 
             def compute(grads, moments):
-                share = _by_shape(core, state, grads, moments, mine)[0]
+                share = _by_shape(core, state, ns_steps, grads, moments, mine)[0]
                 return [share[i] if i in share else jnp.zeros_like(g) for i, g in enumerate(grads)]
 
             return compute
@@ -149,7 +160,7 @@ def muon(learning_rate, adam_learning_rate, ns_steps: int, beta2: float, weight_
     return optax.partition(
         {
             "muon": optax.chain(
-                split_among_devices(core),
+                split_among_devices(core, ns_steps),
                 _scale_by_shape(),
                 optax.add_decayed_weights(weight_decay),
                 optax.scale_by_learning_rate(learning_rate),
