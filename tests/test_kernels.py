@@ -19,8 +19,8 @@ def value_and_grads(fn, *args):
 
 def float32_tolerance(on_cpu: float) -> float:
     """A float32 comparison's tolerance here: a TPU's float32 exp, tanh and erf (in the softmax
-    and gelu, and their gradients) keep four to five digits even at 'highest' precision (its
-    splash kernel's gradients came within 9.8e-5 of XLA's, 2026-12-07); a CPU's keep six."""
+    and gelu, and their gradients) keep four to five digits even at 'highest' precision (the
+    splash kernel's gradients against XLA's on a chip: docs/tpu-check.md); a CPU's keep six."""
     return on_cpu if jax.default_backend() == "cpu" else 1e-4
 
 
