@@ -285,7 +285,8 @@ def serve(
     engine.start()
     try:
         url = f"http://{settings.host}:{settings.port}"
-        example = 100 if model.rotary else max(1, min(100, model.max_seq_len - len("ROMEO:")))  # fits its context
+        prompt = len(engine.vocabulary.encode(b"ROMEO:"))  # in the model's tokens
+        example = 100 if model.rotary else max(1, min(100, model.max_seq_len - prompt))  # fits its context
         said = _serving_line(model_id, url, settings, seconds, later := engine.programs() - engine.first_programs())
         if later:
             _say_when_compiled(engine, started)
