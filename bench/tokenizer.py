@@ -110,19 +110,14 @@ def token_split(data: np.ndarray, cfg, vocab: int | None):
     """(train rows, val rows, bytes per token of the validation text, vocabulary) for bytes
     (``vocab`` None) or a BPE of ``vocab`` ids trained on the training bytes."""
     from bardflow.model.data.splits import train_order, training_bytes, windows
-    from bardflow.model.data.tokenizer import BpeTokenizer, chunk_ends, training_sample
-
-    def encoded(tokenizer: BpeTokenizer, part: np.ndarray) -> np.ndarray:  # in chunks, on every core
-        ends = chunk_ends(part)
-        chunks = [part[a:b].tobytes() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-        return np.concatenate(tokenizer.encode_chunks(chunks))
+    from bardflow.model.data.tokenizer import BpeTokenizer, training_sample
 
     cut = training_bytes(len(data), cfg.data.seq_len, cfg.data.train_fraction, cfg.data.every_position)
     if vocab is None:
         train, val, per_token, size = data[:cut], data[cut:], 1.0, 256
     else:
         tokenizer = BpeTokenizer.train(training_sample(data[:cut]), vocab)
-        train, val = encoded(tokenizer, data[:cut]), encoded(tokenizer, data[cut:])
+        train, val = tokenizer.encode(data[:cut].tobytes()), tokenizer.encode(data[cut:].tobytes())
         per_token, size = (len(data) - cut) / len(val), tokenizer.vocab_size
     rows = windows(train, cfg.data.seq_len, cfg.data.every_position)
     shuffled = np.asarray(rows)[np.asarray(train_order(len(rows), cfg.data.shuffle_seed)[0 : len(rows)])]

@@ -35,12 +35,13 @@ from jax.typing import DTypeLike
 from ..errors import BardflowError
 from ..model.network.caches import LayerCache, SlotCache
 from ..model.network.transformer import Transformer
+from ..model.training.compiling import compile_workers
 from .layouts import CacheLayout, SharedRows, SlotsApart
 from .limits import ServeSettings, ServingError
 from .programs import STEPS_A_CALL, WHOLE, EnginePrograms
 from .shapes import buckets, decode_sizes, fills
 from .tokens import BYTES, Vocabulary, as_ids
-from .warming import LaterCompiles, compile_workers
+from .warming import LaterCompiles
 
 # A program of the engine: its key, its lowering, and its first run on the engine's arrays.
 Program = tuple[tuple, Callable[[], jax.stages.Lowered], Callable[[], None]]
@@ -283,7 +284,7 @@ class Engine:
         self._ready = frozenset()
         covering, faster = self._plan()
         first = covering + faster if every else covering
-        pool = ThreadPoolExecutor(compile_workers(len(first)), "bardflow-compile")
+        pool = ThreadPoolExecutor(compile_workers(len(first), one_on_cpu=True), "bardflow-compile")
         try:
             first_runs = {pool.submit(lower().compile): (key, run) for key, lower, run in first}
             for done, finished in enumerate(as_completed(first_runs), 1):

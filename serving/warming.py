@@ -5,25 +5,17 @@ its next call (``engine.py``)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
 from collections.abc import Callable
 
-import jax
-
-
-def compile_workers(programs: int) -> int:
-    """Threads to compile ``programs`` on: on an accelerator as many as the host has cores
-    (compiling one leaves most of them idle); on a CPU one, which measured faster there
-    (docs/journal.md)."""
-    return 1 if jax.default_backend() == "cpu" else min(programs, os.cpu_count() or 1)
+from ..model.training.compiling import compile_workers
 
 
 class LaterCompiles:
     """Lowers ``programs`` ((key, lowering, first run) each) on one thread and compiles them on
-    ``compile_workers``; ``done`` is set when every one is compiled or failed."""
+    ``compile_workers`` (one on a CPU); ``done`` is set when every one is compiled or failed."""
 
     def __init__(self, programs: list, ready: Callable[[tuple], None]):
         self.done = threading.Event()
@@ -35,7 +27,7 @@ class LaterCompiles:
         if not programs:
             self.done.set()
             return
-        workers = compile_workers(len(programs))
+        workers = compile_workers(len(programs), one_on_cpu=True)
         threading.Thread(target=self._lower, args=(programs, workers), name="bardflow-lower", daemon=True).start()
         for _ in range(workers):
             threading.Thread(target=self._compile, name="bardflow-compile", daemon=True).start()

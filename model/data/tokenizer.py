@@ -143,12 +143,14 @@ class BpeTokenizer:
             raise TokenizerError("this tokenizer does not give every byte back as it was; use data.tokenizer=bpe")
 
     def encode(self, data: bytes) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(mapped(data)).ids, self.dtype)
-
-    def encode_chunks(self, chunks: list[bytes]) -> list[np.ndarray]:
-        """Each chunk's ids, the chunks encoded side by side (the library's threads)."""
-        encoded = self.tokenizer.encode_batch_fast([mapped(chunk) for chunk in chunks])  # no offsets: faster
-        return [np.asarray(e.ids, self.dtype) for e in encoded]
+        """``data``'s ids. Over ``CHUNK_BYTES``, in chunks encoded side by side (the library's
+        threads), cut where the tokens are the whole text's (``chunk_ends``)."""
+        if len(data) <= CHUNK_BYTES:
+            return np.asarray(self.tokenizer.encode(mapped(data)).ids, self.dtype)
+        ends = chunk_ends(np.frombuffer(data, np.uint8))
+        texts = [mapped(data[start:stop]) for start, stop in zip([0, *ends[:-1]], ends, strict=True)]
+        encoded = self.tokenizer.encode_batch_fast(texts)  # no offsets: faster
+        return np.concatenate([np.asarray(e.ids, self.dtype) for e in encoded])
 
     def decode(self, ids: Iterable[int]) -> bytes:
         return b"".join(self.pieces[int(i)] for i in ids)

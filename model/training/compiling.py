@@ -64,9 +64,13 @@ def compiled_so_far() -> CompileCount:
         return _COUNTER.count
 
 
-def compile_workers(programs: int) -> int:
+def compile_workers(programs: int, one_on_cpu: bool = False) -> int:
     """Compiles to run at once: one a host core, since compiling one program keeps one core
-    busy (a run's programs side by side were ready sooner on 2 cores too, docs/benchmarks.md)."""
+    busy (a run's programs side by side were ready sooner on 2 cores too, docs/benchmarks.md).
+    ``one_on_cpu``: one at a time where XLA compiles for a CPU, as the serving engine's many
+    small programs compiled faster there (docs/journal.md)."""
+    if one_on_cpu and jax.default_backend() == "cpu":
+        return 1
     return max(1, min(programs, os.cpu_count() or 1))
 
 
