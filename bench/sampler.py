@@ -18,6 +18,7 @@ from pathlib import Path
 from bench.report import RESULTS, machine, write_report
 
 BANDWIDTH = {"TPU v5 lite": 819e9, "H200": 4.8e12, "H100": 3.35e12}  # bytes/s, the makers' data sheets
+WEIGHTS = ("float32", "bfloat16")
 SMOKE = {"model.num_layers": 1, "model.d_model": 64, "model.num_heads": 2, "model.ffn_dim": 128}
 
 
@@ -40,7 +41,7 @@ def step_bytes(
     return count_params(model) * width + cache
 
 
-def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool) -> dict:
+def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool, weights: tuple[str, ...] = WEIGHTS) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -58,7 +59,8 @@ def measure(preset: str, batches: list[int], new_bytes: int, smoke: bool) -> dic
     base = build_model(cfg.model, 0)
     probe = np.random.default_rng(0).integers(0, 256, (4, window), dtype=np.int32)
     found = {"preset": preset, "window": window, "new_bytes": new_bytes, "by_weights": {}}
-    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+    for name in weights:
+        dtype = jnp.dtype(name)
         model = in_dtype(base, dtype)
         figures = {"logit_diff_to_float32": max_logit_diff(base, model, probe), "tolerance": VerifyConfig().tolerance}
         for rows in batches:
@@ -94,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="gpt2,codelab")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--new-bytes", type=int, default=500)
+    parser.add_argument("--weights", default=",".join(WEIGHTS), help="the weights' dtypes measured")
     parser.add_argument("--smoke", action="store_true", help="one small layer: every part runs, on a CPU too")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     report, flat = {"machine": machine(), "presets": {}}, {}
+    weights = tuple(args.weights.split(","))
     for preset in args.presets.split(","):
-        found = report["presets"][preset] = measure(preset, batches, args.new_bytes, args.smoke)
+        found = report["presets"][preset] = measure(preset, batches, args.new_bytes, args.smoke, weights)
         for weights, figures in found["by_weights"].items():
             for key, value in figures.items():
                 if key.startswith("batch_"):

@@ -8,6 +8,8 @@ machine's first device, per preset, as a training run builds it (``bench/step_ca
               count, ``model/training/utilization.py``), and the losses of ``--loss-steps`` steps
               from one start against XLA's kernel and against a float32 step (bfloat16's noise)
   calls       steps a compiled call (1 and ``auto``) with the chosen kernel
+  run         ``auto``'s call alone, the program a run compiles (with ``profile``, and one step a
+              call, that program traced too: no second compile)
   batch       per-device batches and remat around the preset's: ms a step, XLA's memory
               (arguments and temporaries) against the estimate that ``bardflow run`` refuses
               runs with (``model/training/memory.py``)
@@ -136,8 +138,9 @@ def build_step(cfg, step, count: int, remat: bool | None = None):
     return compiled, time.perf_counter() - started, (graphdef, state), inputs
 
 
-def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None) -> dict:
-    """ms a step, tokens/s and MFU of ``step`` at ``count`` steps a call; XLA's memory against the estimate."""
+def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None, traced: int = 0) -> dict:
+    """ms a step, tokens/s and MFU of ``step`` at ``count`` steps a call; XLA's memory against the
+    estimate. ``traced`` (one step a call): that many more steps profiled (``profiled``'s figures)."""
     import jax
 
     from bardflow.model.training.memory import estimate, step_memory
@@ -170,6 +173,7 @@ def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None) -
         platform=device.platform,
     )
     measured = memory.get("argument_bytes", 0) + memory.get("temp_bytes", 0)
+    traced_figures = {"profile": traced_profile(compiled, holder["state"], inputs[0], traced, step)} if traced else {}
     return {
         "attention": step.attention,
         "steps_per_call": count,
@@ -182,6 +186,7 @@ def step_figures(cfg, step, count: int, steps: int, remat: bool | None = None) -
         "xla_argument_plus_temp_mib": round(measured / 2**20, 1),
         "estimate_mib": round(found.total_bytes / 2**20, 1),
         "estimate_vs_xla": round(found.total_bytes / measured, 3) if measured else None,
+        **traced_figures,
     }
 
 
@@ -250,6 +255,12 @@ def batches_and_remat(preset: str, smoke: bool, base_cfg, steps: int, platform: 
 
 
 def profiled(cfg, step, steps: int) -> dict:
+    compiled, _, (_, state), (example,) = build_step(cfg, step, 1)
+    return traced_profile(compiled, state, example, steps, step)
+
+
+def traced_profile(compiled, state, example, steps: int, step) -> dict:
+    """``steps`` one-step calls of ``compiled`` from ``state`` on ``example``, traced and summed by kind."""
     import jax
     import numpy as np
 
@@ -257,13 +268,19 @@ def profiled(cfg, step, steps: int) -> dict:
     from bench.profile import profile
     from bench.sampler import bandwidth
 
-    compiled, _, (_, state), (example,) = build_step(cfg, step, 1)
     stream = np.stack([example] * (steps + 1))
     kind = jax.devices()[0].device_kind
     figures = profile(compiled, state, stream, steps, peak_flops(kind, step.precision), bandwidth(kind))
     figures.pop("state")
     figures["slowest"] = figures["slowest"][:12]
     return figures
+
+
+def traced_by_run(report: dict) -> dict:
+    run = report.get("run")
+    if not isinstance(run, list) or "profile" not in run[0]:
+        raise RuntimeError("the run part did not trace its program (it failed or was skipped)")
+    return run[0].pop("profile")
 
 
 def measure(preset: str, smoke: bool, steps: int, loss_steps: int, parts: set[str], deadline: float, save) -> dict:
@@ -277,6 +294,9 @@ def measure(preset: str, smoke: bool, steps: int, loss_steps: int, parts: set[st
     if smoke and platform != "tpu":  # Pallas's interpreter: the kernel runs, slowly
         base = dataclasses.replace(base, attention="splash", precision="bfloat16")
     report: dict = {"preset": preset, "step_settings": base.as_json()}
+    profile_steps = 2 if smoke else 3
+    # The run's own program is the one profiled where it takes a step a call: compiled once.
+    traced_in_run = profile_steps if {"run", "profile"} <= parts and base.steps_per_call == 1 else 0
     timings = {
         "attention": lambda: attention_blocks(cfg, 2 if smoke else 10),
         "kernels": lambda: kernels(cfg, base, steps, loss_steps, platform),
@@ -288,8 +308,13 @@ def measure(preset: str, smoke: bool, steps: int, loss_steps: int, parts: set[st
             if base.steps_per_call > 1
             else [step_figures(cfg, base, 1, steps)]
         ),
+        "run": lambda: [step_figures(cfg, base, base.steps_per_call, steps, traced=traced_in_run)],
         "batch": lambda: batches_and_remat(preset, smoke, cfg, steps, platform),
-        "profile": lambda: profiled(cfg, dataclasses.replace(base, steps_per_call=1, unroll=False), 2 if smoke else 3),
+        "profile": lambda: (
+            traced_by_run(report)
+            if traced_in_run
+            else profiled(cfg, dataclasses.replace(base, steps_per_call=1, unroll=False), profile_steps)
+        ),
     }
     for name, part in timings.items():
         if name not in parts:

@@ -288,7 +288,8 @@ class TrainConfig(_Section, frozen=True):
         default="auto",
         description="JAX's generator of dropout's random bits (model.dropout > 0): threefry2x32 "
         "(JAX's default), rbg or unsafe_rbg (XLA's RngBitGenerator: a fraction of threefry's cost on a "
-        "TPU). Each is reproducible from train.init_seed. auto: rbg on a TPU, threefry2x32 elsewhere",
+        "TPU; a byte decides each value, the rate in 256ths). Each is reproducible from train.init_seed. "
+        "auto: rbg on a TPU, threefry2x32 elsewhere",
     )
 
     @model_validator(mode="after")

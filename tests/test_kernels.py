@@ -20,8 +20,9 @@ def value_and_grads(fn, *args):
 def float32_tolerance(on_cpu: float) -> float:
     """A float32 comparison's tolerance here: a TPU's float32 exp, tanh and erf (in the softmax
     and gelu, and their gradients) keep four to five digits even at 'highest' precision (the
-    splash kernel's gradients against XLA's on a chip: docs/tpu-check.md); a CPU's keep six."""
-    return on_cpu if jax.default_backend() == "cpu" else 1e-4
+    splash kernel's gradients against XLA's on a chip, whose largest difference moved from run
+    to run: docs/tpu-check.md); a CPU's keep six."""
+    return on_cpu if jax.default_backend() == "cpu" else 3e-4
 
 
 def assert_close(got, want, tolerance):

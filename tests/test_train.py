@@ -632,6 +632,29 @@ def test_the_blocks_scanned_compute_what_they_compute_unrolled_with_the_same_dro
     assert abs(float(found[False, True][0]) - float(found[False, False][0])) > 1e-4  # dropout did drop
 
 
+def test_dropout_draws_a_byte_a_value_from_xla_s_generators_and_threefry_s_bernoulli_otherwise():
+    """From an rbg key each value's fate is one byte (the rate in 256ths, the kept values
+    scaled so the mean stays), the same bits for the same key; a threefry key keeps the
+    Bernoulli masks every CPU and GPU loss was made with."""
+    from bardflow.model.network.transformer import dropped
+
+    x = jnp.ones((256, 1024), jnp.float32)
+    for impl in ("rbg", "unsafe_rbg"):
+        key = jax.random.key(3, impl=impl)
+        out = np.asarray(dropped(x, 0.2, key))
+        kept = out != 0
+        assert set(np.unique(out)) == {0.0, np.float32(256 / 205)}  # 51 of 256 dropped
+        assert abs(1 - kept.mean() - 51 / 256) < 0.005 and abs(out.mean() - 1) < 0.01
+        bytes_ = np.asarray(jax.random.bits(key, x.shape, jnp.uint8))
+        np.testing.assert_array_equal(kept, bytes_ >= 51)
+        np.testing.assert_array_equal(out, np.asarray(dropped(x, 0.2, jax.random.key(3, impl=impl))))
+    threefry = jax.random.key(3)
+    np.testing.assert_array_equal(
+        np.asarray(dropped(x, 0.2, threefry)),
+        np.where(np.asarray(jax.random.bernoulli(threefry, 0.8, x.shape)), np.float32(1 / 0.8), 0.0),
+    )
+
+
 def test_layers_and_dropout_s_generator_resolve_per_platform_and_say_why():
     from bardflow.config.settings import build_config
     from bardflow.model.training.step_settings import resolve

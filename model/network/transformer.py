@@ -52,11 +52,22 @@ def output_init(cfg: ModelConfig) -> dict:
     return {"kernel_init": nnx.initializers.zeros_init()} if cfg.zero_init else {}
 
 
+# XLA's generators, which a TPU runs: there a mask drawn a byte a value, not 32 bits, cut the
+# ``quality`` step's compile time by a third (docs/tpu-check.md). Threefry keeps its masks.
+BYTE_MASK_GENERATORS = frozenset({"rbg", "unsafe_rbg"})
+
+
 def dropped(x, rate: float, key):
     """Dropout: each value zeroed with probability ``rate``, the rest scaled by 1 / (1 - rate);
-    ``x`` itself without a key (evaluation, sampling) or at rate 0."""
+    ``x`` itself without a key (evaluation, sampling) or at rate 0. From an XLA generator's key
+    (``BYTE_MASK_GENERATORS``) a byte decides each value: the rate in 256ths (0.2: 51/256),
+    the kept values scaled by the fraction kept, so the expectation stays ``x``."""
     if key is None or rate == 0.0:
         return x
+    if str(jax.random.key_impl(key)) in BYTE_MASK_GENERATORS:
+        dropped_of_256 = min(255, max(1, round(rate * 256)))
+        kept = jax.random.bits(key, x.shape, jnp.uint8) >= dropped_of_256
+        return jnp.where(kept, x * (256 / (256 - dropped_of_256)), 0.0).astype(x.dtype)
     kept = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(kept, x / (1.0 - rate), 0.0).astype(x.dtype)
 
