@@ -67,7 +67,8 @@ ENCODE = Stage(
 # values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
 # its own, mlp.up and mlp.down, so a state of "2" has other names.)
 STATE, HISTORY = "state", "history.json"  # what each training stage builds
-# "5": dropout from an XLA generator's key (a TPU's default) is drawn a byte a value.
+# "5": dropout from an XLA generator's key (a TPU's default) is drawn a byte a value, and the
+# clipped gradient's norm is summed by shape (float rounding where clipping scales).
 TRAIN_SINGLE = Stage(
     "train_single",
     "5",
