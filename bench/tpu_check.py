@@ -259,6 +259,7 @@ class TpuCheck(Check):
         if quality:
             found["quality_val_loss"] = quality["val_loss"]
             found["quality_train_s"] = quality["training_s"]
+            found["quality_compile_each_s"] = quality.get("compile_each_s")  # side by side: see compile_s's
             # From the process's start to the first validation loss at or under the target,
             # compiling and evaluating included, with an empty compilation cache.
             found["quality_seconds_to_target"] = quality["seconds_to_target_from_start"]

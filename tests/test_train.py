@@ -728,3 +728,7 @@ def test_a_run_compiles_its_programs_ahead_once_each_and_says_how_long(split):
     assert [h["step"] for h in result.history if h["val_loss"] is not None] == [0, 4, 8]
     assert len(said) == 1 and said[0].startswith("compiled the step (unrolled blocks, 4 a call)")
     assert f"{result.compile_s:.1f} s" in said[0] and result.compile_s > 0
+    # Each program's own time, the looped step's and the evaluation's, none longer than the whole.
+    each = result.metrics()["compile_each_s"]
+    assert list(each) == ["4 steps", "evaluation"] and all(0 < s <= result.compile_s + 0.01 for s in each.values())
+    assert all(f"{name} {seconds:.1f} s" in said[0] for name, seconds in each.items())

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -58,6 +58,7 @@ class TrainResult:
     resumed_layout: Layout | None = None  # the devices and layout of the checkpoint resumed from
     kept: KeptState | None = None  # train.keep=best: the evaluated step whose state this is
     compiles: CompileCount = CompileCount()  # what the run compiled, ahead and as it went
+    compile_each: dict[str, float] = field(default_factory=dict)  # each program of compile_s, its own seconds
     bytes_per_token: float = 1.0  # the validation text's (``TrainingSetup``)
 
     @property
@@ -80,6 +81,7 @@ class TrainResult:
             "global_batch": self.global_batch,
             "devices": self.devices,
             "compile_s": round(self.compile_s, 3),  # the step's and evaluation's, ahead
+            "compile_each_s": self.compile_each,  # those programs', each timed on its own thread
             "compiled": self.compiles.as_json(),  # every program the run compiled
             "elapsed_s": round(self.elapsed_s, 3),
             "resumed_from_step": self.resumed_from,
@@ -262,7 +264,7 @@ def train(setup: TrainingSetup) -> TrainResult:
     state = placement.put_state(state.result() if isinstance(state, Future) else state)
     resumed = _resume(setup.checkpoints, state, record)
     state, start = resumed.state, resumed.start
-    calls, compile_s, memory = compiling.result(state)
+    calls, compile_s, memory, compile_each = compiling.result(state)
     first = example if start == 0 else placement.put_batch(batch_at(start))
     tokens_at, stacked_at = _placed_batches(setup, calls, start, first)
     record.started = time.perf_counter()
@@ -282,6 +284,7 @@ def train(setup: TrainingSetup) -> TrainResult:
         state=state,
         history=record.history,
         compile_s=compile_s,
+        compile_each=compile_each,
         elapsed_s=record.trained_s(),
         steps=last,
         global_batch=global_batch,
@@ -329,11 +332,14 @@ class _Compiling:
     step: StepSettings
     started: float
     futures: list  # the one-step program's (unless looped), the several's (if any), the evaluation's
+    names: list[str]  # the programs', in that order
     several: int  # steps a call of the several-step program; 0: none
     looped: bool  # that program takes any number of steps up to ``several``: no one-step program
 
-    def result(self, state) -> tuple[StepCalls, float, dict[str, int]]:
-        compiled = [future.result() for future in self.futures]
+    def result(self, state) -> tuple[StepCalls, float, dict[str, int], dict[str, float]]:
+        timed = [future.result() for future in self.futures]
+        compiled = [t.executable for t in timed]
+        each = {name: round(t.seconds, 2) for name, t in zip(self.names, timed, strict=True)}
         if self.looped:
             calls, largest = StepCalls(None, compiled[0], self.several, looped=True), compiled[0]
         elif self.several:
@@ -343,9 +349,10 @@ class _Compiling:
         compile_s = time.perf_counter() - self.started
         placement, cfg, step = self.setup.placement, self.setup.cfg, self.step
         if self.setup.note is not None:
+            side_by_side = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in each.items())
             self.setup.note(
                 f"compiled the step ({step.layers} blocks, {step.steps_per_call} a call) and the evaluation "
-                f"in {compile_s:.1f} s"
+                f"in {compile_s:.1f} s ({side_by_side}, side by side)"
             )
         memory = step_memory(largest, state)
         device = next(d for d in placement.devices if d.process_index == jax.process_index())  # one of ours
@@ -358,7 +365,7 @@ class _Compiling:
             step.passes(cfg.per_device_batch),
             len(placement.devices) if device.platform == "cpu" else 1,
         )
-        return calls, compile_s, memory
+        return calls, compile_s, memory, each
 
 
 def _compile_ahead(
@@ -395,15 +402,17 @@ def _compile_ahead(
 
     several = step.steps_per_call if step.steps_per_call > 1 and last > 1 else 0
     looped = bool(several) and not step.unroll
-    programs = [] if looped else [lowered_step(0, example)]
+    programs, names = ([], []) if looped else ([lowered_step(0, example)], ["step"])
     if several:  # an example of the stacked batches: their shape
         programs.append(lowered_step(several, placement.put_batch(np.stack([local] * several), stacked=True)))
+        names.append(f"{several} steps")
     options = [step.xla_options] * len(programs)
     evaluation = evaluate.lowered(state)
     if evaluation is not None:  # compiled beside the step; its jitted call then finds it compiled
         programs.append(evaluation)
+        names.append("evaluation")
         options.append({})
-    return _Compiling(setup, step, started, compile_all(programs, options), several, looped)
+    return _Compiling(setup, step, started, compile_all(programs, options), names, several, looped)
 
 
 def _kept_state(state, record: RunRecord, best, last: int) -> tuple[Any, KeptState | None]:

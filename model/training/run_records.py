@@ -69,6 +69,7 @@ class StepMetrics(TypedDict):
     global_batch: int
     devices: int
     compile_s: float  # from lowering the step to its programs and the evaluation's compiled, ahead
+    compile_each_s: dict[str, float]  # each of those programs' own seconds, compiled side by side
     compiled: dict[str, float | int]  # programs XLA compiled in the run, their seconds, persistent-cache hits
     elapsed_s: float
     resumed_from_step: int | None
