@@ -189,8 +189,14 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_environment()  # the pipeline's device defaults: one emulated device per core on a CPU
     from bardflow.config.config_file import parse_assignment
+    from bardflow.config.settings import ConfigError, build_config
 
     overrides = dict(parse_assignment(item) for item in args.set)
+    try:  # the settings checked before a minute of compiling: one line for a bad one
+        build_config(args.preset, {"train.eval_every": 0, **overrides})
+    except ConfigError as error:
+        print(f"bench.quality: error: {error}", file=sys.stderr)
+        return 2
     target = args.target or DEFAULT_TARGET.get(args.preset, 1.47)
     result = time_to_quality(args.preset, overrides, target, args.corpus, args.deliver)
     print(f"{'step':>6} {'tokens':>11} {'seconds':>8} {'val loss':>9} {'bits/byte':>9}")
