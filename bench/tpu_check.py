@@ -45,11 +45,13 @@ SERVE_RUNS = (
     ("gpt2-kernels-bfloat16", "gpt2", ("--kernels", "--cache", "bfloat16")),
 )
 # The model's tests a device changes (the hand-written CPU kernels' are held to float32 digits
-# a TPU's products do not keep: tests/test_kernels.py's Pallas ones run here instead).
+# a TPU's products do not keep: tests/test_kernels.py's Pallas ones run here instead). Of
+# tests/test_model.py the causal mask only: its refinements and shapes are the same on any
+# device, and each compiled cold cost the chip seconds (docs/tpu-check.md).
 TPU_TESTS = [
     "tests/test_kernels.py::test_pallas_tpu_attention_matches_autodiff_of_dot_product_attention",
     "tests/test_kernels.py::test_the_model_computes_the_same_with_either_kernel",
-    "tests/test_model.py",
+    "tests/test_model.py::test_changing_a_later_token_never_changes_earlier_logits",
     "tests/test_checkpoint_and_sampling.py",
     "tests/test_train.py::test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_tracks_float32_loss",
 ]
@@ -66,7 +68,7 @@ PRESETS = {
 # (docs/tpu-check.md, 2026-12-07): the step and quality parts keep what they measured when cut
 # short; serving gets what is left. They add up to more than the budget: compiling still takes
 # most of every part, so the last one is cut until it takes less.
-LIMITS = {"tests": 120, "quality": 120, "step": 150, "sampler": 70, "serve": 540, "pipeline": 150}
+LIMITS = {"tests": 100, "quality": 120, "step": 150, "sampler": 70, "serve": 540, "pipeline": 150}
 
 
 def sockets_open() -> str | None:
