@@ -153,8 +153,6 @@ class TpuCheck(Check):
                 for arg in ("--set", item)
             ] + ["--preset", "tiny", "--target", "100"]
         else:
-            # One step a call: the five unrolled steps of ``auto`` took the part past two minutes
-            # to compile on a TPU v5e; one step a call compiled in 63.5 s (docs/tpu-check.md).
             extra = ["--preset", "quality", "--target", "1.47"]
         try:
             self.sh(
