@@ -227,13 +227,17 @@ class TpuCheck(Check):
         """The headline figures of the parts that ran."""
         found: dict = {}
         step = self.figures.get("step", {}).get("presets", {})
+        # Each preset's measured calls: the run's program ("run"), or one step a call and auto's ("calls").
+        measured = {
+            preset: calls
+            for preset, report in step.items()
+            if isinstance(calls := report.get("run", report.get("calls")), list) and calls
+        }
         chosen = {}
-        for preset, report in step.items():
-            calls = report.get("run", report.get("calls"))
-            if isinstance(calls, list) and calls:
-                best = max((c for c in calls if "ms_per_step" in c), key=lambda c: c["tokens_per_s"], default=None)
-                if best:
-                    chosen[preset] = best
+        for preset, calls in measured.items():
+            best = max((c for c in calls if "ms_per_step" in c), key=lambda c: c["tokens_per_s"], default=None)
+            if best:
+                chosen[preset] = best
         if "gpt2" in chosen:
             found["gpt2_mfu"] = chosen["gpt2"]["mfu"]
             found["gpt2_tokens_per_s"] = chosen["gpt2"]["tokens_per_s"]
@@ -242,11 +246,7 @@ class TpuCheck(Check):
         if "quality" in chosen:
             found["quality_step_mfu"] = chosen["quality"]["mfu"]
         # The training step's program as a run compiles it (auto's: the last of the calls measured), cold.
-        found["compile_s"] = {
-            preset: chosen_calls[-1].get("compile_s")
-            for preset, report in step.items()
-            if isinstance(chosen_calls := report.get("run", report.get("calls")), list) and chosen_calls
-        }
+        found["compile_s"] = {preset: calls[-1].get("compile_s") for preset, calls in measured.items()}
         found["estimate_vs_xla"] = {p: c.get("estimate_vs_xla") for p, c in chosen.items()}
         found["attention"] = {p: r.get("step_settings", {}).get("attention") for p, r in step.items()}
         kernels = {
