@@ -125,6 +125,20 @@ class Server:
                 time.sleep(0.5 * 2**attempt)
         return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
+    def stage_states(self, flow_run_id: str, within_s: float = 20) -> dict[str, str]:
+        """Each stage's (task run's) state by stage, once all have ended. A task run's states reach
+        the server as events, recorded a moment after the flow run's own state (Prefect 3's
+        task-run recorder): a flow run just ended may still show a stage Running."""
+        deadline = time.monotonic() + within_s
+        while True:
+            runs = self.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+            states = {run["name"].rsplit("-", 1)[0]: run["state"] for run in runs}
+            if all(state["type"] not in ("SCHEDULED", "PENDING", "RUNNING") for state in states.values()):
+                return {stage: state["name"] for stage, state in states.items()}
+            names = {stage: state["name"] for stage, state in states.items()}
+            assert time.monotonic() < deadline, f"stages not ended {within_s} s after their flow run: {names}"
+            time.sleep(0.3)
+
     def serve(self, timeout_s: float = 240) -> Server:
         """``bardflow server start``: the background server users keep running."""
         done = self.run(

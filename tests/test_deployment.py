@@ -102,11 +102,6 @@ def deployment_run(server: Server, name: str, *params: str, job_variables: dict 
     return match.group(1), started
 
 
-def stage_states(server: Server, flow_run_id: str) -> dict[str, str]:
-    runs = server.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-    return {run["name"].rsplit("-", 1)[0]: run["state"]["name"] for run in runs}
-
-
 def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, first_deployment_run):
     server, store, bucket = deployed
     timings = {}
@@ -115,7 +110,7 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     run_id = first_deployment_run["id"]
     flow_run = server.api("/flow_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})[0]
     assert flow_run["state"]["type"] == "COMPLETED"
-    assert set(stage_states(server, run_id).values()) == {"Completed"}
+    assert set(server.stage_states(run_id).values()) == {"Completed"}
     timings["deployment_run_to_flow_start_s"] = round(
         datetime.fromisoformat(flow_run["start_time"]).timestamp() - first_deployment_run["started"], 1
     )
@@ -127,7 +122,7 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     started = time.time()
     run_id, _ = deployment_run(server, "bardflow-samples/generate", *tiny, 'prompts=["HAMLET:"]')
     timings["generate_run_s"] = round(time.time() - started, 1)
-    states = stage_states(server, run_id)
+    states = server.stage_states(run_id)
     assert states == {s: ("Completed" if s == "generate" else "Cached") for s in STAGES}
     fs = bucket.filesystem()  # what the bucket holds, as any other machine would read it
     samples = [json.loads(fs.cat_file(p)) for p in fs.glob(f"{store[5:]}/generate/*/build-*/samples.json")]
@@ -165,7 +160,7 @@ def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_dep
     finally:
         server.stop_worker(worker)
     # The same store as the first run: every stage is its version, from the cache.
-    assert set(stage_states(server, run_id).values()) == {"Cached"}
+    assert set(server.stage_states(run_id).values()) == {"Cached"}
 
 
 def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployment_run):
@@ -304,7 +299,7 @@ def cancel_in_training(server: Server, run_id: str) -> str:
         time.sleep(0.2)
     # A cancel is the user's choice: the stage ends Cancelled too, not Failed, with one line
     # that says where a new run of the deployment goes on, and the worker prints no error.
-    assert stage_states(server, run_id)["train_single"] == "Cancelled"
+    assert server.stage_states(run_id)["train_single"] == "Cancelled"
     prefix = "cancelled: stopped by SIGTERM during train_single at step"
     stopped = [m for m in messages_of(server, run_id) if m.startswith(prefix)]
     assert len(stopped) == 1 and "is saved: run the deployment again to resume from it" in stopped[0], stopped
