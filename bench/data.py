@@ -182,6 +182,8 @@ def train(job: dict, store, data, idle: int, memory: AnonSampler) -> dict:
             "train.steps": job["steps"],
             "train.log_every": job["steps"],
             "train.checkpoint_every": job["steps"],
+            # auto's bounded evaluation (a seeded choice of the large split's rows), not the preset's 256 rows
+            "train.eval_rows": 0,
             **job.get("settings", {}),
         },
     )
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
+    if args.rounds < 1:
+        parser.error(f"--rounds takes 1 or more training runs per corpus, not {args.rounds}")
     size = parse_size(args.size)
     settings = dict(setting.split("=", 1) for setting in args.settings)
     work = Path(tempfile.mkdtemp(prefix="bardflow-bench-data-", dir=args.work))
