@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = tuple(args.weights.split(","))
     for preset in args.presets.split(","):
         found = report["presets"][preset] = measure(preset, batches, args.new_bytes, args.smoke, weights)
-        for weights, figures in found["by_weights"].items():
+        for dtype, figures in found["by_weights"].items():
             for key, value in figures.items():
                 if key.startswith("batch_"):
-                    flat[f"{preset}.{weights}.{key}.bytes_per_s"] = value["bytes_per_s"]
+                    flat[f"{preset}.{dtype}.{key}.bytes_per_s"] = value["bytes_per_s"]
     print(f"written to {write_report(report, flat, args.out, 'sampler')}")
     return 0
 
