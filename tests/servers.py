@@ -134,9 +134,9 @@ class Server:
             runs = self.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
             states = {run["name"].rsplit("-", 1)[0]: run["state"] for run in runs}
             assert len(states) == len(runs), sorted(run["name"] for run in runs)  # a stage is one task run
-            if all(state["type"] not in ("SCHEDULED", "PENDING", "RUNNING") for state in states.values()):
-                return {stage: state["name"] for stage, state in states.items()}
             names = {stage: state["name"] for stage, state in states.items()}
+            if all(state["type"] not in ("SCHEDULED", "PENDING", "RUNNING") for state in states.values()):
+                return names
             assert time.monotonic() < deadline, f"stages not ended {within_s} s after their flow run: {names}"
             time.sleep(0.3)
 
