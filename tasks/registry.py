@@ -67,11 +67,12 @@ ENCODE = Stage(
 # values differ from the op-by-op ones in the last bits. ("3": the MLP became a module of
 # its own, mlp.up and mlp.down, so a state of "2" has other names.)
 STATE, HISTORY = "state", "history.json"  # what each training stage builds
-# "5": dropout from an XLA generator's key (a TPU's default) is drawn a byte a value, and the
-# clipped gradient's norm is summed by shape (float rounding where clipping scales).
+# "6": clipping is optax's again (the norm summed a parameter: "5"'s float rounding where
+# clipping scales). "5": dropout from an XLA generator's key (a TPU's default) is drawn a byte
+# a value.
 TRAIN_SINGLE = Stage(
     "train_single",
-    "5",
+    "6",
     reads=("encode",),
     settings=RunPlan.single_device_training,
     recipe=TrainingRequest.recipe,
@@ -79,13 +80,13 @@ TRAIN_SINGLE = Stage(
     headline=("tokens_per_s", "ms_per_step", "compile_s", "final_loss", "val_loss"),
     function="train:build_single",
 )
-# "7": the dropout of "5" above. "6": the initial values of "4" above. "5": it reads
-# train_single, whose version it takes over when it has one device only: the same recipe on
-# the same data, so train_single's own version adds nothing to the key, and a shorter or
-# longer train_single (train.single_device_steps) leaves it cached.
+# "8": the clipping of "6" above. "7": the dropout of "5" above. "6": the initial values of
+# "4" above. "5": it reads train_single, whose version it takes over when it has one device
+# only: the same recipe on the same data, so train_single's own version adds nothing to the
+# key, and a shorter or longer train_single (train.single_device_steps) leaves it cached.
 TRAIN_PARALLEL = Stage(
     "train_parallel",
-    "7",
+    "8",
     reads=("encode", "train_single"),
     keyed_by=("encode",),
     settings=RunPlan.parallel_training,

@@ -1,5 +1,5 @@
 """The optimizers: AdamW (the codelab's), or Muon for the blocks' weight matrices with AdamW
-for the rest, on a schedule, after optional clipping (``clip_by_global_norm``).
+for the rest, on a schedule, after optional clipping.
 
 Muon is optax's, assembled here from its public parts as ``optax.contrib.muon`` assembles
 it (the same state, so checkpoints carry over; the same numbers up to float rounding), for
@@ -197,25 +197,4 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     shape = learning_rate(cfg, peak=1.0)
     if callable(shape):  # a schedule (warmup, cosine), not a constant
         tx = optax.chain(tx, optax.scale_by_schedule(shape))
-    return optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """The gradient scaled down to ``max_norm`` where its global norm exceeds it, as optax's
-    ``clip_by_global_norm`` (the same empty state, so checkpoints carry over), computed with
-    fewer programs for XLA to compile: the squares summed over the gradients of one shape
-    stacked (every layer's query projection at once) instead of one reduction a parameter, and
-    the scale one multiply that fuses into the optimizer's update instead of a select: a TPU
-    compiles each reduction and select on its own, and clipping was a large part of the
-    ``gpt2`` step's compile time there (docs/tpu-check.md)."""
-
-    def update(updates, state, params=None):
-        del params
-        groups: dict[tuple, list[jax.Array]] = {}
-        for leaf in jax.tree.leaves(updates):
-            groups.setdefault((leaf.shape, leaf.dtype), []).append(leaf)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(jnp.stack(group).astype(jnp.float32))) for group in groups.values()))
-        scale = jnp.minimum(1.0, max_norm / norm)  # exactly 1 under the bound: the gradient as it is
-        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
