@@ -172,26 +172,25 @@ def test_with_the_decode_kernels_or_a_bfloat16_cache_a_request_gets_the_same_byt
     """The Pallas decode kernels (Pallas's interpreter here) sum in another order than the
     sampler, and a bfloat16 cache rounds the keys it keeps, so the bytes they give are the
     engine's own: the same for a request served alone as among others joining and leaving, and
-    nothing compiles after warming."""
-    requests = SIX_REQUESTS
-    results = {}
+    nothing compiles after warming. One engine of eight slots serves each request alone, then
+    all six at once (one kernel step for all)."""
     model = build_model(ROPE_64, 0) if kernels and cache == "bfloat16" else rope_model
-    for slots in (1, 8):  # alone, and six in one call of eight slots (one kernel step for all)
-        engine = Engine(model, slots=slots, queue_limit=8, kernels=kernels, cache_dtype=cache)
-        assert engine.caches[0].keys.dtype == (cache or "float32")
-        engine.warm(every=True)
-        compiled = engine.compilations
-        engine.start()
-        try:
-            with xla_compiles() as asked:
-                results[slots] = served(engine, requests)
-            assert not asked and engine.compilations == compiled == engine.programs()
-        finally:
-            engine.stop()
-    assert results[8] == results[1]
+    engine = Engine(model, slots=8, queue_limit=8, kernels=kernels, cache_dtype=cache)
+    assert engine.caches[0].keys.dtype == (cache or "float32")
+    engine.warm(every=True)
+    compiled = engine.compilations
+    engine.start()
+    try:
+        with xla_compiles() as asked:
+            alone = [served(engine, [request])[0] for request in SIX_REQUESTS]
+            together = served(engine, SIX_REQUESTS)
+        assert not asked and engine.compilations == compiled == engine.programs()
+    finally:
+        engine.stop()
+    assert together == alone
     assert all(
         reason == "length" and len(data) == count
-        for (data, reason), (_, count, _) in zip(results[8], requests, strict=True)
+        for (data, reason), (_, count, _) in zip(together, SIX_REQUESTS, strict=True)
     )
 
 
