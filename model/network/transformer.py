@@ -52,8 +52,8 @@ def output_init(cfg: ModelConfig) -> dict:
     return {"kernel_init": nnx.initializers.zeros_init()} if cfg.zero_init else {}
 
 
-# XLA's generators, which a TPU runs: there a mask drawn a byte a value, not 32 bits, cut the
-# ``quality`` step's compile time by a third (docs/tpu-check.md). Threefry keeps its masks.
+# XLA's generators, which a TPU runs: there a mask drawn a byte a value, not 32 bits, made the
+# ``quality`` step faster (docs/tpu-check.md). Threefry keeps its masks.
 BYTE_MASK_GENERATORS = frozenset({"rbg", "unsafe_rbg"})
 
 
