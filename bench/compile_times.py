@@ -11,8 +11,9 @@ first device, with no persistent compilation cache (every program compiled cold)
 Each row: seconds to compile the program of one step and of a call of several, ms a step,
 tokens/s and MFU. On a TPU a program compiles faster after a similar one in the same process
 (docs/tpu-check.md, "One process, several programs"): the rows' compile times compare in their
-order only, and a run's own is a fresh process's (the TPU check's step part). ``--smoke``: small shapes and few steps (a CPU). Writes
-``<date>-<backend>-compile-times.json`` under ``--out``; docs/benchmarks.md and
+order only, and a run's own is a fresh process's (the TPU check's step part). ``--smoke``:
+small shapes and few steps (a CPU). Writes ``<date>-<backend>-compile-times.json`` under
+``--out``; docs/benchmarks.md and
 docs/tpu-check.md hold the figures.
 """
 
