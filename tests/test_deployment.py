@@ -132,35 +132,27 @@ def test_deployment_runs_reruns_one_stage_and_generates_from_cache(deployed, fir
     (OUTPUT / "deployment" / "timings.json").write_text(json.dumps(timings, indent=1))
 
 
-def test_the_tpu_deployment_runs_on_a_worker_of_the_tpu_pool(deployed, first_deployment_run, worker_corpus):
-    """prefect.yaml's `pipeline-tpu`: the pool `tpu`, the TPU's environment, and a run through a
-    worker of that pool. Here, with no TPU, the run's environment says the CPU instead."""
-    server, store, object_server = deployed
-    found = server.api("/deployments/filter", {"deployments": {"name": {"any_": ["pipeline-tpu"]}}})
-    assert [d["work_pool_name"] for d in found] == ["tpu"]
-    env = found[0]["job_variables"]["env"]
-    assert env["JAX_PLATFORMS"] == "tpu" and env["BARDFLOW_STORE"] == "store"
-    worker = server.start(
-        "tpu-worker",
-        str(BIN / "prefect"),
-        "worker",
-        "start",
-        "--pool",
-        "tpu",
-        env={**server.env, **object_server.env, "BARDFLOW_CORPUS": worker_corpus},
-    )
-    try:
-        run_id, _ = deployment_run(
-            server,
-            "bardflow-pipeline/pipeline-tpu",
-            "preset=tiny",
-            f"store={store}",
-            job_variables={"env": {**env, "JAX_PLATFORMS": "cpu"}},
+def test_the_tpu_and_cpu_deployments_are_the_pipeline_on_pools_of_their_own(deployed):
+    """prefect.yaml's `pipeline-tpu` and `pipeline-cpu`, as `deploy --all` registered them: the
+    pipeline's flow on the pool `tpu` or `cpu`, with that platform's environment. A worker of
+    any pool runs a deployment the same way (the `gpu` pool's runs above and below); what sets
+    these two apart is what the server holds."""
+    server, _, _ = deployed
+    found = {
+        d["name"]: d
+        for d in server.api(
+            "/deployments/filter", {"deployments": {"name": {"any_": ["pipeline", "pipeline-tpu", "pipeline-cpu"]}}}
         )
-    finally:
-        server.stop_worker(worker)
-    # The same store as the first run: every stage is its version, from the cache.
-    assert set(server.stage_states(run_id).values()) == {"Cached"}
+    }
+    pipeline = found["pipeline"]
+    for name, pool, preset in (("pipeline-tpu", "tpu", "codelab"), ("pipeline-cpu", "cpu", "cpu")):
+        deployment = found[name]
+        assert deployment["work_pool_name"] == pool
+        assert (deployment["flow_id"], deployment["entrypoint"]) == (pipeline["flow_id"], pipeline["entrypoint"])
+        assert deployment["parameters"] == {"preset": preset}
+        env = deployment["job_variables"]["env"]
+        assert env["JAX_PLATFORMS"] == pool and env["BARDFLOW_STORE"] == "store" and env["DO_NOT_TRACK"] == "1"
+    assert {pool["name"] for pool in server.api("/work_pools/filter", {})} >= {"gpu", "tpu", "cpu"}
 
 
 def test_the_ui_shows_every_stage_and_renders_the_plots(deployed, first_deployment_run):
