@@ -137,46 +137,49 @@ def pytest_configure(config):
 # Every module, longest first (their durations with an empty compilation cache, in
 # docs/benchmarks.md): handed out in this order, the workers end together. The second is
 # one that needs no Prefect server: it keeps a core busy while the first starts the
-# session's server (its database made from scratch), instead of waiting for it.
+# session's server (its database made from scratch), instead of waiting for it. The modules
+# that mostly wait (on servers, timeouts, other processes: kept_server, session, slots,
+# sources, object_store) come before the short ones that compute, each between two that
+# compute, so that their waits fall beside another module's work, not together at the end.
 LONGEST_FIRST = (
     "test_deployment",
     "test_serving",
     "test_sweep",
-    "test_distributed",
     "test_signals",
+    "test_distributed",
     "test_flow",
     "test_object_store_flow",
     "test_reliability",
+    "test_kept_server",
     "test_fsdp",
     "test_train",
-    "test_kept_server",
-    "test_hf_export",
-    "test_bench_baselines",
-    "test_tokenizer",
-    "test_resume",
     "test_pool_server",
+    "test_hf_export",
     "test_session",
-    "test_kernels",
-    "test_cli",
-    "test_tracking",
+    "test_resume",
     "test_slots",
-    "test_object_store",
-    "test_stages",
+    "test_tracking",
     "test_sources",
-    "test_cpu_tuning",
+    "test_cli",
+    "test_object_store",
+    "test_tokenizer",
+    "test_bench_baselines",
+    "test_stages",
+    "test_kernels",
     "test_kept_state",
-    "test_model",
-    "test_checkpoint_and_sampling",
+    "test_cpu_tuning",
     "test_bench_quality",
     "test_code_versions",
+    "test_checkpoint_and_sampling",
+    "test_model",
     "test_data",
     "test_navigation",
     "test_store",
-    "test_layers",
     "test_prefect_private",
+    "test_layers",
     "test_config",
-    "test_corpus_identity",
     "test_gpu_kit",
+    "test_corpus_identity",
     "test_run_config",
 )
 
@@ -184,7 +187,7 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items):
     """End-to-end runs and multi-process runs are the slow ones: ``-m "not slow"`` is the
     inner loop. Modules go in the order above, the longest first, so that parallel workers
-    (the README's ``-n 3 --dist loadfile``) start the long ones early and end on short ones
+    (the README's ``-n 2 --dist loadfile``) start the long ones early and end on short ones
     together; a module not named there goes last, with a warning (a long one there would end
     the session alone on one worker)."""
     for item in items:
