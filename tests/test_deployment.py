@@ -88,13 +88,10 @@ def first_deployment_run(deployed) -> dict:
     return {"id": run_id, "started": started}
 
 
-def deployment_run(server: Server, name: str, *params: str, job_variables: dict | None = None) -> tuple[str, float]:
+def deployment_run(server: Server, name: str, *params: str) -> tuple[str, float]:
     """Runs the README's command; returns the flow run id and when the command started."""
     started = time.time()
     args = [arg for p in params for arg in ("--param", p)]
-    args += [
-        arg for key, value in (job_variables or {}).items() for arg in ("--job-variable", f"{key}={json.dumps(value)}")
-    ]
     done = server.run(str(BIN / "prefect"), "deployment", "run", name, *args, "--watch", timeout=900)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     match = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
