@@ -213,10 +213,22 @@ class _StoppedWhileCompiling(Exception):
         self.signum = signum
 
 
-def _stop_compiling(signum: int, frame: object) -> None:
+class _CompileStop:
     """SIGINT and SIGTERM while the programs compile stop the command (after the compiles under
-    way: XLA's cannot be interrupted) with its one line, not a traceback or a death by signal."""
-    raise _StoppedWhileCompiling(signum)
+    way: XLA's cannot be interrupted) with its one line, not a traceback or a death by signal.
+    The signal is also kept: raised where Python drops exceptions (a garbage-collection
+    callback, JAX's among them, or a ``__del__``), it is raised again after the next program."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        raise _StoppedWhileCompiling(signum)
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise _StoppedWhileCompiling(self.signum)
 
 
 def _serving_line(model_id: str, url: str, settings: ServeSettings, ready_s: float, later: int) -> str:
@@ -270,14 +282,21 @@ def serve(
     listener = listener or listening_socket(settings.host, settings.port)
     engine = _engine(model, settings, tokenizer)
     started = time.perf_counter()
+    stop = _CompileStop()
     try:
         with (
-            signals.handled(_stop_compiling),
+            signals.handled(stop),
             (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
                 engine.first_programs()
             ) as compiled,
         ):
-            seconds = engine.warm(compiled)
+
+            def compiled_unless_stopped(done: int) -> None:
+                compiled(done)
+                stop.check()
+
+            seconds = engine.warm(compiled_unless_stopped)
+            stop.check()
     except _StoppedWhileCompiling as stopped:
         name = signal.Signals(stopped.signum).name
         print(f"bardflow: stopped by {name} while compiling the server's programs", file=sys.stderr, flush=True)

@@ -877,6 +877,47 @@ def stopping_server(rope_model, grace_s: float, **config):
     return running, thread, listener.getsockname(), engine
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_while_compiling_stops_serve_even_where_python_drops_the_signal_s_exception(rope_model, capsys):
+    """Ctrl-C while the server's programs compile ends ``bardflow serve`` with its line and 130,
+    serving nothing, also when the signal lands in a garbage-collection callback (JAX has one),
+    where Python prints the exception and drops it: the command then stops after the program
+    under way, where it used to serve on and ignore the Ctrl-C."""
+    import gc
+    import signal
+
+    from bardflow.serving.limits import ServeSettings
+    from bardflow.serving.server import serve
+
+    def signal_in_a_collection(phase: str, info: dict) -> None:
+        gc.callbacks.remove(signal_in_a_collection)
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs at the next instruction: in here
+        for _ in range(1000):
+            pass
+
+    told: list[int] = []
+
+    @contextlib.contextmanager
+    def compiling(total: int):
+        def compiled(done: int) -> None:
+            told.append(done)
+            if done == 1:
+                gc.callbacks.append(signal_in_a_collection)
+                gc.collect()
+                assert signal_in_a_collection not in gc.callbacks  # it ran, and its exception was dropped
+
+        yield compiled
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    settings = ServeSettings(port=listener.getsockname()[1], slots=2, queue=4)
+    assert serve(rope_model, MODEL_ID, settings, compiling, listener) == 128 + signal.SIGINT
+    assert told == [1]  # no program after the one under way
+    err = capsys.readouterr().err
+    assert "bardflow: stopped by SIGINT while compiling the server's programs" in err and "serving" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before is back
+
+
 @pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
 def test_a_stop_lets_streams_run_their_grace_then_ends_them_with_abort_and_done(rope_model, second, capsys):
     """What Ctrl-C or SIGTERM does to ``bardflow serve`` (``handle_exit`` is what uvicorn's
