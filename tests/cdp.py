@@ -5,9 +5,12 @@ for what a person would see, read the DOM, take a screenshot. Uses the
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -40,6 +43,8 @@ class Browser:
             [binary, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-port=0", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": self.profile},  # its own temporary files go with the profile
+            start_new_session=True,  # its helper processes with it: stopped together
         )
         port_file = Path(self.profile) / "DevToolsActivePort"
         for _ in range(300):
@@ -87,9 +92,15 @@ class Browser:
         try:
             self.socket.close()
         finally:
-            self.process.terminate()
+            os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)
+            # Its helpers write to the profile until they are gone.
+            deadline = time.monotonic() + 10
+            with contextlib.suppress(ProcessLookupError):
+                while time.monotonic() < deadline:
+                    os.killpg(self.process.pid, 0)
+                    time.sleep(0.05)
             shutil.rmtree(self.profile, ignore_errors=True)

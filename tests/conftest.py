@@ -3,10 +3,13 @@ CPU devices that data-parallel tests need are requested here, before any test
 module uses JAX. Prefect gets a private home so tests never touch ~/.prefect, and the
 end-to-end tests share one Prefect server, started when the first of them needs it.
 Nothing is written inside the repository: what tests keep for people to look at
-(screenshots, timings) goes to $BARDFLOW_TEST_OUTPUT, a temporary folder by default."""
+(screenshots, timings) goes to $BARDFLOW_TEST_OUTPUT, by default one folder in the temporary
+folder that each session writes over; what a session needs only while it runs (Prefect's home, a
+cache folder) is removed when it ends."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -62,12 +65,16 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-_prefect_home = tempfile.mkdtemp(prefix="bardflow-test-prefect-")
+# Each pytest process's own (the controller's, each worker's), gone when it exits.
+_scratch = Path(tempfile.mkdtemp(prefix="bardflow-test-"))
+atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
+for _folder in ("prefect", "cache"):
+    (_scratch / _folder).mkdir()
 for name, value in {
-    "PREFECT_HOME": _prefect_home,
+    "PREFECT_HOME": str(_scratch / "prefect"),
     # What runs keep on this machine (local corpora's checksums, the CPU step's settings) stays
     # out of the user's ~/.cache/bardflow; the compiled programs' cache is the one above.
-    "BARDFLOW_CACHE_DIR": tempfile.mkdtemp(prefix="bardflow-test-cache-"),
+    "BARDFLOW_CACHE_DIR": str(_scratch / "cache"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -256,11 +263,12 @@ def object_server(tmp_path_factory):
 
     def start(home: Path) -> dict:
         server = ObjectServer(home).serve()
-        return {"home": str(home), "port": server.port, "pid": server.process.pid}
+        return {"home": str(home), "port": server.port, "pid": server.process.pid, "grpc_ports": server.grpc_ports}
 
-    with shared(
-        _session_root(tmp_path_factory) / "s3-server", start, lambda record: ObjectServer.kill(record["pid"])
-    ) as record:
+    def stop(record: dict) -> None:
+        ObjectServer.kill(record["pid"], record["grpc_ports"])
+
+    with shared(_session_root(tmp_path_factory) / "s3-server", start, stop) as record:
         yield ObjectServer(Path(record["home"]), record["port"])
 
 

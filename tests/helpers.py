@@ -16,7 +16,8 @@ import numpy as np
 from bench.commands import tiny
 
 REPO = Path(__file__).resolve().parents[1]
-OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or tempfile.mkdtemp(prefix="bardflow-test-output-"))
+# What tests keep for people to look at (screenshots, timings): the latest session's.
+OUTPUT = Path(os.environ.get("BARDFLOW_TEST_OUTPUT") or Path(tempfile.gettempdir()) / "bardflow-test-output")
 # A copy of TinyShakespeare for the tests that need its very bytes (BARDFLOW_TEST_CORPUS, or
 # beside the clone); the others generate their text.
 SHARED_CORPUS = Path(

@@ -183,6 +183,7 @@ class ObjectServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.grpc_ports: list[int] = []
         self.env = {
             "AWS_ENDPOINT_URL": self.url,
             "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
@@ -221,6 +222,7 @@ class ObjectServer:
         }
         command = [
             str(weed),
+            f"-logdir={self.home}",  # its log files, else left in the temporary folder
             "server",
             f"-dir={self.home / 'data'}",
             "-ip=127.0.0.1",
@@ -231,10 +233,14 @@ class ObjectServer:
             f"-s3.config={config}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            f"-filer.localSocket={self.home / 'filer.sock'}",
+            f"-s3.localSocket={self.home / 's3.sock'}",
             # Small volumes, many of them: each bucket takes volumes of its own.
             "-master.volumeSizeLimitMB=64",
             "-volume.max=100",
         ]
+        # Its gRPC servers' sockets are /tmp's whatever the settings: named by port, for ``kill``.
+        self.grpc_ports = [port for flag, port in ports.items() if flag.endswith(".grpc")]
         log = open(self.home / "weed.log", "w")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -270,16 +276,20 @@ class ObjectServer:
     def stop(self) -> None:
         """Its data is a temporary folder: no need to wait for a clean shutdown."""
         if self.process is not None and self.process.poll() is None:
-            self.kill(self.process.pid)
+            self.kill(self.process.pid, self.grpc_ports)
             self.process.wait()
 
     @staticmethod
-    def kill(pid: int) -> None:
-        """Stops the server started as ``pid`` in another process of the session."""
+    def kill(pid: int, grpc_ports: list[int]) -> None:
+        """Stops the server started as ``pid`` in another process of the session, and removes
+        the sockets it leaves in /tmp."""
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for port in grpc_ports:
+            for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                socket_file.unlink(missing_ok=True)
 
 
 class PostgresServer:
@@ -292,6 +302,7 @@ class PostgresServer:
         import tempfile
 
         # Its own folder, which user postgres can reach (pytest's are private to this user).
+        self.made_home = home is None
         self.home = home or Path(tempfile.mkdtemp(prefix="bardflow-test-postgres-"))
         self.home.chmod(0o755)
         self.port = port or free_port()
@@ -335,9 +346,14 @@ class PostgresServer:
         return self
 
     def stop(self) -> None:
+        """Stops the server; removes its cluster (tens of MB) from the folder it made."""
+        import shutil
+
         subprocess.run(
             self._as_owner(str(self.binaries() / "pg_ctl"), "-D", str(self.home / "data"), "-m", "fast", "stop"),
             capture_output=True,
             timeout=60,
             check=False,
         )
+        if self.made_home:
+            shutil.rmtree(self.home, ignore_errors=True)
