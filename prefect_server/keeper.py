@@ -174,10 +174,6 @@ class _AskedToStop(Exception):
     pass
 
 
-def _asked_to_stop(*_) -> None:
-    raise _AskedToStop
-
-
 def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     """Runs the server until it has been idle for ``idle_s`` (or exits, or SIGTERM comes);
     returns why it stopped."""
@@ -192,12 +188,14 @@ def keep(port: int, state: Path, idle_s: float, poll_s: float) -> str:
     }
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    signals.install(_asked_to_stop, (signal.SIGTERM,))
+    asked = signals.Raising(_AskedToStop)
+    signals.install(asked, (signal.SIGTERM,))
     last_active, seen, up = time.monotonic(), None, False
     orphans: dict[str, float] = {}
     try:
         while True:
             time.sleep(poll_s if up else min(poll_s, 0.5))
+            asked.check()  # a SIGTERM whose exception Python dropped (it landed in a __del__)
             if server.poll() is not None:
                 return f"the Prefect server exited with status {server.returncode}"
             end_orphaned_runs(f"{url}/api", orphans)

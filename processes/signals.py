@@ -34,3 +34,22 @@ def handled(handler: Handler, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterat
     finally:
         for signum, before in previous.items():
             signal.signal(signum, before)
+
+
+class Raising:
+    """A handler that raises ``raised(signum)`` where the signal lands, and keeps the signal:
+    Python prints and drops an exception raised inside a garbage-collection callback (JAX
+    has one) or a ``__del__``, so ``check`` raises it again where the caller looks."""
+
+    def __init__(self, raised: Callable[[int], BaseException]):
+        self.raised = raised
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        raise self.raised(signum)
+
+    def check(self) -> None:
+        """Raises for the signal that came, if one has."""
+        if self.signum is not None:
+            raise self.raised(self.signum)

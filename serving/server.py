@@ -208,27 +208,13 @@ class StoppingServer(uvicorn.Server):
 
 
 class _StoppedWhileCompiling(Exception):
+    """SIGINT or SIGTERM while the programs compile: the command stops (after the compiles
+    under way: XLA's cannot be interrupted) with its one line, not a traceback or a death by
+    signal."""
+
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
-
-
-class _CompileStop:
-    """SIGINT and SIGTERM while the programs compile stop the command (after the compiles under
-    way: XLA's cannot be interrupted) with its one line, not a traceback or a death by signal.
-    The signal is also kept: raised where Python drops exceptions (a garbage-collection
-    callback, JAX's among them, or a ``__del__``), it is raised again after the next program."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.signum = signum
-        raise _StoppedWhileCompiling(signum)
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise _StoppedWhileCompiling(self.signum)
 
 
 def _serving_line(model_id: str, url: str, settings: ServeSettings, ready_s: float, later: int) -> str:
@@ -282,7 +268,7 @@ def serve(
     listener = listener or listening_socket(settings.host, settings.port)
     engine = _engine(model, settings, tokenizer)
     started = time.perf_counter()
-    stop = _CompileStop()
+    stop = signals.Raising(_StoppedWhileCompiling)
     try:
         with (
             signals.handled(stop),
