@@ -207,11 +207,7 @@ class StoppingServer(uvicorn.Server):
             self.ending.start()
 
 
-class _StoppedWhileCompiling(Exception):
-    """SIGINT or SIGTERM while the programs compile: the command stops (after the compiles
-    under way: XLA's cannot be interrupted) with its one line, not a traceback or a death by
-    signal."""
-
+class _StoppedBeforeServing(Exception):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
@@ -253,6 +249,38 @@ def _say_when_compiled(engine: Engine, started: float) -> None:
     threading.Thread(target=say, name="bardflow-compiled", daemon=True).start()
 
 
+def _stopping_server(engine: Engine, model: Transformer, model_id: str, settings: ServeSettings, seconds: float):
+    """The server of ``engine``, which prints its first lines once it accepts connections."""
+    url = f"http://{settings.host}:{settings.port}"
+    prompt = len(engine.vocabulary.encode(b"ROMEO:"))  # in the model's tokens
+    example = 100 if model.rotary else max(1, min(100, model.max_seq_len - prompt))  # fits its context
+    said = _serving_line(model_id, url, settings, seconds, engine.programs() - engine.first_programs())
+
+    def listening() -> None:
+        print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
+        # The command whole on one line, to be copied as it is.
+        # With a key, the variable that holds it: the key itself never goes to a log.
+        auth = ' -H "Authorization: Bearer $BARDFLOW_API_KEY"' if settings.api_key else ""
+        print(
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+            f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
+            flush=True,
+        )
+
+    app = create_app(engine, model_id, settings.max_tokens, settings.api_key, settings.hosts())
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=UVICORN_LIMIT_S,
+        access_log=False,
+        http=TimedH11Protocol,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+    return StoppingServer(config, engine, listening)
+
+
 def serve(
     model: Transformer,
     model_id: str,
@@ -268,65 +296,44 @@ def serve(
     listener = listener or listening_socket(settings.host, settings.port)
     engine = _engine(model, settings, tokenizer)
     started = time.perf_counter()
-    stop = signals.Raising(_StoppedWhileCompiling)
+    # SIGINT or SIGTERM before the server takes requests ends the command with one line (after
+    # the compiles under way: XLA's cannot be interrupted), not a traceback or a death by signal.
+    stop = signals.Raising(_StoppedBeforeServing)
+    before = signals.install(stop)
+    where = "while compiling the server's programs"
     try:
-        with (
-            signals.handled(stop),
-            (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
+        try:
+            with (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
                 engine.first_programs()
-            ) as compiled,
-        ):
+            ) as compiled:
 
-            def compiled_unless_stopped(done: int) -> None:
-                compiled(done)
-                stop.check()
+                def compiled_unless_stopped(done: int) -> None:
+                    compiled(done)
+                    stop.check()
 
-            seconds = engine.warm(compiled_unless_stopped)
-            stop.check()
-    except _StoppedWhileCompiling as stopped:
-        name = signal.Signals(stopped.signum).name
-        print(f"bardflow: stopped by {name} while compiling the server's programs", file=sys.stderr, flush=True)
-        return 128 + stopped.signum
-    engine.start()
-    try:
-        url = f"http://{settings.host}:{settings.port}"
-        prompt = len(engine.vocabulary.encode(b"ROMEO:"))  # in the model's tokens
-        example = 100 if model.rotary else max(1, min(100, model.max_seq_len - prompt))  # fits its context
-        said = _serving_line(model_id, url, settings, seconds, later := engine.programs() - engine.first_programs())
-        if later:
+                seconds = engine.warm(compiled_unless_stopped)
+            where = "before the server took requests"
+            server = _stopping_server(engine, model, model_id, settings, seconds)
+            # uvicorn takes SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
+            # them again once it has stopped. Before it takes them they stop the server all the
+            # same; once it has stopped they are ignored, and the command ends with its line.
+            signals.install(lambda signum, frame: None if server.should_exit else server.handle_exit(signum, frame))
+            stop.check()  # one whose exception Python dropped
+        except _StoppedBeforeServing as stopped:
+            print(f"bardflow: stopped by {signal.Signals(stopped.signum).name} {where}", file=sys.stderr, flush=True)
+            return 128 + stopped.signum
+        if engine.programs() > engine.first_programs():
             _say_when_compiled(engine, started)
-
-        def listening() -> None:
-            print(fit(said + "Ctrl-C stops it)", sys.stdout), flush=True)
-            # The command whole on one line, to be copied as it is.
-            # With a key, the variable that holds it: the key itself never goes to a log.
-            auth = ' -H "Authorization: Bearer $BARDFLOW_API_KEY"' if settings.api_key else ""
-            print(
-                f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
-                f'-d \'{{"model": "{model_id}", "prompt": "ROMEO:", "max_tokens": {example}}}\'',
-                flush=True,
-            )
-
-        app = create_app(engine, model_id, settings.max_tokens, settings.api_key, settings.hosts())
-        config = uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            timeout_graceful_shutdown=UVICORN_LIMIT_S,
-            access_log=False,
-            http=TimedH11Protocol,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
-        # uvicorn handles SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
-        # them again once it has stopped: ignored by then, they end the command with its closing
-        # line instead of a KeyboardInterrupt's traceback or a death by signal.
-        server = StoppingServer(config, engine, listening)
-        # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
-        with signals.handled(lambda signum, frame: None), signals.handled(server.handle_exit, (signal.SIGHUP,)):
-            server.run(sockets=[listener])
+        engine.start()
+        try:
+            # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
+            with signals.handled(server.handle_exit, (signal.SIGHUP,)):
+                server.run(sockets=[listener])
+        finally:
+            engine.stop()
     finally:
-        engine.stop()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
         listener.close()
     print("bardflow: the server stopped", file=sys.stderr, flush=True)
     return 0

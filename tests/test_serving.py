@@ -914,9 +914,43 @@ def test_ctrl_c_while_compiling_stops_serve_even_where_python_drops_the_signal_s
     before = signal.getsignal(signal.SIGINT)
     assert serve(rope_model, MODEL_ID, settings, compiling, listener) == 128 + signal.SIGINT
     assert told == [1]  # no program after the one under way
-    err = capsys.readouterr().err
-    assert "bardflow: stopped by SIGINT while compiling the server's programs" in err and "serving" not in err
+    said = capsys.readouterr()
+    assert "bardflow: stopped by SIGINT while compiling the server's programs" in said.err
+    assert "serving" not in said.out
     assert signal.getsignal(signal.SIGINT) is before  # the handler before is back
+
+
+def test_a_stop_just_before_uvicorn_takes_the_signals_stops_the_server(rope_model, capsys, monkeypatch):
+    """SIGTERM after the programs compiled and before uvicorn has put in its own handlers (the
+    moment its event loop starts) stops the server as one during serving does: the command ends
+    with its closing line, where the signal used to be ignored and the server served on."""
+    import signal
+
+    from bardflow.serving import server as serving_server
+    from bardflow.serving.limits import ServeSettings
+
+    uvicorn_run = serving_server.StoppingServer.run
+
+    def signalled_then_run(self, sockets=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return uvicorn_run(self, sockets)
+
+    monkeypatch.setattr(serving_server.StoppingServer, "run", signalled_then_run)
+    # Were it ignored, this would stop the server, later than the assertion below allows.
+    watchdog = threading.Timer(30, os.kill, (os.getpid(), signal.SIGINT))
+    watchdog.start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    settings = ServeSettings(port=listener.getsockname()[1], slots=2, queue=4)
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    try:
+        assert serving_server.serve(rope_model, MODEL_ID, settings, listener=listener) == 0
+    finally:
+        watchdog.cancel()
+    assert time.monotonic() - started < 30
+    assert capsys.readouterr().err.rstrip().endswith("bardflow: the server stopped")
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("second", [False, True], ids=["one stop", "a second stop"])
