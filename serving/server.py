@@ -320,6 +320,7 @@ def serve(
             signals.install(lambda signum, frame: None if server.should_exit else server.handle_exit(signum, frame))
             stop.check()  # one whose exception Python dropped
         except _StoppedBeforeServing as stopped:
+            signals.ignore()  # a second one while it ends: it is ending
             print(f"bardflow: stopped by {signal.Signals(stopped.signum).name} {where}", file=sys.stderr, flush=True)
             return 128 + stopped.signum
         if engine.programs() > engine.first_programs():
