@@ -477,8 +477,9 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         server, summary = _run(args)  # every stage up to the trained state: cached, or built now
         root, args.key = summary.store, summary.stages["checkpoint"].key
-        if server.embedded is not None:
-            server.embedded.stop()  # the run's own Prefect server has done its work: serving needs none
+        if server.embedded is not None:  # the run's own Prefect server has done its work: serving needs none
+            settle_reports()  # what Prefect still holds for it, sent before it goes, not failing at exit
+            server.embedded.stop()
     model, tokenizer, model_id = served_model(root, args.key)
     return serve(model, model_id, settings, compiling, listener, tokenizer)
 

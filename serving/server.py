@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import signal
 import socket
 import sys
@@ -249,6 +250,24 @@ def _say_when_compiled(engine: Engine, started: float) -> None:
     threading.Thread(target=say, name="bardflow-compiled", daemon=True).start()
 
 
+class _ToStderr(logging.Handler):
+    """A record as one line on the standard error of the moment (the command's; a test's capture)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"bardflow: {self.format(record)}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's own rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
+
+
+def _uvicorn_logging() -> None:
+    """uvicorn's warnings printed by ``_ToStderr``: its own logging set-up (``dictConfig``) would
+    shut down every handler of the process first, Prefect's and a test's capture among them."""
+    uvicorn_logger = logging.getLogger("uvicorn")
+    if not any(isinstance(handler, _ToStderr) for handler in uvicorn_logger.handlers):
+        uvicorn_logger.addHandler(_ToStderr())
+
+
 def _stopping_server(engine: Engine, model: Transformer, model_id: str, settings: ServeSettings, seconds: float):
     """The server of ``engine``, which prints its first lines once it accepts connections."""
     url = f"http://{settings.host}:{settings.port}"
@@ -268,10 +287,12 @@ def _stopping_server(engine: Engine, model: Transformer, model_id: str, settings
         )
 
     app = create_app(engine, model_id, settings.max_tokens, settings.api_key, settings.hosts())
+    _uvicorn_logging()
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        log_config=None,
         log_level="warning",
         timeout_graceful_shutdown=UVICORN_LIMIT_S,
         access_log=False,

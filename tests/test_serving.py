@@ -368,7 +368,7 @@ def listening(app):
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    running = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    running = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -637,7 +637,7 @@ def timed_server(app, protocol, **config):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     running = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", http=protocol, timeout_graceful_shutdown=1, **config)
+        uvicorn.Config(app, log_config=None, log_level="warning", http=protocol, timeout_graceful_shutdown=1, **config)
     )
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -870,7 +870,9 @@ def stopping_server(rope_model, grace_s: float, **config):
     listener.bind(("127.0.0.1", 0))
     app = create_app(engine, MODEL_ID, max_tokens=10**6)
     listening = threading.Event()
-    running = StoppingServer(uvicorn.Config(app, log_level="warning", **config), engine, listening.set, grace_s=grace_s)
+    running = StoppingServer(
+        uvicorn.Config(app, log_config=None, log_level="warning", **config), engine, listening.set, grace_s=grace_s
+    )
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     assert listening.wait(timeout=30)
