@@ -320,42 +320,42 @@ def serve(
     # SIGINT or SIGTERM before the server takes requests ends the command with one line (after
     # the compiles under way: XLA's cannot be interrupted), not a traceback or a death by signal.
     stop = signals.Raising(_StoppedBeforeServing)
-    before = signals.install(stop)
     where = "while compiling the server's programs"
     try:
-        try:
-            with (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
-                engine.first_programs()
-            ) as compiled:
+        with signals.handled(stop):  # the handlers before it come back however serve ends
+            try:
+                with (compiling or (lambda total: contextlib.nullcontext(lambda done: None)))(
+                    engine.first_programs()
+                ) as compiled:
 
-                def compiled_unless_stopped(done: int) -> None:
-                    compiled(done)
-                    stop.check()
+                    def compiled_unless_stopped(done: int) -> None:
+                        compiled(done)
+                        stop.check()
 
-                seconds = engine.warm(compiled_unless_stopped)
-            where = "before the server took requests"
-            server = _stopping_server(engine, model, model_id, settings, seconds)
-            # uvicorn takes SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
-            # them again once it has stopped. Before it takes them they stop the server all the
-            # same; once it has stopped they are ignored, and the command ends with its line.
-            signals.install(lambda signum, frame: None if server.should_exit else server.handle_exit(signum, frame))
-            stop.check()  # one whose exception Python dropped
-        except _StoppedBeforeServing as stopped:
-            signals.ignore()  # a second one while it ends: it is ending
-            print(f"bardflow: stopped by {signal.Signals(stopped.signum).name} {where}", file=sys.stderr, flush=True)
-            return 128 + stopped.signum
-        if engine.programs() > engine.first_programs():
-            _say_when_compiled(engine, started)
-        engine.start()
-        try:
-            # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
-            with signals.handled(server.handle_exit, (signal.SIGHUP,)):
-                server.run(sockets=[listener])
-        finally:
-            engine.stop()
+                    seconds = engine.warm(compiled_unless_stopped)
+                where = "before the server took requests"
+                server = _stopping_server(engine, model, model_id, settings, seconds)
+                # uvicorn takes SIGINT and SIGTERM while it runs (its graceful shutdown) and raises
+                # them again once it has stopped. Before it takes them they stop the server all the
+                # same; once it has stopped they are ignored, and the command ends with its line.
+                signals.install(lambda signum, frame: None if server.should_exit else server.handle_exit(signum, frame))
+                stop.check()  # one whose exception Python dropped
+            except _StoppedBeforeServing as stopped:
+                signals.ignore()  # a second one while it ends: it is ending
+                print(
+                    f"bardflow: stopped by {signal.Signals(stopped.signum).name} {where}", file=sys.stderr, flush=True
+                )
+                return 128 + stopped.signum
+            if engine.programs() > engine.first_programs():
+                _say_when_compiled(engine, started)
+            engine.start()
+            try:
+                # A closed terminal (SIGHUP) stops it as SIGTERM does, where it killed it mid-stream.
+                with signals.handled(server.handle_exit, (signal.SIGHUP,)):
+                    server.run(sockets=[listener])
+            finally:
+                engine.stop()
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
         listener.close()
     print("bardflow: the server stopped", file=sys.stderr, flush=True)
     return 0
